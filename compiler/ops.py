@@ -1,0 +1,231 @@
+"""The op set of llmc IR and its verifier.
+
+Every op has an `OpDef`: how many inputs it takes, which attributes it requires, and a type
+rule that computes its result types from its input types (raising `IRError` with the broken
+rule). `verify(graph)` is that rule set applied to every node, plus graph-level checks: names
+unique, values defined before use, results as declared.
+
+Token tensors are flattened: hidden states are `[T, hidden]`, attention heads are packed as
+`[T, heads * head_dim]`; the KV cache is `[layers, 2, NB, BS, kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .ir import Graph, IRError, Node, TensorType
+
+TypeRule = Callable[[list[TensorType], dict], tuple[TensorType, ...]]
+FLOAT_DTYPES = ("f32", "f16", "bf16")
+INDEX_DTYPES = ("i64", "i32")
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Signature of one op: input count range, required attributes, type rule, purity."""
+
+    name: str
+    min_inputs: int
+    max_inputs: int
+    attrs: tuple[str, ...]
+    infer: TypeRule
+    doc: str
+    side_effects: bool = False
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise IRError(message)
+
+
+def _float(t: TensorType, what: str) -> None:
+    _expect(t.dtype in FLOAT_DTYPES, f"{what} must be a float tensor, got {t}")
+
+
+def _index(t: TensorType, what: str, rank: int = 1) -> None:
+    _expect(t.dtype in INDEX_DTYPES and len(t.shape) == rank,
+            f"{what} must be an integer tensor of rank {rank}, got {t}")
+
+
+def _same(a: TensorType, b: TensorType, what: str) -> None:
+    _expect(a == b, f"{what}: operand types differ, {a} vs {b}")
+
+
+def _embedding(ts, attrs):
+    w, ids = ts
+    _expect(len(w.shape) == 2, f"embedding table must be 2-D, got {w}")
+    _index(ids, "embedding ids")
+    return (TensorType(w.dtype, (ids.shape[0], w.shape[1])),)
+
+
+def _rmsnorm(ts, attrs):
+    x, w = ts
+    _float(x, "rmsnorm input")
+    _expect(w.shape == (x.shape[-1],), f"rmsnorm weight {w} does not match hidden size of {x}")
+    return (x,)
+
+
+def _linear(ts, attrs):
+    x, w = ts[0], ts[1]
+    _float(x, "linear input")
+    _expect(len(x.shape) == 2 and len(w.shape) == 2, f"linear takes [T,K] x [N,K], got {x} x {w}")
+    _expect(x.shape[1] == w.shape[1], f"linear reduction dims differ: {x} x {w}")
+    if len(ts) == 3:
+        _expect(ts[2].shape == (w.shape[0],), f"linear bias {ts[2]} does not match weight {w}")
+    return (TensorType(x.dtype, (x.shape[0], w.shape[0])),)
+
+
+def _binary(ts, attrs):
+    _same(ts[0], ts[1], "elementwise op")
+    _float(ts[0], "elementwise operand")
+    return (ts[0],)
+
+
+def _unary_float(ts, attrs):
+    _float(ts[0], "operand")
+    return (ts[0],)
+
+
+def _heads_width(t: TensorType, heads: int, head_dim: int, what: str) -> None:
+    _expect(len(t.shape) == 2 and t.shape[1] == heads * head_dim,
+            f"{what} must be [T, {heads}*{head_dim}], got {t}")
+
+
+def _rope(ts, attrs):
+    x, pos = ts
+    _float(x, "rope input")
+    _index(pos, "rope positions")
+    _expect(isinstance(x.shape[1], int) and x.shape[1] % attrs["head_dim"] == 0,
+            f"rope input width {x.shape[1]} is not a multiple of head_dim={attrs['head_dim']}")
+    _expect(x.shape[0] == pos.shape[0], f"rope positions {pos} do not match tokens of {x}")
+    return (x,)
+
+
+def _check_heads(q, k, v, attrs):
+    _heads_width(q, attrs["num_heads"], attrs["head_dim"], "attention query")
+    _heads_width(k, attrs["num_kv_heads"], attrs["head_dim"], "attention key")
+    _same(k, v, "attention key/value")
+    _expect(attrs["num_heads"] % attrs["num_kv_heads"] == 0, "num_heads must be a multiple of num_kv_heads")
+
+
+def _attention(ts, attrs):
+    q, k, v, qsl = ts
+    _check_heads(q, k, v, attrs)
+    _index(qsl, "query_start_loc")
+    return (q,)
+
+
+def _check_cache(cache: TensorType, attrs) -> None:
+    _expect(len(cache.shape) == 6 and cache.shape[1] == 2, f"kv cache must be [L,2,NB,BS,KVH,D], got {cache}")
+    _expect(cache.shape[4] == attrs["num_kv_heads"] and cache.shape[5] == attrs["head_dim"],
+            f"kv cache {cache} does not match num_kv_heads={attrs['num_kv_heads']}, head_dim={attrs['head_dim']}")
+    layers = cache.shape[0]
+    _expect(not isinstance(layers, int) or 0 <= attrs["layer"] < layers,
+            f"layer {attrs['layer']} is outside a kv cache of {layers} layers")
+
+
+def _kv_write(ts, attrs):
+    cache, k, v, slots = ts
+    _check_cache(cache, attrs)
+    _heads_width(k, attrs["num_kv_heads"], attrs["head_dim"], "kv_write key")
+    _same(k, v, "kv_write key/value")
+    _index(slots, "slot_mapping")
+    return (cache,)
+
+
+def _paged_attention(ts, attrs):
+    q, cache, tables, seq_lens = ts[:4]
+    _check_cache(cache, attrs)
+    _heads_width(q, attrs["num_heads"], attrs["head_dim"], "paged attention query")
+    _index(tables, "block_tables", rank=2)
+    _index(seq_lens, "seq_lens")
+    if len(ts) == 5:
+        _index(ts[4], "query_start_loc")
+    return (q,)
+
+
+def _index_select(ts, attrs):
+    x, idx = ts
+    _index(idx, "index_select indices")
+    return (x.with_shape(idx.shape[0], *x.shape[1:]),)
+
+
+def _cast(ts, attrs):
+    return (TensorType(attrs["dtype"], ts[0].shape),)
+
+
+def _declared(ts, attrs):  # input / weight: the node's own declaration is its type
+    return ()
+
+
+ATTN_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale")
+
+OPS: dict[str, OpDef] = {op.name: op for op in [
+    OpDef("input", 0, 0, (), _declared, "a graph input, fed at every call"),
+    OpDef("weight", 0, 0, (), _declared, "a model parameter, stored in weights.safetensors"),
+    OpDef("embedding", 2, 2, (), _embedding, "rows of the table w[V,D] at ids[T]"),
+    OpDef("rmsnorm", 2, 2, ("eps",), _rmsnorm, "x / sqrt(mean(x^2) + eps) * w, in fp32"),
+    OpDef("linear", 2, 3, (), _linear, "x @ w.T (+ b)"),
+    OpDef("add", 2, 2, (), _binary, "a + b"),
+    OpDef("mul", 2, 2, (), _binary, "a * b"),
+    OpDef("silu", 1, 1, (), _unary_float, "x * sigmoid(x)"),
+    OpDef("cast", 1, 1, ("dtype",), _cast, "convert element type"),
+    OpDef("rope", 2, 2, ("head_dim", "theta", "scaling"), _rope,
+          "rotary embedding (rotate-half layout) of every head of x at positions"),
+    OpDef("attention", 4, 4, ATTN_ATTRS, _attention,
+          "causal attention within each sequence of packed tokens, no cache"),
+    OpDef("index_select", 2, 2, (), _index_select, "rows of x at indices"),
+    OpDef("kv_write", 4, 4, ("layer", "num_kv_heads", "head_dim"), _kv_write,
+          "store k, v of each token at its slot of the paged cache; returns the cache", side_effects=True),
+    OpDef("paged_attention", 5, 5, ("layer",) + ATTN_ATTRS, _paged_attention,
+          "causal attention of packed query chunks over the paged cache (prefill and mixed steps)"),
+    OpDef("paged_decode_attention", 4, 4, ("layer",) + ATTN_ATTRS, _paged_attention,
+          "attention of one query token per sequence over the paged cache"),
+]}
+
+
+def infer_types(op: str, input_types: list[TensorType], attrs: dict) -> tuple[TensorType, ...]:
+    """Result types of `op` applied to inputs of these types (IRError if the rule fails)."""
+    opdef = OPS.get(op)
+    if opdef is None:
+        raise IRError(f"unknown op {op!r}")
+    if not opdef.min_inputs <= len(input_types) <= opdef.max_inputs:
+        raise IRError(f"{op} takes {opdef.min_inputs}..{opdef.max_inputs} inputs, got {len(input_types)}")
+    missing = [a for a in opdef.attrs if a not in attrs]
+    if missing:
+        raise IRError(f"{op} is missing attribute(s) {missing}")
+    return opdef.infer(input_types, attrs)
+
+
+def _verify_node(node: Node, types: dict) -> None:
+    for v in node.inputs:
+        if (v.node, v.index) not in types:
+            raise IRError(f"uses {v}, which is not defined before it")
+    if node.op in ("input", "weight"):
+        if node.inputs or len(node.types) != 1:
+            raise IRError(f"{node.op} nodes take no inputs and have one type")
+        return
+    expected = infer_types(node.op, [types[(v.node, v.index)] for v in node.inputs], node.attrs)
+    if tuple(expected) != tuple(node.types):
+        raise IRError(f"declared type {', '.join(map(str, node.types))} but the {node.op} rule gives "
+                      f"{', '.join(map(str, expected))}")
+
+
+def verify(graph: Graph) -> None:
+    """Check every node against its op's rule; raise IRError naming the node and the rule."""
+    from .ir import format_node
+
+    types: dict[tuple[str, int], TensorType] = {}
+    for node in graph.nodes:
+        if any((node.name, i) in types for i in range(len(node.types))):
+            raise IRError(f"node name %{node.name} is defined twice")
+        try:
+            _verify_node(node, types)
+        except IRError as exc:
+            raise IRError(f"{exc} (in graph {graph.name}: {format_node(node)})") from None
+        for i, t in enumerate(node.types):
+            types[(node.name, i)] = t
+    for v in graph.outputs:
+        if (v.node, v.index) not in types:
+            raise IRError(f"graph {graph.name} returns {v}, which is not defined")

@@ -1,0 +1,212 @@
+"""Load a GGUF file (llama.cpp's format) into a `LoadedModel`: config, fp32 weights, tokenizer.
+
+Every tensor is dequantized to float32 with `gguf.quants.dequantize`, so any quantization type that
+gguf-py can read loads; llmc re-quantizes later with its own schemes. GGUF stores shapes in ggml
+order (fastest dimension first); the reader's arrays are already in numpy order.
+
+llama.cpp's converter permutes the rows of Q and K (weight and bias) for the 'llama' architecture,
+from Hugging Face's rotate-half layout to interleaved pairs. We undo it so the weights match the
+Hugging Face layout that llmc's rotary embedding expects. 'qwen2' files are not permuted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from .config import LoadedModel, ModelConfig, ModelError, check_weights
+from .gguf_tokenizer import gguf_value, tokenizer_from_gguf
+from .provenance import file_sha256
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+PERMUTED_QK = {"llama"}  # architectures whose Q/K rows the converter interleaved
+
+GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "attn_norm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+    "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj", "ffn_down": "down_proj",
+}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def load_gguf(path: str | Path) -> LoadedModel:
+    """Read a GGUF file: architecture and config from metadata, weights dequantized to fp32."""
+    path = Path(path)
+    reader = _open_reader(path)
+    arch = _architecture(reader)
+    names = {t.name for t in reader.tensors}
+    config = _read_config(reader, arch, names)
+    weights = _read_weights(reader)
+    check_weights(config, weights, path.name)
+    if arch in PERMUTED_QK:
+        _unpermute_attention(weights, config)
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_from_gguf(reader),
+        source_files={path.name: file_sha256(path)},
+        source_format="gguf",
+    )
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    """Open `path` with gguf-py after checking that it exists and starts with the GGUF magic."""
+    if not path.is_file():
+        raise ModelError(f"GGUF file {str(path)!r} does not exist; check the path")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelError(
+            f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); "
+            "pass a .gguf file or a Hugging Face model folder"
+        )
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError) as e:
+        raise ModelError(f"GGUF file {str(path)!r} is truncated or corrupt ({e}); download it again") from e
+
+
+def _architecture(reader: GGUFReader) -> str:
+    """The GGUF architecture name, checked against what llmc supports."""
+    arch = gguf_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"GGUF architecture {arch!r} is not supported; llmc loads GGUF files of "
+            f"architecture {', '.join(repr(a) for a in ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _read_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> ModelConfig:
+    """Build the `ModelConfig` from `{arch}.*` and `tokenizer.ggml.*` metadata."""
+    def need(key: str) -> Any:
+        value = gguf_value(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = gguf_value(reader, f"{arch}.attention.key_length") \
+        or gguf_value(reader, f"{arch}.rope.dimension_count") or hidden // heads
+    vocab = gguf_value(reader, f"{arch}.vocab_size") or len(gguf_value(reader, "tokenizer.ggml.tokens", []))
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(gguf_value(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(gguf_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch, tensor_names),
+        max_position_embeddings=int(gguf_value(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
+    """`{arch}.rope.scaling.*` in Hugging Face form ({"rope_type", "factor", ...}), or None."""
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        if ROPE_FREQS in tensor_names:
+            raise ModelError(
+                "GGUF file scales RoPE through a rope_freqs tensor (Llama-3.1 style) without "
+                "rope scaling metadata, which llmc cannot read; load the Hugging Face folder instead"
+            )
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind}
+    factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if factor is not None:
+        scaling["factor"] = _f32(factor)
+    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _read_weights(reader: GGUFReader) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to fp32 under its canonical name (Q/K still as the file has them)."""
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = _canonical_name(tensor.name)
+        if name is not None:
+            weights[name] = torch.from_numpy(_dequantize(tensor))
+    return weights
+
+
+def _unpermute_attention(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Undo the converter's Q/K row permutation in place (weights and biases, every layer)."""
+    for name, w in weights.items():
+        if re.fullmatch(r"layers\.\d+\.q_proj\.(weight|bias)", name):
+            weights[name] = torch.from_numpy(unpermute_qk(w.numpy(), config.num_heads))
+        elif re.fullmatch(r"layers\.\d+\.k_proj\.(weight|bias)", name):
+            weights[name] = torch.from_numpy(unpermute_qk(w.numpy(), config.num_kv_heads))
+
+
+def _canonical_name(gguf_name: str) -> str | None:
+    """llmc's name for GGUF tensor `gguf_name`; None for tensors llmc ignores (rope_freqs)."""
+    if gguf_name == ROPE_FREQS:
+        return None  # the scaling it encodes is read from metadata (checked in _rope_scaling)
+    if m := LAYER_TENSOR.fullmatch(gguf_name):
+        layer, part, suffix = m.groups()
+        if part in LAYER_NAMES:
+            return f"layers.{layer}.{LAYER_NAMES[part]}.{suffix}"
+    elif m := GLOBAL_TENSOR.fullmatch(gguf_name):
+        part, suffix = m.groups()
+        if part in GLOBAL_NAMES:
+            return f"{GLOBAL_NAMES[part]}.{suffix}"
+    raise ModelError(
+        f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen2 decoder llmc knows; "
+        "the file holds a variant llmc does not support"
+    )
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """A `ReaderTensor` as a writable float32 array in numpy (row-major) order."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        values = dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ModelError(
+            f"GGUF tensor {tensor.name!r} has type {qtype.name}, which gguf-py cannot dequantize; "
+            "re-quantize the model to a supported type such as Q8_0, Q4_K or F16"
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml order -> numpy order
+    if values.dtype != np.float32 or not values.flags.writeable:  # F32 is a view of the read-only map
+        values = np.array(values, dtype=np.float32)
+    return values.reshape(shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (interleaved pairs -> HF rotate-half halves).
+
+    The converter did `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`;
+    this reshapes to `[n_head, rows // n_head // 2, 2, *rest]` and swaps back.
+    """
+    rows, rest = w.shape[0], w.shape[1:]
+    half = rows // n_head // 2
+    if half * 2 * n_head != rows:
+        raise ValueError(f"{rows} rows do not split into {n_head} heads of even size")
+    pairs = w.reshape(n_head, half, 2, *rest)  # [H, D/2, 2, ...]: the file's interleaved rows
+    return pairs.swapaxes(1, 2).reshape(w.shape)  # [H, 2, D/2, ...]: first halves, then second

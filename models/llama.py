@@ -1,0 +1,104 @@
+"""Trace-friendly definition of the Llama family (Llama, Mistral, Qwen2).
+
+The forward pass works on flattened tokens: `input_ids [T]`, `positions [T]` and
+`query_start_loc [S+1]` (where each packed sequence starts). Three functions are leaves for
+torch.fx (`rmsnorm`, `rope`, `causal_attention`): the frontend sees each as one call and turns it
+into one IR op; eagerly they run the torch references in `kernels/`. Parameter paths are
+llmc's canonical weight names (see models/config.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from llmc.kernels.attention import attention_ref
+from llmc.kernels.rmsnorm import rmsnorm_ref
+from llmc.kernels.rope import rope_ref
+
+from .config import ModelConfig
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rmsnorm_ref(x, weight, eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float, scaling) -> torch.Tensor:
+    return rope_ref(x, positions, head_dim, theta, scaling)
+
+
+def causal_attention(q, k, v, query_start_loc, num_heads: int, num_kv_heads: int, head_dim: int,
+                     scale: float) -> torch.Tensor:
+    return attention_ref(q, k, v, query_start_loc, head_dim, scale)
+
+
+torch.fx.wrap("rmsnorm")
+torch.fx.wrap("rope")
+torch.fx.wrap("causal_attention")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block and SwiGLU MLP block, each with a residual add."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        x = self.attn_norm(h)                                                     # [T, hidden]
+        q = rope(self.q_proj(x), positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [T, H*D]
+        k = rope(self.k_proj(x), positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [T, KVH*D]
+        v = self.v_proj(x)                                                        # [T, KVH*D]
+        attn = causal_attention(q, k, v, query_start_loc, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.head_dim, cfg.head_dim ** -0.5)               # [T, H*D]
+        h = h + self.o_proj(attn)
+        x = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)                                          # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, positions, query_start_loc)
+        h = self.norm(h)
+        if logits_indices is not None:
+            h = torch.index_select(h, 0, logits_indices)                          # [S, hidden]
+        if self.cfg.tie_word_embeddings:
+            return F.linear(h, self.embed_tokens.weight)                          # [S, vocab]
+        return self.lm_head(h)

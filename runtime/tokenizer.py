@@ -1,0 +1,82 @@
+"""Tokenizer, chat template and incremental detokenizer for an artifact.
+
+The chat template is a Hugging Face Jinja template, rendered the way transformers renders it
+(sandboxed, trim_blocks + lstrip_blocks, `raise_exception` available, `add_generation_prompt`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from llmc.models.config import TokenizerFiles
+
+from .sampler import RequestError
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, files: TokenizerFiles):
+        self.files = files
+        self._tok = HFTokenizer.from_str(files.tokenizer_json)
+        self._template = None
+        if files.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(files.chat_template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages to the prompt text the model was trained on."""
+        if self._template is None:
+            raise RequestError("this model has no chat template; send a plain prompt (--no-chat)")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.files.bos_token or "",
+                                         eos_token=self.files.eos_token or "")
+        except TemplateError as exc:
+            raise RequestError(f"the chat template rejected these messages: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered chat; the template already holds any BOS text."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a character.
+
+    Text is decoded from a window that starts a few tokens before the unseen ones (enough
+    context for byte-level merges and leading-space rules); a delta that ends in U+FFFD (an
+    incomplete multi-byte character) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, context: int = 5):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list((prompt_ids or [])[-context:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny compiled artifacts of each family, cached per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_models, tolerances
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import FAMILIES, build_hf_model, write_hf_folder  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """family name -> (transformers model, HF folder, compiled artifact path); built once each."""
+    from llmc.compiler.driver import compile_model
+
+    cache: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(family)
+            model = build_hf_model(family)
+            folder = write_hf_folder(model, root / "hf")
+            cache[family] = (model, folder, compile_model(folder, root / "artifact"))
+        return cache[family]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu` tests where no CUDA device exists."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+ALL_FAMILIES = list(FAMILIES)

@@ -1,0 +1,85 @@
+"""Compiled artifacts of tiny random models compute what transformers computes (fp32)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmc.runtime.artifact import load_artifact
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.model_runner import ModelRunner, build_step_inputs
+from llmc.runtime.sampler import SamplingParams
+from llmc.runtime.sequence import Sequence
+from tiny_models import FAMILIES
+from tolerances import tolerance
+
+PROMPT_LENS = (7, 1, 13)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def make_prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def new_runner(artifact_path, num_blocks=32, block_size=4):
+    art = load_artifact(artifact_path)
+    return ModelRunner(art, num_blocks, block_size), BlockManager(num_blocks, block_size)
+
+
+def run_all_positions(runner, blocks, chunks):
+    """Prefill logits at every computed position (not only the last of each chunk)."""
+    step = build_step_inputs(chunks, blocks)
+    step = dataclasses.replace(step, logits_indices=torch.arange(step.input_ids.numel()))
+    return runner.run("prefill", step)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_and_decode_match_transformers(tiny_family, family):
+    model, _, artifact = tiny_family(family)
+    runner, blocks = new_runner(artifact)
+    tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=16)) for i, p in enumerate(make_prompts(1))]
+    for s in seqs:
+        blocks.allocate(s.seq_id, s.num_tokens + 16)
+    got = run_all_positions(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
+    want = torch.cat([hf_logits(model, s.prompt_ids) for s in seqs])
+    torch.testing.assert_close(got, want, **tol)
+    for s in seqs:
+        s.num_computed = s.num_tokens
+    g = torch.Generator().manual_seed(2)
+    for _ in range(16):  # teacher-forced decode: feed random tokens, compare next-token logits
+        for s in seqs:
+            s.output_ids.append(int(torch.randint(3, 300, (), generator=g)))
+        step = build_step_inputs([(s, s.num_computed, s.num_tokens) for s in seqs], blocks)
+        got = runner.run("decode", step)
+        want = torch.stack([hf_logits(model, s.all_ids)[-1] for s in seqs])
+        torch.testing.assert_close(got, want, **tol)
+        for s in seqs:
+            s.num_computed = s.num_tokens
+
+
+def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family):
+    """A prompt computed in three chunks, mixed with another sequence's decode token."""
+    model, _, artifact = tiny_family("llama_gqa")
+    runner, blocks = new_runner(artifact)
+    tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
+    long = Sequence(0, make_prompts(3)[2] * 2, SamplingParams(max_tokens=1))    # 26 tokens
+    short = Sequence(1, make_prompts(4)[0], SamplingParams(max_tokens=8))
+    for s in (long, short):
+        blocks.allocate(s.seq_id, s.num_tokens + 8)
+    run_all_positions(runner, blocks, [(short, 0, short.num_tokens)])
+    short.output_ids.append(5)
+    pieces = []
+    for start, end in ((0, 10), (10, 11), (11, 26)):
+        logits = run_all_positions(runner, blocks, [(long, start, end), (short, short.num_tokens - 1, short.num_tokens)])
+        pieces.append(logits[: end - start])
+        torch.testing.assert_close(logits[-1], hf_logits(model, short.all_ids)[-1], **tol)
+        short.output_ids.append(7)
+    torch.testing.assert_close(torch.cat(pieces), hf_logits(model, long.prompt_ids), **tol)

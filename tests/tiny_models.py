@@ -1,0 +1,75 @@
+"""Tiny random-weight Hugging Face models of each supported family, built in-process.
+
+Each is written as a real Hugging Face folder (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a ChatML template), the same input `llmc compile` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import AddedToken
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# name -> (transformers config class name, model class name, config overrides)
+FAMILIES = {
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=3)),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(num_attention_heads=6, num_key_value_heads=3,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level BPE tokenizer with no merges: 3 specials then the 256 byte symbols."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok
+
+
+def build_hf_model(family: str, seed: int = 0):
+    """A random-weight transformers model of `family`: hidden 72, 2 layers, vocab 300."""
+    import transformers
+
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=300, hidden_size=72, intermediate_size=120, num_hidden_layers=2,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # norms start at 1.0; make them random so a wrong norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def write_hf_folder(model, folder: Path) -> Path:
+    """Save `model` plus a byte tokenizer and ChatML template as a Hugging Face folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+         "add_bos_token": False}))
+    return folder

@@ -1,0 +1,114 @@
+"""The `llmc` command line: compile, generate, inspect.
+
+Generated text goes to stdout and statistics to stderr, so `llmc generate ... | cmd` pipes only
+the answer. A user error (bad model, bad artifact, bad request) prints one sentence and exits 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+
+from llmc.compiler.ir import IRError
+from llmc.models.config import ModelError
+from llmc.passes.pipeline import PassError
+from llmc.runtime.artifact import ArtifactError
+from llmc.runtime.sampler import RequestError
+
+from .inspect import artifact_summary
+
+USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError)
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="llmc: compile a Llama-family model into an artifact, then run it.")
+
+
+def user_errors(command: Callable) -> Callable:
+    """Turn llmc's user-facing errors into one line on stderr and exit code 1."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as exc:
+            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+@app.command("compile")
+@user_errors
+def compile_cmd(
+    model: Optional[str] = typer.Argument(None, help="HF folder or .gguf file; omit for the embedded SmolLM2-135M-Instruct"),
+    out: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
+    dtype: str = typer.Option("float32", help="compute dtype: float32, bfloat16 or float16"),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="skip a pass by name (repeatable)"),
+) -> None:
+    """Compile MODEL into an artifact directory."""
+    from llmc.compiler.driver import CompileConfig, compile_model
+
+    config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass))
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    with console.status("compiling") as status:
+        path = compile_model(model, out, config, progress=lambda stage: status.update(stage))
+    console.print(f"wrote {path} in {time.perf_counter() - start:.1f} s", highlight=False)
+
+
+@app.command()
+@user_errors
+def generate(
+    artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
+    prompt: str = typer.Argument(..., help="the user message (or raw prompt with --no-chat)"),
+    max_tokens: int = typer.Option(128, help="most tokens to generate"),
+    temperature: float = typer.Option(0.0, help="0 is greedy; higher samples more freely"),
+    seed: Optional[int] = typer.Option(None, help="seed for sampling, for reproducible output"),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the model's chat template"),
+    system: Optional[str] = typer.Option(None, help="system message (chat mode)"),
+) -> None:
+    """Generate a reply to PROMPT, streaming it to stdout."""
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    engine = Engine(artifact)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
+    _stream_to_stdout(engine, ids, params)
+
+
+def _stream_to_stdout(engine, prompt_ids: list[int], params) -> None:
+    start = time.perf_counter()
+    first = None
+    count = 0
+    for out in engine.stream(prompt_ids, params):
+        first = first or time.perf_counter()
+        count += len(out.new_token_ids)
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        reason = out.finish_reason
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    tpot = (end - first) / (count - 1) if count > 1 else 0.0
+    Console(stderr=True).print(
+        f"prompt {len(prompt_ids)} tokens, generated {count} tokens ({reason}); "
+        f"TTFT {1000 * (first - start):.0f} ms, TPOT {1000 * tpot:.1f} ms, "
+        f"{(count - 1) / (end - first) if count > 1 else 0:.1f} tok/s decode", highlight=False)
+
+
+@app.command()
+@user_errors
+def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
+    """Verify an artifact's files against its manifest and print a summary."""
+    typer.echo(artifact_summary(artifact))
+
+
+if __name__ == "__main__":
+    app()
