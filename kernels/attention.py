@@ -85,14 +85,18 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, head_dim: int,
                                scale: float) -> torch.Tensor:
-    """One query per sequence (the newest token) over its cached context, batched."""
-    num_seqs, block_size = q.shape[0], kv_cache.shape[3]
+    """One query per sequence (the newest token) over its cached context, batched.
+
+    Query heads are grouped by the KV head they share ([S, KVH, G, D]), so K and V are read
+    once per KV head rather than repeated for every query head.
+    """
+    num_seqs, block_size, kv_heads = q.shape[0], kv_cache.shape[3], kv_cache.shape[4]
     tables = block_tables.long()
-    k = kv_cache[layer, 0][tables].flatten(1, 2).to(q.dtype)              # [S, MB*BS, KVH, D]
+    k = kv_cache[layer, 0][tables].flatten(1, 2).to(q.dtype)              # [S, L, KVH, D]
     v = kv_cache[layer, 1][tables].flatten(1, 2).to(q.dtype)
-    mask = torch.arange(tables.shape[1] * block_size, device=q.device)[None, :] < seq_lens[:, None]
-    qh = _heads(q, head_dim)[:, :, None, :]                                  # [S, H, 1, D]
-    out = F.scaled_dot_product_attention(
-        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-        scale=scale, enable_gqa=True)                                       # [S, H, 1, D]
+    qg = q.view(num_seqs, kv_heads, -1, head_dim)                           # [S, KVH, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale        # [S, KVH, G, L]
+    beyond = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None].long()
+    probs = torch.softmax(scores.masked_fill(beyond[:, None, None, :], float("-inf")), dim=-1)
+    out = torch.matmul(probs.to(q.dtype), v.permute(0, 2, 1, 3))            # [S, KVH, G, D]
     return out.reshape(num_seqs, -1)

@@ -1,23 +1,47 @@
-"""BlockManager: the paged KV cache's allocator, in pure Python (no torch).
+"""BlockManager: the paged KV cache's allocator, with prefix caching. Pure Python, no torch.
 
-The cache is `num_blocks` blocks of `block_size` token slots. A sequence owns a list of blocks
-(its block table); token i of the sequence lives in slot `table[i // block_size] * block_size
-+ i % block_size`. Blocks are handed out from a free list and returned when the sequence ends.
+The cache is `num_blocks` blocks of `block_size` token slots. A sequence owns a block table;
+token i lives in slot `table[i // block_size] * block_size + i % block_size`.
+
+Prefix caching: every *full* block is identified by a hash chain over its tokens and all
+tokens before it, `hash((parent_hash, tokens))`. A new sequence whose leading full blocks hash
+to blocks already in the cache shares them (reference count + 1) and skips computing them.
+A block whose count drops to zero keeps its contents and hash on an LRU free list, so a later
+request can still hit it; allocation takes the least recently freed block and forgets its hash.
+A shared block that must be written (the last token of a fully cached prompt is recomputed to
+get its logits) is copied first: copy-on-write, reported through `take_copies()`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None           # set once the block is full and registered
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}          # block hash -> block id
         self._tables: dict[int, list[int]] = {}
+        self._hashed_upto: dict[int, int] = {}     # seq -> full blocks already hashed
+        self._copies: list[tuple[int, int]] = []   # pending (src, dst) copy-on-write pairs
+        self.prefix_queries = 0                    # full prompt blocks looked up
+        self.prefix_hits = 0                       # ... of which were found in the cache
+
+    # ------------------------------------------------------------------ queries
 
     @property
     def num_free_blocks(self) -> int:
@@ -26,27 +50,123 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether the sequence can grow to `num_tokens` tokens with the free blocks left."""
-        have = len(self._tables.get(seq_id, []))
-        return self.blocks_needed(num_tokens) - have <= len(self._free)
-
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
-        """Grow the sequence's block table to hold `num_tokens` tokens; return the table."""
-        table = self._tables.setdefault(seq_id, [])
-        missing = self.blocks_needed(num_tokens) - len(table)
-        if missing > len(self._free):
-            raise MemoryError(f"sequence {seq_id} needs {missing} more KV blocks, {len(self._free)} are free")
-        table.extend(self._free.popleft() for _ in range(max(missing, 0)))
-        return table
-
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables[seq_id]
+
+    def has_table(self, seq_id: int) -> bool:
+        return seq_id in self._tables
 
     def slot(self, seq_id: int, position: int) -> int:
         table = self._tables[seq_id]
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # --------------------------------------------------------------- allocation
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)          # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None and self._cached.get(block.hash) == block_id:
+            del self._cached[block.hash]                       # evicted from the prefix cache
+        block.hash, block.ref_count = None, 1
+        return block_id
+
+    def _share(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _chain_hashes(self, token_ids: list[int], num_full: int) -> list[int]:
+        hashes, parent = [], None
+        for i in range(num_full):
+            parent = hash((parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
+            hashes.append(parent)
+        return hashes
+
+    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest run of leading full blocks found in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._chain_hashes(token_ids, len(token_ids) // self.block_size):
+            if h not in self._cached:
+                break
+            hits.append(self._cached[h])
+        return hits
+
+    def can_allocate(self, token_ids: list[int], reserve: int = 0) -> bool:
+        """Whether a new sequence with these tokens fits, keeping `reserve` blocks free."""
+        hits = self._cached_prefix(token_ids)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        return fresh + revived + reserve <= len(self._free)
+
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
+        """Give a new sequence blocks for its tokens; return how many leading tokens are cached."""
+        assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
+        hits = self._cached_prefix(token_ids)
+        self.prefix_queries += len(token_ids) // self.block_size
+        self.prefix_hits += len(hits)
+        for b in hits:
+            self._share(b)
+        fresh = self.blocks_needed(len(token_ids)) - len(hits)
+        if fresh > len(self._free):
+            raise MemoryError(f"sequence {seq_id} needs {fresh} free KV blocks, {len(self._free)} are free")
+        self._tables[seq_id] = hits + [self._take_free() for _ in range(fresh)]
+        self._hashed_upto[seq_id] = len(hits)
+        return len(hits) * self.block_size
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether the sequence can grow to `num_tokens` tokens."""
+        return self.blocks_needed(num_tokens) - len(self._tables[seq_id]) <= len(self._free)
+
+    def append(self, seq_id: int, num_tokens: int) -> None:
+        """Grow the sequence's table to hold `num_tokens` tokens."""
+        table = self._tables[seq_id]
+        missing = self.blocks_needed(num_tokens) - len(table)
+        if missing > len(self._free):
+            raise MemoryError(f"sequence {seq_id} needs {missing} more KV blocks, {len(self._free)} are free")
+        table.extend(self._take_free() for _ in range(max(missing, 0)))
+
+    def prepare_write(self, seq_id: int, start: int, end: int) -> None:
+        """Make the blocks that positions [start, end) will be written to private (copy-on-write)."""
+        table = self._tables[seq_id]
+        for index in range(start // self.block_size, self.blocks_needed(end)):
+            block = self.blocks[table[index]]
+            if block.ref_count > 1:
+                block.ref_count -= 1
+                table[index] = self._take_free()
+                self._copies.append((block.block_id, table[index]))
+                self._hashed_upto[seq_id] = min(self._hashed_upto[seq_id], index)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending (source, destination) block copies the runner must apply before the step."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def register_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Enter the sequence's newly filled (and computed) blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table, done = self._tables[seq_id], self._hashed_upto[seq_id]
+        full = min(num_computed, len(token_ids)) // self.block_size
+        if full <= done:
+            return
+        hashes = self._chain_hashes(token_ids, full)
+        for index in range(done, full):
+            block = self.blocks[table[index]]
+            block.hash = hashes[index]
+            self._cached.setdefault(hashes[index], block.block_id)
+        self._hashed_upto[seq_id] = full
+
     def free(self, seq_id: int) -> None:
-        """Return every block of the sequence to the free list."""
-        self._free.extend(self._tables.pop(seq_id, []))
+        """Release the sequence's blocks; unreferenced ones stay cached until evicted (LRU)."""
+        for block_id in reversed(self._tables.pop(seq_id, [])):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+        self._hashed_upto.pop(seq_id, None)

@@ -1,13 +1,15 @@
 """Engine: requests in, tokens and text out, one scheduled step at a time.
 
-`add_request` validates and queues; `step` runs one scheduled prefill or decode step, samples,
-and returns what each touched request gained; `generate` runs a batch to completion; `stream`
-yields one request's text as it is produced.
+`add_request` validates and queues; `step` runs one scheduled step (any mix of prompt chunks
+and decode tokens), samples, and returns what each advanced request gained; `abort` ends a
+request and frees its blocks; `generate` runs an offline batch to completion; `stream` yields
+one request's incremental outputs while the engine serves every other request too.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -15,20 +17,24 @@ from typing import Iterator
 from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, build_step_inputs
-from .sampler import RequestError, SamplingParams, make_generator, sample
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .request import Request, RequestOutput
+from .sampler import make_generator, sample
+from .sampling_params import RequestError, SamplingParams
+from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Cache and batching limits; validated on construction."""
+    """KV cache budget and batching limits; validated on construction."""
 
     kv_cache_bytes: int = 256 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
-    max_batched_tokens: int = 4096
+    max_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -36,22 +42,15 @@ class EngineConfig:
                 raise RequestError(f"engine option {name}={getattr(self, name)} must be positive")
 
 
-@dataclass
-class RequestOutput:
-    """What one request gained in a step (delta) and its state after it."""
-
-    request_id: int
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    generator: object
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    preemptions: int
+    steps: int
 
 
 def kv_bytes_per_token(artifact: Artifact) -> int:
@@ -72,12 +71,16 @@ class Engine:
         if num_blocks < 1:
             raise RequestError(f"a KV cache of {config.kv_cache_bytes} bytes holds no block of "
                                f"{per_block} bytes; give more KV cache memory")
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(
+            config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
         self.runner = ModelRunner(self.artifact, num_blocks, config.block_size)
         self.eos_ids = self.artifact.config.eos_token_ids
-        self._requests: dict[int, _Request] = {}
+        self.requests: dict[int, Request] = {}
+        self.num_steps = 0
         self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         cfg = self.artifact.config
@@ -93,61 +96,89 @@ class Engine:
             raise RequestError(f"{total} tokens need more KV cache than the engine has "
                                f"({self.blocks.num_blocks * self.blocks.block_size} tokens); lower max_tokens")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> int:
-        """Queue a request; returns its id. Raises RequestError for an invalid one."""
+    def add_request(self, prompt: list[int] | str, params: SamplingParams = SamplingParams(),
+                    priority: int = 0) -> int:
+        """Queue a request (token ids, or text to tokenize); return its id. Invalid: RequestError."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_request(prompt_ids, params)
-        seq = Sequence(next(self._ids), list(prompt_ids), params)
-        self._requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, prompt_ids),
-                                              make_generator(params))
+        seq = Sequence(next(self._ids), prompt_ids, params, priority, arrival_time=time.perf_counter())
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        self.requests[seq.seq_id] = Request(seq, detok, make_generator(params))
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request and free its KV blocks."""
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req.seq)
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """End a request now and free its KV blocks; None if it already ended."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq)
+        return req.abort(time.perf_counter())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---------------------------------------------------------------------- step
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of every request it advanced."""
+        """Run one scheduled step; return the outputs of the requests that gained a token."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        seqs = scheduled.seqs
-        chunks = [(s, s.num_computed, s.num_tokens) for s in seqs]
-        logits = self.runner.run(scheduled.kind, build_step_inputs(chunks, self.blocks))
-        reqs = [self._requests[s.seq_id] for s in seqs]
-        tokens = sample(logits, [s.params for s in seqs], [r.generator for r in reqs])
-        return [self._advance(req, token) for req, token in zip(reqs, tokens)]
+        self.num_steps += 1
+        now = time.perf_counter()
+        for c in scheduled.chunks:
+            c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
+        logits = self._forward(scheduled)
+        outputs = []
+        sampling = [(i, c) for i, c in enumerate(scheduled.chunks) if c.samples]
+        for c in scheduled.chunks:
+            c.seq.num_computed = c.end
+            self.blocks.register_full_blocks(c.seq.seq_id, c.seq.all_ids, c.end)
+        reqs = [self.requests[c.seq.seq_id] for _, c in sampling]
+        results = sample(logits[[i for i, _ in sampling]], [r.seq.params for r in reqs],
+                         [r.generator for r in reqs], [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
+        now = time.perf_counter()
+        for req, result in zip(reqs, results):
+            out = req.add_token(result, self.eos_ids, now)
+            if out.finished:
+                self.scheduler.finish(req.seq)
+                del self.requests[req.seq.seq_id]
+            outputs.append(out)
+        return outputs
 
-    def _advance(self, req: _Request, token: int) -> RequestOutput:
-        seq = req.seq
-        seq.num_computed = seq.num_tokens
-        seq.append(token, self.eos_ids)
-        hidden = seq.finish_reason == "stop"  # a stop token is not part of the text
-        text = "" if hidden else req.detok.push(token)
-        if seq.status is SequenceStatus.FINISHED:
-            self.scheduler.finish(seq)
-            del self._requests[seq.seq_id]
-        return RequestOutput(seq.seq_id, [token], text, seq.status is SequenceStatus.FINISHED, seq.finish_reason)
+    def _forward(self, scheduled: ScheduledStep):
+        self.runner.copy_blocks(scheduled.copies)
+        entry = "decode" if scheduled.is_pure_decode else "prefill"
+        return self.runner.run(entry, build_step_inputs(scheduled.chunks, self.blocks))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run a batch of prompts to completion; return each one's output token ids."""
+    # ---------------------------------------------------------------- front ends
+
+    def generate(self, prompts: list[list[int]] | list[str],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run an offline batch to completion; return each prompt's output token ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         outputs: dict[int, list[int]] = {i: [] for i in ids}
         while self.has_unfinished():
             for out in self.step():
-                outputs[out.request_id] += out.new_token_ids
+                if out.request_id in outputs:
+                    outputs[out.request_id] += out.new_token_ids
         return [outputs[i] for i in ids]
 
-    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
-        """Run one request alone, yielding its output as each token arrives."""
-        rid = self.add_request(prompt_ids, params)
-        while self.has_unfinished():
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
+    def stream(self, prompt: list[int] | str, params: SamplingParams) -> Iterator[RequestOutput]:
+        """Yield one request's outputs as they come; closing the iterator aborts it."""
+        rid = self.add_request(prompt, params)
+        try:
+            while rid in self.requests:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+        finally:
+            self.abort(rid)
+
+    def stats(self) -> EngineStats:
+        free = self.blocks.num_free_blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.blocks.num_blocks - free, free, self.blocks.hit_rate(),
+                           self.scheduler.num_preemptions, self.num_steps)

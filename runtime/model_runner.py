@@ -19,7 +19,7 @@ from llmc.compiler.dtypes import to_torch
 
 from .artifact import Artifact
 from .block_manager import BlockManager
-from .sequence import Sequence
+from .scheduler import Chunk
 from .torch_backend import TorchProgram
 
 
@@ -37,17 +37,16 @@ class StepInputs:
         return {**self.__dict__, "kv_cache": kv_cache}
 
 
-def build_step_inputs(chunks: list[tuple[Sequence, int, int]], blocks: BlockManager) -> StepInputs:
-    """Metadata for computing tokens [start, end) of each listed sequence in one step."""
+def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
+    """Metadata for computing tokens [start, end) of each chunk's sequence in one step."""
     ids, positions, slots, starts, lens = [], [], [], [0], []
-    for seq, start, end in chunks:
-        all_ids = seq.all_ids
-        ids += all_ids[start:end]
-        positions += range(start, end)
-        slots += [blocks.slot(seq.seq_id, p) for p in range(start, end)]
-        starts.append(starts[-1] + end - start)
-        lens.append(end)
-    tables = [blocks.block_table(seq.seq_id) for seq, _, _ in chunks]
+    for c in chunks:
+        ids += c.seq.all_ids[c.start:c.end]
+        positions += range(c.start, c.end)
+        slots += [blocks.slot(c.seq.seq_id, p) for p in range(c.start, c.end)]
+        starts.append(starts[-1] + c.end - c.start)
+        lens.append(c.end)
+    tables = [blocks.block_table(c.seq.seq_id) for c in chunks]
     width = max(len(t) for t in tables)
     return StepInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -70,6 +69,13 @@ class ModelRunner:
         layers, _, _, _, kv_heads, head_dim = cache_type.shape
         self.kv_cache = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim,
                                     dtype=to_torch(cache_type.dtype))
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Apply copy-on-write block copies (all layers, K and V) before a step writes."""
+        if copies:
+            src, dst = (torch.tensor(x, dtype=torch.long) for x in zip(*copies))
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Sampling parameters and the sampler: greedy or temperature, reproducible per request.
+"""Sampling parameters and the sampler.
 
-Each request that samples owns a `torch.Generator` seeded from its seed, so what it draws does
-not depend on which other requests share the batch.
+Per row of logits, in this order (vLLM's): repetition / frequency / presence penalties ->
+log-probabilities for reporting -> greedy argmax (temperature 0) or temperature -> top-k ->
+top-p -> min-p -> one draw. Each sampling request owns a `torch.Generator` seeded from its
+seed and draws one uniform number per token from it, so its output does not depend on what
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -10,43 +13,96 @@ from dataclasses import dataclass
 
 import torch
 
-
-class RequestError(ValueError):
-    """A request with invalid parameters; the message names the parameter and its valid range."""
+from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy."""
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens={self.max_tokens} must be at least 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature={self.temperature} must be between 0 and 100")
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """A private random stream for a sampling request (None for greedy)."""
-    if params.temperature == 0.0:
+    if params.greedy:
         return None
     gen = torch.Generator()
-    gen.manual_seed(params.seed if params.seed is not None else int(torch.seed()) % (2**63))
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return gen
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [S, vocab], by each row's own parameters."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, (p, gen) in enumerate(zip(params, generators)):
-        if p.temperature > 0.0:
-            probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-    return tokens
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence (output) penalties on one row."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
+                                   picked * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids), minlength=logits.numel()).float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (-inf) on one row."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _draw(logits: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw with one uniform number from the request's own generator."""
+    probs = torch.softmax(logits, dim=-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    index = int(torch.searchsorted(probs.double().cumsum(dim=-1), torch.tensor([u], dtype=torch.float64)))
+    index = min(index, probs.numel() - 1)
+    while probs[index] == 0:          # u landed past the last kept token by rounding
+        index -= 1
+    return index
+
+
+def _logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    top = torch.topk(logprobs, n) if n else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return float(logprobs[token]), pairs
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               prompt_ids: list[int], output_ids: list[int]) -> SampleResult:
+    """Pick one token from one row of fp32 logits [vocab]."""
+    logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
+    if params.greedy:
+        token = int(logits.argmax())
+    else:
+        token = _draw(filter_logits(logits, params), generator)
+    if params.logprobs is None:
+        return SampleResult(token)
+    chosen, top = _logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
+    return SampleResult(token, chosen, top)
+
+
+def needs_row_sampling(params: SamplingParams) -> bool:
+    """False for plain greedy rows, which the batch fast path handles with one argmax."""
+    return not params.greedy or params.logprobs is not None or params.repetition_penalty != 1.0 \
+        or bool(params.frequency_penalty) or bool(params.presence_penalty)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[tuple[list[int], list[int]]]) -> list[SampleResult]:
+    """One token per row of fp32 `logits` [S, vocab]; `histories` gives (prompt, output) ids."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [sample_row(logits[i], p, g, *h) if needs_row_sampling(p) else SampleResult(greedy[i])
+            for i, (p, g, h) in enumerate(zip(params, generators, histories))]

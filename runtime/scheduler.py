@@ -1,14 +1,19 @@
-"""A first scheduler: prefill waiting prompts when their blocks fit, else decode everyone.
+"""Iteration-level (continuous) batching with chunked prefill and preemption. Pure Python.
 
-Pure Python. A request is admitted only when the free blocks cover its prompt plus its
-max_tokens, so a running sequence never runs out of cache (no preemption needed). A step is
-either a prefill of newly admitted prompts (up to `max_batched_tokens`) or one decode token
-for every running sequence.
+Every step gets a token budget (`max_batched_tokens`) and a seat limit (`max_num_seqs`):
+  1. Running sequences first, in priority order: each gets its next token (a decode) or the
+     next chunk of an unfinished prompt. So decodes keep flowing while a long prompt is fed in
+     chunks (Sarathi-style), and the step mixes prompt chunks with decode tokens.
+  2. Waiting sequences fill what budget and seats are left, in (priority, arrival) order; a
+     prompt larger than the budget is admitted with its first chunk. Admission allocates blocks
+     for all known tokens, reusing prefix-cached blocks (those tokens are not recomputed).
+When a running sequence needs a block and none is free, the lowest-priority running sequence
+is preempted by recompute: its blocks are freed and it goes back to the waiting queue with all
+its tokens (prompt + generated so far) to be prefilled again. No request is lost.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
@@ -16,47 +21,57 @@ from .sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} and max_batched_tokens="
+                             f"{self.max_batched_tokens} must be at least 1")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Compute tokens [start, end) of `seq` in this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the sequence's last token, so a new token is sampled."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
-    kind: str                        # "prefill" or "decode"
-    seqs: list[Sequence]
+    chunks: list[Chunk]
+    copies: list[tuple[int, int]]        # KV block copies to apply first (copy-on-write)
+    preempted: list[Sequence]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(c.end - c.start == 1 and c.samples for c in self.chunks)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig):
         self.blocks = blocks
-        self.max_num_seqs = max_num_seqs
-        self.max_batched_tokens = max_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.config = config
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._watermark = max(1, blocks.num_blocks // 100)   # blocks kept for running decodes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.waiting.sort(key=Sequence.sort_key)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def _admit(self) -> list[Sequence]:
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            seq = self.waiting[0]
-            fits_budget = not admitted or tokens + len(seq.prompt_ids) <= self.max_batched_tokens
-            if not fits_budget or not self.blocks.can_allocate(seq.seq_id, seq.max_total_tokens):
-                break
-            self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, seq.max_total_tokens)
-            seq.status = SequenceStatus.RUNNING
-            admitted.append(seq)
-            tokens += len(seq.prompt_ids)
-        return admitted
-
-    def schedule(self) -> ScheduledStep | None:
-        admitted = self._admit()
-        if admitted:
-            self.running.extend(admitted)
-            return ScheduledStep("prefill", admitted)
-        if self.running:
-            return ScheduledStep("decode", list(self.running))
-        return None
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
@@ -65,3 +80,71 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status, seq.num_computed = SequenceStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _grow(self, seq: Sequence, end: int, preempted: list[Sequence]) -> bool:
+        """Find blocks for `seq` up to `end` tokens, preempting from the back; False if `seq` went."""
+        while not self.blocks.can_append(seq.seq_id, end):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.append(seq.seq_id, end)
+        return True
+
+    def _schedule_running(self, budget: int, preempted: list[Sequence]) -> list[Chunk]:
+        chunks = []
+        for seq in list(self.running):
+            if seq not in self.running or budget == 0:
+                continue
+            end = min(seq.num_tokens, seq.num_computed + budget)
+            if end == seq.num_computed or not self._grow(seq, end, preempted):
+                continue
+            self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
+            chunks.append(Chunk(seq, seq.num_computed, end))
+            budget -= end - seq.num_computed
+        return chunks
+
+    def _admit(self, budget: int, seats: int) -> list[Chunk]:
+        chunks = []
+        while self.waiting and budget > 0 and seats > 0:
+            seq = self.waiting[0]
+            ids = seq.all_ids
+            if not self.blocks.can_allocate(ids, reserve=self._watermark if self.running else 0):
+                break
+            remaining_if_cached = len(ids)
+            if not self.config.chunked_prefill and remaining_if_cached > budget and (chunks or self.running):
+                break
+            self.waiting.pop(0)
+            cached = self.blocks.allocate(seq.seq_id, ids)
+            seq.num_computed = min(cached, len(ids) - 1)    # always compute the last token
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt = seq.num_computed
+            end = min(len(ids), seq.num_computed + budget)
+            self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(Chunk(seq, seq.num_computed, end))
+            budget, seats = budget - (end - seq.num_computed), seats - 1
+        return chunks
+
+    def schedule(self) -> ScheduledStep | None:
+        """Choose this step's chunks; None when there is nothing to run."""
+        preempted: list[Sequence] = []
+        self.running.sort(key=Sequence.sort_key)
+        chunks = self._schedule_running(self.config.max_batched_tokens, preempted)
+        used = sum(c.end - c.start for c in chunks)
+        if not preempted:
+            seats = self.config.max_num_seqs - len(self.running)
+            chunks += self._admit(self.config.max_batched_tokens - used, seats)
+        if not chunks:
+            return None
+        return ScheduledStep(chunks, self.blocks.take_copies(), preempted)

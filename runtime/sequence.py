@@ -1,11 +1,11 @@
-"""A request's state as the scheduler sees it: token ids and counters, no tensors."""
+"""A request's state as the scheduler sees it: token ids, counters and timestamps; no tensors."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from .sampler import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -19,9 +19,16 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0                # lower runs first; FCFS within a priority
+    arrival_time: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed: int = 0            # tokens whose K/V are in the cache
+    num_computed: int = 0            # leading tokens whose K/V are in the cache
+    num_cached_prompt: int = 0       # prompt tokens served by the prefix cache at admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
     finish_reason: str | None = None
 
     @property
@@ -33,16 +40,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.params.max_tokens
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
 
-    def append(self, token_id: int, eos_ids: tuple[int, ...]) -> None:
-        """Record a sampled token and finish the sequence if it stops here."""
-        self.output_ids.append(token_id)
-        stops = self.params.stop_token_ids + (() if self.params.ignore_eos else eos_ids)
-        if token_id in stops:
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens:
-            self.finish_reason = "length"
-        if self.finish_reason:
-            self.status = SequenceStatus.FINISHED
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def finish(self, reason: str, now: float) -> None:
+        self.status, self.finish_reason, self.finished_time = SequenceStatus.FINISHED, reason, now

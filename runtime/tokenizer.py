@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from llmc.models.config import TokenizerFiles
 
-from .sampler import RequestError
+from .sampling_params import RequestError
 
 
 def _raise_exception(message: str) -> None:
@@ -78,5 +78,12 @@ class IncrementalDetokenizer:
         full = self.tokenizer.decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end of the output: the held-back text, an unfinished character as U+FFFD."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]

@@ -10,7 +10,8 @@ import torch
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
-from llmc.runtime.sampler import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from tiny_models import FAMILIES
 from tolerances import tolerance
@@ -35,7 +36,7 @@ def new_runner(artifact_path, num_blocks=32, block_size=4):
 
 def run_all_positions(runner, blocks, chunks):
     """Prefill logits at every computed position (not only the last of each chunk)."""
-    step = build_step_inputs(chunks, blocks)
+    step = build_step_inputs([Chunk(*c) for c in chunks], blocks)
     step = dataclasses.replace(step, logits_indices=torch.arange(step.input_ids.numel()))
     return runner.run("prefill", step)
 
@@ -47,7 +48,8 @@ def test_prefill_and_decode_match_transformers(tiny_family, family):
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=16)) for i, p in enumerate(make_prompts(1))]
     for s in seqs:
-        blocks.allocate(s.seq_id, s.num_tokens + 16)
+        blocks.allocate(s.seq_id, s.prompt_ids)
+        blocks.append(s.seq_id, s.num_tokens + 16)
     got = run_all_positions(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
     want = torch.cat([hf_logits(model, s.prompt_ids) for s in seqs])
     torch.testing.assert_close(got, want, **tol)
@@ -57,7 +59,7 @@ def test_prefill_and_decode_match_transformers(tiny_family, family):
     for _ in range(16):  # teacher-forced decode: feed random tokens, compare next-token logits
         for s in seqs:
             s.output_ids.append(int(torch.randint(3, 300, (), generator=g)))
-        step = build_step_inputs([(s, s.num_computed, s.num_tokens) for s in seqs], blocks)
+        step = build_step_inputs([Chunk(s, s.num_computed, s.num_tokens) for s in seqs], blocks)
         got = runner.run("decode", step)
         want = torch.stack([hf_logits(model, s.all_ids)[-1] for s in seqs])
         torch.testing.assert_close(got, want, **tol)
@@ -73,7 +75,8 @@ def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family):
     long = Sequence(0, make_prompts(3)[2] * 2, SamplingParams(max_tokens=1))    # 26 tokens
     short = Sequence(1, make_prompts(4)[0], SamplingParams(max_tokens=8))
     for s in (long, short):
-        blocks.allocate(s.seq_id, s.num_tokens + 8)
+        blocks.allocate(s.seq_id, s.prompt_ids)
+        blocks.append(s.seq_id, s.num_tokens + 8)
     run_all_positions(runner, blocks, [(short, 0, short.num_tokens)])
     short.output_ids.append(5)
     pieces = []

@@ -9,7 +9,7 @@ import torch
 from llmc.compiler.driver import compile_model
 from llmc.models.embedded import EMBEDDED_FILE, embedded_model_path
 from llmc.runtime.engine import Engine
-from llmc.runtime.sampler import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,13 @@ from typing import Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmc.compiler.ir import IRError
 from llmc.models.config import ModelError
 from llmc.passes.pipeline import PassError
 from llmc.runtime.artifact import ArtifactError
-from llmc.runtime.sampler import RequestError
+from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
 
@@ -37,7 +38,7 @@ def user_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except USER_ERRORS as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -75,7 +76,7 @@ def generate(
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine
-    from llmc.runtime.sampler import SamplingParams
+    from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     engine = Engine(artifact)

@@ -1,0 +1,108 @@
+"""Engine-side state of one request: its sequence, sampler stream, text and metrics.
+
+Text is detokenized incrementally. Stop strings are searched in the text generated so far;
+the output ends just before the first match, which is never emitted. While a request runs,
+its last `longest stop string - 1` characters are held back, since they might begin one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampler import SampleResult
+from .sequence import Sequence
+from .tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timings in seconds: queue = arrival -> first scheduled; ttft = arrival -> first token."""
+
+    queue_time: float
+    ttft: float
+    tpot: float                  # mean time per output token after the first
+    e2e: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_prompt_tokens: int
+    preemptions: int
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in a step (a delta) and its state after it."""
+
+    request_id: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None        # "stop" (EOS, stop token or string), "length", "abort"
+    stop_reason: str | int | None = None    # the stop string or token that ended it
+    logprobs: list[SampleResult] = field(default_factory=list)
+    metrics: RequestMetrics | None = None   # set when finished
+
+
+class Request:
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, generator: torch.Generator | None):
+        self.seq = seq
+        self.detok = detok
+        self.generator = generator
+        self.text = ""          # output text so far (cut at a stop string)
+        self.emitted = 0        # characters of `text` already returned
+        self._hold = max((len(s) for s in seq.params.stop), default=1) - 1
+
+    def _stop_token(self, token: int, eos_ids: tuple[int, ...]) -> int | None:
+        p = self.seq.params
+        return token if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids) else None
+
+    def _find_stop_string(self, before: int) -> str | None:
+        """The first stop string that now occurs, searching only where it could be new."""
+        start = max(0, before - self._hold)
+        hits = [(self.text.find(s, start), s) for s in self.seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        return stop
+
+    def add_token(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> RequestOutput:
+        """Record a sampled token; finish on a stop token, stop string or max_tokens."""
+        seq = self.seq
+        seq.output_ids.append(result.token_id)
+        seq.first_token_time = seq.first_token_time or now
+        stop_token = self._stop_token(result.token_id, eos_ids)
+        stop: str | int | None = stop_token
+        if stop_token is None:
+            before = len(self.text)
+            self.text += self.detok.push(result.token_id)
+            stop = self._find_stop_string(before)
+        if stop is not None:
+            seq.finish("stop", now)
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            seq.finish("length", now)
+        return self._output([result.token_id], [result] if result.logprob is not None else [], stop)
+
+    def abort(self, now: float) -> RequestOutput:
+        self.seq.finish("abort", now)
+        return self._output([], [], None)
+
+    def _output(self, tokens: list[int], logprobs: list[SampleResult], stop) -> RequestOutput:
+        seq = self.seq
+        upto = len(self.text) if seq.is_finished else max(self.emitted, len(self.text) - self._hold)
+        delta, self.emitted = self.text[self.emitted:upto], upto
+        return RequestOutput(seq.seq_id, tokens, delta, seq.is_finished, seq.finish_reason, stop,
+                             logprobs, self.metrics() if seq.is_finished else None)
+
+    def metrics(self) -> RequestMetrics:
+        seq = self.seq
+        first = seq.first_token_time or seq.finished_time
+        scheduled = seq.first_scheduled_time or seq.finished_time
+        n = len(seq.output_ids)
+        return RequestMetrics(
+            queue_time=scheduled - seq.arrival_time, ttft=first - seq.arrival_time,
+            tpot=(seq.finished_time - first) / (n - 1) if n > 1 else 0.0,
+            e2e=seq.finished_time - seq.arrival_time, prompt_tokens=len(seq.prompt_ids),
+            output_tokens=n, cached_prompt_tokens=seq.num_cached_prompt, preemptions=seq.num_preemptions)

@@ -1,0 +1,50 @@
+"""SamplingParams and RequestError: what a request asks for, validated; no torch here, so the
+scheduler and sequence bookkeeping stay pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RequestError(ValueError):
+    """A request with invalid parameters; the message names the parameter and its valid range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (defaults as in vLLM / the OpenAI API)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = 0                    # 0 = all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # > 1 discourages tokens already in prompt or output
+    frequency_penalty: float = 0.0    # subtracted once per earlier occurrence in the output
+    presence_penalty: float = 0.0     # subtracted once if the token occurred in the output
+    seed: int | None = None
+    stop: tuple[str, ...] = ()        # stop strings; not included in the output text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None       # report the chosen token's logprob and the top-n
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1"),
+            (0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]"),
+            (self.top_k >= 0, f"top_k={self.top_k} must be 0 (off) or positive"),
+            (0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty={self.repetition_penalty} must be positive"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise RequestError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
