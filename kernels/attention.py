@@ -90,7 +90,7 @@ def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_ta
     Query heads are grouped by the KV head they share ([S, KVH, G, D]), so K and V are read
     once per KV head rather than repeated for every query head.
     """
-    num_seqs, block_size, kv_heads = q.shape[0], kv_cache.shape[3], kv_cache.shape[4]
+    num_seqs, kv_heads = q.shape[0], kv_cache.shape[4]
     tables = block_tables.long()
     k = kv_cache[layer, 0][tables].flatten(1, 2).to(q.dtype)              # [S, L, KVH, D]
     v = kv_cache[layer, 1][tables].flatten(1, 2).to(q.dtype)

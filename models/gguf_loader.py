@@ -59,6 +59,12 @@ def load_gguf(path: str | Path) -> LoadedModel:
     )
 
 
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """Only the architecture config of a GGUF file (metadata; no tensor data is read)."""
+    reader = _open_reader(Path(path))
+    return _read_config(reader, _architecture(reader), {t.name for t in reader.tensors})
+
+
 def _open_reader(path: Path) -> GGUFReader:
     """Open `path` with gguf-py after checking that it exists and starts with the GGUF magic."""
     if not path.is_file():

@@ -58,6 +58,13 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelError(f"architecture {arch!r} in config.json is not supported; llmc compiles "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+        return _config_fields(raw, arch)
+    except KeyError as exc:
+        raise ModelError(f"config.json lacks the field {exc.args[0]!r} that every {arch} config has") from None
+
+
+def _config_fields(raw: dict[str, Any], arch: str) -> ModelConfig:
     heads = raw["num_attention_heads"]
     theta, scaling = _rope_fields(raw)
     eos = raw.get("eos_token_id")

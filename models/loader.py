@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import LoadedModel, ModelError
+import json
+
+from .config import LoadedModel, ModelConfig, ModelError
 from .embedded import embedded_model_path
-from .hf_loader import load_hf_folder
+from .gguf_loader import load_gguf, read_gguf_config
+from .hf_loader import config_from_hf, load_hf_folder
 
 
 def resolve_source(source: str | Path | None) -> Path:
@@ -21,11 +24,24 @@ def resolve_source(source: str | Path | None) -> Path:
 
 def load_model(source: str | Path | None) -> LoadedModel:
     """Load a Hugging Face folder, a .gguf file, or (None) the embedded SmolLM2 default."""
-    from .gguf_loader import load_gguf
-
     path = resolve_source(source)
     if path.is_dir():
         return load_hf_folder(path)
     if path.suffix.lower() == ".gguf":
         return load_gguf(path)
     raise ModelError(f"{path} is neither a model folder nor a .gguf file; give one of those")
+
+
+def load_config(source: str | Path | None) -> ModelConfig:
+    """Only the architecture: from a config.json file, an HF folder, or a .gguf (no weights read)."""
+    path = resolve_source(source)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{path.parent} has no config.json; give a config.json, a model folder or a .gguf")
+    if path.suffix.lower() == ".gguf":
+        return read_gguf_config(path)
+    try:
+        return config_from_hf(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelError(f"{path} is not a JSON config file; give a config.json, a model folder or a .gguf") from None

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from llmc.compiler.dtypes import USER_DTYPES
+
 from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
+from .memory_plan import kv_bytes_per_token
 from .model_runner import ModelRunner, build_step_inputs
 from .request import Request, RequestOutput
 from .sampler import make_generator, sample
@@ -53,12 +56,10 @@ class EngineStats:
     steps: int
 
 
-def kv_bytes_per_token(artifact: Artifact) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    cache = artifact.graphs["prefill"].node_map()["kv_cache"].type
-    layers, _, _, _, kv_heads, head_dim = cache.shape
-    element = {"f32": 4, "f16": 2, "bf16": 2}[cache.dtype]
-    return 2 * layers * kv_heads * head_dim * element
+def kv_cache_dtype(artifact: Artifact) -> str:
+    """The KV cache element type of the compiled graphs, as a user dtype name."""
+    ir_dtype = artifact.graphs["prefill"].node_map()["kv_cache"].type.dtype
+    return {ir: user for user, ir in USER_DTYPES.items()}[ir_dtype]
 
 
 class Engine:
@@ -66,7 +67,7 @@ class Engine:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.config = config
         self.tokenizer = Tokenizer(self.artifact.tokenizer)
-        per_block = kv_bytes_per_token(self.artifact) * config.block_size
+        per_block = kv_bytes_per_token(self.artifact.config, kv_cache_dtype(self.artifact)) * config.block_size
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise RequestError(f"a KV cache of {config.kv_cache_bytes} bytes holds no block of "

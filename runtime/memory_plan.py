@@ -1,0 +1,77 @@
+"""KV cache sizing: how many tokens of cache fit in what the weights leave of a memory budget.
+
+    KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    kv_tokens          = (memory - weight bytes) // KV bytes per token
+    max_sequences      = kv_tokens // context
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from llmc.models.config import ModelConfig, expected_weights
+
+from .sampling_params import RequestError
+
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920, '512MB' -> 512000000, '1000' -> 1000."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise RequestError(f"memory size {text!r} is not understood; write it like 80GiB, 16GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _element_bytes(dtype: str, what: str) -> int:
+    if dtype not in BYTES_PER_ELEMENT:
+        raise RequestError(f"{what} {dtype!r} is not supported; choose one of {', '.join(BYTES_PER_ELEMENT)}")
+    return BYTES_PER_ELEMENT[dtype]
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    total = 0
+    for shape in expected_weights(cfg).values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _element_bytes(kv_dtype, "kv dtype")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    memory_bytes: int
+    parameters: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_tokens: int
+    context: int
+    max_sequences: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "float16",
+                kv_dtype: str = "float16", context: int | None = None) -> MemoryPlan:
+    """Weights, KV bytes per token, and how many tokens / sequences the rest holds."""
+    context = context or cfg.max_position_embeddings
+    if context <= 0:
+        raise RequestError(f"context={context} must be positive")
+    params = num_parameters(cfg)
+    weight_bytes = params * _element_bytes(weight_dtype, "weight dtype")
+    per_token = kv_bytes_per_token(cfg, kv_dtype)
+    if weight_bytes >= memory_bytes:
+        raise RequestError(f"the weights alone take {weight_bytes} bytes, more than the {memory_bytes} "
+                           "bytes of memory given; give more memory or a smaller weight dtype")
+    kv_tokens = (memory_bytes - weight_bytes) // per_token
+    return MemoryPlan(memory_bytes, params, weight_bytes, per_token, kv_tokens, context, kv_tokens // context)

@@ -1,0 +1,96 @@
+"""The engine over a compiled tiny model: scheduling choices never change greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+BLOCK_BYTES = 16 * 2 * 2 * 3 * 12 * 4      # block_size x K,V x layers x kv_heads x head_dim x f32
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(3, 300, (k,), generator=g).tolist() for k in lens]
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_family):
+    return tiny_family("llama_gqa")[2]
+
+
+def run(artifact, batch, params=GREEDY, **config):
+    engine = Engine(artifact, EngineConfig(**config))
+    outputs = engine.generate(batch, params)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return engine, outputs
+
+
+def test_sixteen_requests_together_equal_each_alone(artifact):
+    batch = prompts(16)
+    _, together = run(artifact, batch)
+    alone = [run(artifact, [p])[1][0] for p in batch]
+    assert together == alone
+
+
+def test_preempted_requests_give_the_same_greedy_output(artifact):
+    batch = prompts(12, seed=1)
+    _, reference = run(artifact, batch)
+    engine, squeezed = run(artifact, batch, kv_cache_bytes=12 * BLOCK_BYTES)
+    assert engine.scheduler.num_preemptions > 0
+    assert squeezed == reference
+
+
+def test_small_token_budget_chunks_prompts_without_changing_output(artifact):
+    batch = prompts(6, seed=2, lo=30, hi=90)
+    _, reference = run(artifact, batch)
+    engine, chunked = run(artifact, batch, max_batched_tokens=7)
+    assert chunked == reference
+
+
+def test_prefix_cache_hits_give_the_same_output(artifact):
+    system = prompts(1, seed=3, lo=40, hi=41)[0]              # 40 shared tokens: 2 full blocks
+    batch = [system + p for p in prompts(5, seed=4)] + [system[:32]] * 2   # last two: fully cached
+    _, uncached = run(artifact, batch, enable_prefix_caching=False)
+    engine = Engine(artifact, EngineConfig(max_num_seqs=1))    # one at a time, so later ones hit
+    cached = engine.generate(batch, GREEDY)
+    assert engine.blocks.hit_rate() > 0.5
+    assert cached == uncached
+
+
+def test_stop_string_ends_the_text_before_it(artifact):
+    engine = Engine(artifact)
+    prompt = prompts(1, seed=5)[0]
+    full = "".join(o.new_text for o in engine.stream(prompt, SamplingParams(max_tokens=24, temperature=0.0)))
+    stop = full[5:8]
+    outs = list(engine.stream(prompt, SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))))
+    text = "".join(o.new_text for o in outs)
+    assert text == full[:full.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_logprobs_and_metrics_are_reported(artifact):
+    engine = Engine(artifact)
+    outs = list(engine.stream(prompts(1, seed=6)[0], SamplingParams(max_tokens=5, temperature=0.0, logprobs=2,
+                                                                    ignore_eos=True)))
+    assert all(len(o.logprobs) == 1 and len(o.logprobs[0].top_logprobs) == 2 for o in outs)
+    assert all(o.logprobs[0].token_id == o.logprobs[0].top_logprobs[0][0] for o in outs)  # greedy = top-1
+    metrics = outs[-1].metrics
+    assert metrics.output_tokens == 5 and metrics.ttft > 0 and metrics.e2e >= metrics.ttft
+    stats = engine.stats()
+    assert stats.running == 0 and stats.kv_blocks_used == 0 and stats.steps >= 5
+
+
+def test_priority_request_is_served_first(artifact):
+    engine = Engine(artifact, EngineConfig(max_num_seqs=1))
+    low = engine.add_request(prompts(1, seed=7)[0], SamplingParams(max_tokens=3, temperature=0.0))
+    high = engine.add_request(prompts(1, seed=8)[0], SamplingParams(max_tokens=3, temperature=0.0), priority=-1)
+    first = engine.step()
+    assert [o.request_id for o in first] == [high]
+    while engine.has_unfinished():
+        engine.step()
+    assert low != high

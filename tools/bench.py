@@ -1,0 +1,161 @@
+"""`llmc bench`: run a synthetic serving workload through the engine, optionally against
+Hugging Face transformers on the same requests, and print throughput and latency percentiles.
+
+The workload is drawn with a fixed seed: prompt and output lengths (fixed or uniform ranges),
+random token ids, an optional shared prefix (a common system prompt), and arrivals all at once
+or as a Poisson process at a request rate. EOS is ignored, so every run does the same work.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.memory_plan import parse_bytes
+from llmc.runtime.sampling_params import RequestError, SamplingParams
+
+from .bench_hf import hf_baselines
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float            # seconds after the start
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_requests: int = 64
+    prompt_len: tuple[int, int] = (32, 256)
+    output_len: tuple[int, int] = (16, 192)
+    shared_prefix: int = 0
+    request_rate: float = math.inf
+    seed: int = 0
+
+    def requests(self, vocab_size: int) -> list[BenchRequest]:
+        rng = random.Random(self.seed)
+        prefix = [rng.randrange(3, vocab_size) for _ in range(self.shared_prefix)]
+        out, clock = [], 0.0
+        for _ in range(self.num_requests):
+            n = rng.randint(*self.prompt_len)
+            prompt = prefix + [rng.randrange(3, vocab_size) for _ in range(n)]
+            if math.isfinite(self.request_rate):
+                clock += rng.expovariate(self.request_rate)
+            out.append(BenchRequest(prompt, rng.randint(*self.output_len), clock))
+        return out
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """'128' -> (128, 128); '32:256' -> (32, 256)."""
+    try:
+        lo, _, hi = text.partition(":")
+        span = (int(lo), int(hi or lo))
+    except ValueError:
+        raise RequestError(f"{what} {text!r} is not a length or a range like 32:256") from None
+    if not 1 <= span[0] <= span[1]:
+        raise RequestError(f"{what} {text!r} must be positive with the low end first")
+    return span
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731
+    return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99)}
+
+
+def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[], None]) -> dict:
+    """Serve the workload with continuous batching; arrivals are honoured in real time."""
+    pending = sorted(requests, key=lambda r: r.arrival)
+    metrics, start = [], time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival <= now:
+            r = pending.pop(0)
+            engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                                            ignore_eos=True))
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0].arrival - now))
+            continue
+        for out in engine.step():
+            if out.finished:
+                metrics.append(out.metrics)
+                on_done()
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(m.output_tokens for m in metrics)
+    prompt_tokens = sum(m.prompt_tokens for m in metrics)
+    return {
+        "seconds": elapsed,
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (output_tokens + prompt_tokens) / elapsed,
+        "ttft_s": percentiles([m.ttft for m in metrics]),
+        "tpot_s": percentiles([m.tpot for m in metrics if m.output_tokens > 1]),
+        "prefix_cache_hit_rate": engine.blocks.hit_rate(),
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def format_report(result: dict) -> str:
+    llmc = result["llmc"]
+    ms = lambda d: " / ".join(f"{1000 * d[k]:.0f}" for k in ("p50", "p90", "p99"))  # noqa: E731
+    lines = [
+        f"llmc          {llmc['output_tok_s']:8.1f} output tok/s  {llmc['total_tok_s']:8.1f} total tok/s  "
+        f"({llmc['output_tokens']} output tokens in {llmc['seconds']:.1f} s)",
+        f"              TTFT p50/p90/p99 {ms(llmc['ttft_s'])} ms   TPOT p50/p90/p99 {ms(llmc['tpot_s'])} ms",
+        f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}",
+    ]
+    for name, base in result.get("baselines", {}).items():
+        if "error" in base:
+            lines.append(f"{name:<13} unavailable: {base['error']}")
+            continue
+        lines.append(f"{name:<13} {base['output_tok_s']:8.1f} output tok/s  ({base['seconds']:.1f} s)  "
+                     f"llmc speedup {llmc['output_tok_s'] / base['output_tok_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def bench_cmd(
+    artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
+    num_requests: int = typer.Option(64, help="requests in the workload"),
+    prompt_len: str = typer.Option("32:256", help="prompt length: N or a uniform range LO:HI"),
+    output_len: str = typer.Option("16:192", help="output length: N or a uniform range LO:HI"),
+    shared_prefix: int = typer.Option(0, help="tokens of a prefix every prompt shares (a system prompt)"),
+    request_rate: float = typer.Option(math.inf, help="Poisson arrivals per second (default: all at once)"),
+    seed: int = typer.Option(0, help="seed of the workload draw"),
+    kv_memory: str = typer.Option("1GiB", help="KV cache memory for llmc"),
+    max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
+    max_batched_tokens: int = typer.Option(512, help="llmc's token budget per step"),
+    baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
+    hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
+) -> None:
+    """Benchmark the engine on a workload; with --baseline hf, compare against transformers."""
+    from rich.progress import Progress
+
+    if baseline not in (None, "hf"):
+        raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
+    workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
+                        parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
+    engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
+                                           max_batched_tokens=max_batched_tokens))
+    requests = workload.requests(engine.artifact.config.vocab_size)
+    result: dict = {"workload": asdict(workload)}
+    with Progress(transient=True) as progress:
+        task = progress.add_task("llmc", total=len(requests))
+        result["llmc"] = run_llmc(engine, requests, lambda: progress.advance(task))
+        if baseline == "hf":
+            result["baselines"] = hf_baselines(engine.artifact, hf_model, workload, requests, progress)
+    hf = result.get("baselines", {}).get("hf_static", {})
+    if "output_tok_s" in hf:
+        result["speedup"] = result["llmc"]["output_tok_s"] / hf["output_tok_s"]
+    typer.echo(format_report(result))
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2, default=str))

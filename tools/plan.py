@@ -1,0 +1,56 @@
+"""`llmc plan`: size the KV cache for a model and a memory budget, without loading weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from llmc.models.config import ModelConfig
+from llmc.models.loader import load_config
+from llmc.runtime.artifact import read_manifest
+from llmc.runtime.memory_plan import MemoryPlan, parse_bytes, plan_memory
+
+
+def _config(model: str) -> ModelConfig:
+    path = Path(model)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        return ModelConfig.from_dict(read_manifest(path)["model"])
+    return load_config(path)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(cfg: ModelConfig, plan: MemoryPlan, weight_dtype: str, kv_dtype: str) -> str:
+    return "\n".join([
+        f"model             {cfg.architecture}: {plan.parameters / 1e9:.2f} B parameters, {cfg.num_layers} layers, "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}",
+        f"memory            {_human(plan.memory_bytes)}",
+        f"weights           {_human(plan.weight_bytes)} ({weight_dtype})",
+        f"KV per token      {_human(plan.kv_bytes_per_token)} ({kv_dtype}; 2 x {cfg.num_layers} layers x "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim} dims x {plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)} bytes)",
+        f"KV tokens         {plan.kv_tokens:,} in the {_human(plan.memory_bytes - plan.weight_bytes)} the weights leave",
+        f"max sequences     {plan.max_sequences:,} at a context of {plan.context:,} tokens",
+    ])
+
+
+def plan_cmd(
+    model: str = typer.Argument(..., help="config.json, HF folder, .gguf or artifact (weights are not read)"),
+    memory: str = typer.Option(..., help="memory budget, e.g. 80GiB or 24GB"),
+    weight_dtype: str = typer.Option("float16", help="float32, bfloat16 or float16"),
+    kv_dtype: str = typer.Option("float16", help="float32, bfloat16 or float16"),
+    context: Optional[int] = typer.Option(None, help="tokens per sequence (default: the model's context)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Print weight bytes, KV bytes per token, tokens that fit and max concurrent sequences."""
+    cfg = _config(model)
+    plan = plan_memory(cfg, parse_bytes(memory), weight_dtype, kv_dtype, context)
+    typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(cfg, plan, weight_dtype, kv_dtype))
