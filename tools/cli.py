@@ -23,6 +23,8 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
+from .bench import bench_cmd
+from .plan import plan_cmd
 
 USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError)
 
@@ -109,6 +111,10 @@ def _stream_to_stdout(engine, prompt_ids: list[int], params) -> None:
 def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
     """Verify an artifact's files against its manifest and print a summary."""
     typer.echo(artifact_summary(artifact))
+
+
+app.command("plan")(user_errors(plan_cmd))
+app.command("bench")(user_errors(bench_cmd))
 
 
 if __name__ == "__main__":
