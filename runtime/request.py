@@ -78,6 +78,8 @@ class Request:
         if stop_token is None:
             before = len(self.text)
             self.text += self.detok.push(result.token_id)
+            if len(seq.output_ids) >= seq.params.max_tokens:  # the last token: an unfinished character
+                self.text += self.detok.flush()               # is emitted (as U+FFFD), not dropped
             stop = self._find_stop_string(before)
         if stop is not None:
             seq.finish("stop", now)
