@@ -38,6 +38,8 @@ def _graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor],
 
 
 def _prepare_target(out: Path) -> Path:
+    if out.exists() and not out.is_dir():
+        raise ArtifactError(f"{out} exists and is not a directory; choose another -o directory")
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ArtifactError(f"{out} exists and is not an llmc artifact; choose another -o directory")
     staging = out.with_name(out.name + ".partial")
@@ -47,12 +49,17 @@ def _prepare_target(out: Path) -> Path:
 
 
 def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
-                   compile_info: dict[str, Any], report: dict[str, Any]) -> Path:
-    """Write graphs, weights, tokenizer, report and a manifest hashing them all."""
+                   compile_info: dict[str, Any], report: dict[str, Any],
+                   weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write graphs, weights, tokenizer, report and a manifest hashing them all.
+
+    `weights` (default: the model's) holds every tensor the graphs name, including those that
+    fold_weights computed."""
     staging = _prepare_target(out)
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
-    save_file(_graph_weights(graphs, model.weights, dtype), str(staging / WEIGHTS_FILE))
+    save_file(_graph_weights(graphs, model.weights if weights is None else weights, dtype),
+              str(staging / WEIGHTS_FILE))
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(model.tokenizer.config_dict(), indent=2))
     (staging / REPORT_FILE).write_text(json.dumps(report, indent=2))

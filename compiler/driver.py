@@ -1,17 +1,31 @@
-"""`llmc compile`: load a model, trace both entry graphs, run the pipeline, write the artifact."""
+"""`llmc compile`: load a model, trace both entry graphs, run the pipeline, write the artifact.
+
+IR dumps (`dump_ir`): the IR of each entry graph after tracing and after every pass, as
+`DIR/prefill/00_traced.ir`, `DIR/prefill/01_canonicalize.ir`, ... and the same under
+`DIR/decode/`. The number is the pass's place in the pipeline (`llmc passes`), so a disabled
+pass leaves a gap and a pass has the same file name in every dump, ready for `llmc debug diff`.
+
+Stopping early (`stop_after`): the pipeline ends after that pass. A stop before a pass the
+runtime needs (insert_paged_attention) leaves graphs that no runtime can run, so it writes the
+IR dumps and no artifact, as inspecting a phase in TVM / MLC builds nothing; without `dump_ir`
+such a stop is refused with a sentence saying so.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from llmc.compiler.dtypes import USER_DTYPES, to_torch
 from llmc.compiler.frontend import ENTRIES, trace
+from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import ModelError
 from llmc.models.loader import load_model
-from llmc.passes.pipeline import check_pass_options, run_pipeline
+from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names, required_after, run_pipeline
 from llmc.passes.rewrite import PassContext
 
 from .artifact import write_artifact
@@ -25,29 +39,109 @@ class CompileConfig:
 
     dtype: str = "float32"
     disabled_passes: tuple[str, ...] = ()
+    stop_after: str | None = None
+    dump_ir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in USER_DTYPES:
             raise ModelError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(USER_DTYPES)}")
-        check_pass_options(self.disabled_passes)
+        check_pass_options(self.disabled_passes, self.stop_after)
+        missing = required_after(self.stop_after)
+        if missing and self.dump_ir is None:
+            raise PassError(f"--stop-after {self.stop_after} ends before {missing[0]}, which the runtime needs, "
+                            f"so no artifact could run; add --dump-ir DIR to write the IR up to that pass, "
+                            f"or stop at {missing[0]} or later")
+
+    @property
+    def writes_artifact(self) -> bool:
+        return not required_after(self.stop_after)
+
+
+class IRDumper:
+    """Writes one entry graph's IR after tracing and after each pass (see module docstring)."""
+
+    def __init__(self, root: Path, entry: str):
+        self.folder = Path(root) / entry
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stale in self.folder.glob("[0-9][0-9]_*.ir"):  # from an earlier dump with other options
+            stale.unlink()
+        self.position = {name: i + 1 for i, name in enumerate(pass_names())}
+
+    def traced(self, graph: Graph) -> None:
+        (self.folder / "00_traced.ir").write_text(print_graph(graph))
+
+    def __call__(self, p: Pass, graph: Graph) -> None:
+        (self.folder / f"{self.position[p.name]:02d}_{p.name}.ir").write_text(print_graph(graph))
+
+
+_LAYER_WEIGHT = re.compile(r"^w\.layers\.(\d+)\.")
+
+
+def _layer_of(graph_nodes: dict, node) -> int | None:
+    """The decoder layer whose weights the node reads; -1 for other weights; None for none."""
+    for v in node.inputs:
+        if graph_nodes[v.node].op == "weight":
+            m = _LAYER_WEIGHT.match(v.node)
+            return int(m.group(1)) if m else -1
+    return None
+
+
+def layer_op_counts(graph: Graph, layer: int) -> dict[str, int]:
+    """Ops of one decoder layer: from the first op reading its weights up to the first op that
+    reads another layer's (or a non-layer) weight."""
+    nodes = graph.node_map()
+    ops = [n for n in graph.nodes if n.op not in ("input", "weight")]
+    owners = [_layer_of(nodes, n) for n in ops]
+    if layer not in owners:
+        return {}
+    start = owners.index(layer)
+    end = next((i for i in range(start, len(ops)) if owners[i] not in (None, layer)), len(ops))
+    counts: dict[str, int] = {}
+    for node in ops[start:end]:
+        counts[node.op] = counts.get(node.op, 0) + 1
+    return counts
+
+
+def _report(graphs: dict[str, Graph], records: list, num_layers: int, seconds: dict[str, float]) -> dict:
+    layer = num_layers // 2
+    per_layer = {entry: layer_op_counts(g, layer) for entry, g in graphs.items()}
+    return {"passes": [dataclasses.asdict(r) for r in records],
+            "op_counts": {entry: g.op_counts() for entry, g in graphs.items()},
+            "layer_op_counts": {"layer": layer, **per_layer},
+            "ops_per_layer": {entry: sum(c.values()) for entry, c in per_layer.items()},
+            "seconds": seconds}
 
 
 def compile_model(source: str | Path | None, out: str | Path, config: CompileConfig = CompileConfig(),
-                  progress: Progress = lambda stage: None) -> Path:
-    """Compile `source` (HF folder, .gguf, or None for the embedded default) into `out`."""
+                  progress: Progress = lambda stage: None) -> Path | None:
+    """Compile `source` (HF folder, .gguf, or None for the embedded default) into `out`.
+
+    Returns the artifact path, or None when `config` stops before a pass the runtime needs (then
+    only the IR dumps are written)."""
+    seconds, start = {}, time.perf_counter()
     progress("loading model")
     model = load_model(source)
+    seconds["load"], start = time.perf_counter() - start, time.perf_counter()
     ir_dtype = USER_DTYPES[config.dtype]
-    graphs, records = {}, []
+    weights = dict(model.weights)  # fold_weights adds the merged tensors here
+    graphs, records, seconds["trace"] = {}, [], 0.0
     for entry in ENTRIES:
         progress(f"tracing {entry}")
         traced = trace(model.config, entry, ir_dtype)
+        seconds["trace"] += time.perf_counter() - start
+        dumper = IRDumper(config.dump_ir, entry) if config.dump_ir else None
+        if dumper:
+            dumper.traced(traced)
         progress(f"running passes on {entry}")
-        graphs[entry], entry_records = run_pipeline(traced, PassContext(), config.disabled_passes)
+        graphs[entry], entry_records = run_pipeline(traced, PassContext(weights=weights), config.disabled_passes,
+                                                    config.stop_after, on_pass=dumper)
         records += entry_records
+        start = time.perf_counter()
+    seconds["passes"] = sum(r.seconds for r in records)
+    if not config.writes_artifact:
+        return None
     progress("writing artifact")
-    report = {"passes": [dataclasses.asdict(r) for r in records],
-              "op_counts": {entry: g.op_counts() for entry, g in graphs.items()}}
+    report = _report(graphs, records, model.config.num_layers, seconds)
     compile_info = {"dtype": config.dtype, "passes": [r.name for r in records if r.graph == "prefill"],
-                    "disabled_passes": list(config.disabled_passes)}
-    return write_artifact(Path(out), model, graphs, to_torch(ir_dtype), compile_info, report)
+                    "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after}
+    return write_artifact(Path(out), model, graphs, to_torch(ir_dtype), compile_info, report, weights)

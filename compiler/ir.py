@@ -198,8 +198,12 @@ def parse_node(line: str) -> Node:
         try:
             attrs[key.strip()] = ast.literal_eval(literal.strip())
         except (ValueError, SyntaxError) as exc:
-            raise IRError(f"attribute {key.strip()} has an unreadable value {literal.strip()!r}") from exc
-    types = tuple(parse_type(t) for t in _split_args(types_text))
+            raise IRError(f"attribute {key.strip()} has an unreadable value {literal.strip()!r} "
+                          f"in {line.strip()!r}") from exc
+    try:
+        types = tuple(parse_type(t) for t in _split_args(types_text))
+    except IRError as exc:
+        raise IRError(f"{exc} in {line.strip()!r}") from None
     return Node(name, op, tuple(inputs), attrs, types)
 
 

@@ -159,6 +159,73 @@ def _declared(ts, attrs):  # input / weight: the node's own declaration is its t
     return ()
 
 
+# ------------------------------------------------------------------ fused and structural ops
+
+
+def _add_rmsnorm(ts, attrs):
+    x, r, w = ts
+    _same(x, r, "add_rmsnorm")
+    (normed,) = _rmsnorm([x, w], attrs)
+    return (normed, x)
+
+
+def _silu_mul(ts, attrs):
+    if len(ts) == 2:
+        return _binary(ts, attrs)
+    (x,) = ts
+    _float(x, "silu_mul input")
+    width = x.shape[-1]
+    _expect(isinstance(width, int) and width % 2 == 0,
+            f"one-input silu_mul needs an even last dim (gate and up halves), got {x}")
+    return (x.with_shape(*x.shape[:-1], width // 2),)
+
+
+def _split(ts, attrs):
+    (x,) = ts
+    sizes = attrs["sizes"]
+    _expect(isinstance(sizes, list) and sizes and all(isinstance(s, int) and s > 0 for s in sizes),
+            f"split sizes must be a list of positive ints, got {sizes!r}")
+    _expect(sum(sizes) == x.shape[-1], f"split sizes {sizes} do not add up to the last dim of {x}")
+    return tuple(x.with_shape(*x.shape[:-1], s) for s in sizes)
+
+
+def _concat(ts, attrs):
+    dim, first = attrs["dim"], ts[0]
+    _expect(isinstance(dim, int) and 0 <= dim < len(first.shape), f"concat dim {dim} is outside {first}")
+    for t in ts[1:]:
+        _expect(t.dtype == first.dtype and len(t.shape) == len(first.shape)
+                and all(a == b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim),
+                f"concat operands {first} and {t} differ outside dim {dim}")
+    _expect(all(isinstance(t.shape[dim], int) for t in ts), f"concat along a symbolic dim {dim}")
+    return (first.with_shape(*first.shape[:dim], sum(t.shape[dim] for t in ts), *first.shape[dim + 1:]),)
+
+
+def _linear_add(ts, attrs):
+    (out,) = _linear(ts[:-1], attrs)
+    _same(out, ts[-1], "linear_add residual")
+    return (out,)
+
+
+def _rope_kv_write(ts, attrs):
+    heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    _expect(len(ts) in (4, 6), f"rope_kv_write takes (qkv, positions, cache, slots) or "
+                                f"(q, k, v, positions, cache, slots), got {len(ts)} inputs")
+    if len(ts) == 4:
+        qkv, pos, cache, slots = ts
+        _heads_width(qkv, heads + 2 * kv_heads, head_dim, "rope_kv_write packed qkv")
+        q = qkv.with_shape(qkv.shape[0], heads * head_dim)
+    else:
+        q, k, v, pos, cache, slots = ts
+        _heads_width(q, heads, head_dim, "rope_kv_write query")
+        _kv_write([cache, k, v, slots], attrs)
+    _float(q, "rope_kv_write query")
+    _index(pos, "rope_kv_write positions")
+    _index(slots, "slot_mapping")
+    _expect(pos.shape[0] == q.shape[0], f"rope positions {pos} do not match tokens of {q}")
+    _check_cache(cache, attrs)
+    return (q, cache)
+
+
 ATTN_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale")
 
 OPS: dict[str, OpDef] = {op.name: op for op in [
@@ -182,6 +249,17 @@ OPS: dict[str, OpDef] = {op.name: op for op in [
           "causal attention of packed query chunks over the paged cache (prefill and mixed steps)"),
     OpDef("paged_decode_attention", 4, 4, ("layer",) + ATTN_ATTRS, _paged_attention,
           "attention of one query token per sequence over the paged cache"),
+    # --- produced by passes
+    OpDef("concat", 1, 64, ("dim",), _concat, "operands joined along dim (weights, before fold_weights)"),
+    OpDef("split", 1, 1, ("sizes",), _split, "x cut along its last dim into parts of these widths"),
+    OpDef("add_rmsnorm", 3, 3, ("eps",), _add_rmsnorm,
+          "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm"),
+    OpDef("silu_mul", 1, 2, (), _silu_mul,
+          "silu(gate) * up; with one input x [T, 2N], gate and up are its two halves"),
+    OpDef("linear_add", 3, 4, (), _linear_add, "x @ w.T (+ b) + r: a GEMM with a residual-add epilogue"),
+    OpDef("rope_kv_write", 4, 6, ("layer", "num_heads", "num_kv_heads", "head_dim", "theta", "scaling"),
+          _rope_kv_write, "rope q and k, store k and v at their slots; returns (roped q, cache)",
+          side_effects=True),
 ]}
 
 
@@ -218,9 +296,9 @@ def verify(graph: Graph) -> None:
 
     types: dict[tuple[str, int], TensorType] = {}
     for node in graph.nodes:
-        if any((node.name, i) in types for i in range(len(node.types))):
-            raise IRError(f"node name %{node.name} is defined twice")
         try:
+            if any((node.name, i) in types for i in range(len(node.types))):
+                raise IRError(f"node name %{node.name} is defined twice")
             _verify_node(node, types)
         except IRError as exc:
             raise IRError(f"{exc} (in graph {graph.name}: {format_node(node)})") from None

@@ -55,48 +55,65 @@ def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return kv_cache
 
 
-def _gather_context(kv_cache: torch.Tensor, layer: int, table: torch.Tensor, length: int):
-    """Keys and values [length, KVH, D] of one sequence, read through its block table."""
-    block_size = kv_cache.shape[3]
-    blocks = table[: (length + block_size - 1) // block_size].long()
-    k = kv_cache[layer, 0, blocks].flatten(0, 1)[:length]
-    v = kv_cache[layer, 1, blocks].flatten(0, 1)[:length]
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Grouped-query attention of B sequences with padded contexts.
+
+    q [B, n, H*D], k/v [B, L, KVH, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D].
+    Query heads are grouped by the KV head they share ([B, KVH, G, n, D]), so K and V are read
+    once per KV head instead of being repeated for every query head.
+    """
+    batch, n, width = q.shape
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    qg = q.view(batch, n, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)      # [B, KVH, G, n, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)[:, :, None]).float() * scale  # [B, KVH, G, n, L]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3)[:, :, None])             # [B, KVH, G, n, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(batch, n, width)
+
+
+def _gather_context(kv_cache: torch.Tensor, layer: int, tables: torch.Tensor, dtype: torch.dtype):
+    """Keys and values [B, MB*BS, KVH, D] of B sequences, read through their block tables."""
+    tables = tables.long()
+    k = kv_cache[layer, 0][tables].flatten(1, 2).to(dtype)
+    v = kv_cache[layer, 1][tables].flatten(1, 2).to(dtype)
     return k, v
-
-
-def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
-                        head_dim: int, scale: float) -> torch.Tensor:
-    """Each sequence's query chunk attends causally to its whole cached context."""
-    qh = _heads(q, head_dim)
-    out = torch.empty_like(qh)
-    bounds, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        n, length = end - start, lens[s]
-        if n == 0:
-            continue
-        k, v = _gather_context(kv_cache, layer, block_tables[s], length)
-        q_pos = torch.arange(length - n, length, device=q.device)[:, None]   # [n, 1]
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos        # [n, L]
-        out[start:end] = _sdpa(qh[start:end], k.to(q.dtype), v.to(q.dtype), mask, scale)
-    return out.view(q.shape)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, head_dim: int,
                                scale: float) -> torch.Tensor:
-    """One query per sequence (the newest token) over its cached context, batched.
+    """One query per sequence (its newest token) over its cached context, batched."""
+    k, v = _gather_context(kv_cache, layer, block_tables, q.dtype)           # [S, L, KVH, D]
+    allowed = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
+    return _attend(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
 
-    Query heads are grouped by the KV head they share ([S, KVH, G, D]), so K and V are read
-    once per KV head rather than repeated for every query head.
+
+def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
+                        head_dim: int, scale: float) -> torch.Tensor:
+    """Each sequence's query chunk attends causally to its whole cached context.
+
+    Sequences with one query token (decodes in a mixed step) are batched together; each
+    longer chunk is attended on its own, with the causal mask offset by its cached context.
     """
-    num_seqs, kv_heads = q.shape[0], kv_cache.shape[4]
-    tables = block_tables.long()
-    k = kv_cache[layer, 0][tables].flatten(1, 2).to(q.dtype)              # [S, L, KVH, D]
-    v = kv_cache[layer, 1][tables].flatten(1, 2).to(q.dtype)
-    qg = q.view(num_seqs, kv_heads, -1, head_dim)                           # [S, KVH, G, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale        # [S, KVH, G, L]
-    beyond = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None].long()
-    probs = torch.softmax(scores.masked_fill(beyond[:, None, None, :], float("-inf")), dim=-1)
-    out = torch.matmul(probs.to(q.dtype), v.permute(0, 2, 1, 3))            # [S, KVH, G, D]
-    return out.reshape(num_seqs, -1)
+    out = torch.empty_like(q)
+    bounds, lens = query_start_loc.tolist(), seq_lens.tolist()
+    singles = [s for s in range(len(lens)) if bounds[s + 1] - bounds[s] == 1]
+    if singles:
+        rows = torch.tensor([bounds[s] for s in singles], device=q.device)
+        index = torch.tensor(singles, device=q.device)
+        out[rows] = paged_decode_attention_ref(q[rows], kv_cache, block_tables[index], seq_lens[index],
+                                               layer, head_dim, scale)
+    block_size = kv_cache.shape[3]
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        n, length = end - start, lens[s]
+        if n <= 1:
+            continue
+        table = block_tables[s:s + 1, : (length + block_size - 1) // block_size]
+        k, v = _gather_context(kv_cache, layer, table, q.dtype)              # [1, L', KVH, D]
+        q_pos = torch.arange(length - n, length, device=q.device)[:, None]   # [n, 1]
+        allowed = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos  # [n, L']
+        out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale)[0]
+    return out

@@ -14,3 +14,13 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add fused with the norm after it: returns (rmsnorm(x + r), x + r).
+
+    The sum is taken in x's dtype, exactly as an `add` followed by `rmsnorm` computes it.
+    """
+    total = x + residual
+    return rmsnorm_ref(total, weight, eps), total

@@ -1,8 +1,11 @@
 """The pass pipeline: one ordered, visible list, and the manager that runs it.
 
-Every pass is `Graph, PassContext -> Graph`. The manager verifies the graph after every pass,
-records hits, node counts and time per pass, and turns an invalid graph into a `PassError` that
-names the pass, the node (in IR text) and the rule it broke.
+Every pass is `Graph, PassContext -> Graph`, in its own file. The manager verifies the graph
+after every pass, records hits, node counts and time per pass, and turns an invalid graph into a
+`PassError` that names the pass, the node (in IR text) and the rule it broke. Any pass but a
+`required` one can be disabled by name, and the pipeline can stop after any pass; `on_pass`
+sees each pass's output (IR dumps, bisect), and `ctx.value_map` maps the values of the graph
+before the last pass to those after it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,17 @@ from llmc.compiler.ir import Graph, IRError
 from llmc.compiler.ops import verify
 
 from .canonicalize import canonicalize
+from .cse import cse
 from .dce import dce
+from .fold_weights import fold_weights
+from .fuse_add_rmsnorm import fuse_add_rmsnorm
+from .fuse_epilogues import fuse_epilogues
+from .fuse_rope_kv_write import fuse_rope_kv_write
+from .fuse_silu_mul import fuse_silu_mul
+from .fusion_grouping import fusion_grouping
 from .insert_paged_attention import insert_paged_attention
+from .merge_gate_up import merge_gate_up
+from .merge_qkv import merge_qkv
 from .rewrite import PassContext
 
 
@@ -35,11 +47,24 @@ class Pass:
 PIPELINE: list[Pass] = [
     # --- normalise what tracing produced
     Pass("canonicalize", canonicalize, "drop identity casts, order commutative operands"),
+    Pass("cse", cse, "reuse the first of identical pure computations"),
+    # --- merge GEMMs that read the same input
+    Pass("merge_qkv", merge_qkv, "Q, K, V projections -> one linear + split"),
+    Pass("merge_gate_up", merge_gate_up, "MLP gate and up projections -> one linear + split"),
+    # --- fuse elementwise ops into their neighbours
+    Pass("fuse_add_rmsnorm", fuse_add_rmsnorm, "residual add + rmsnorm -> add_rmsnorm (normed, sum)"),
+    Pass("fuse_silu_mul", fuse_silu_mul, "silu(gate) * up -> silu_mul"),
     # --- lower to the runtime's execution model
     Pass("insert_paged_attention", insert_paged_attention,
          "attention -> kv_write + paged attention over block tables", required=True),
+    Pass("fuse_rope_kv_write", fuse_rope_kv_write, "rope of q and k + kv_write -> rope_kv_write"),
+    Pass("fuse_epilogues", fuse_epilogues, "linear + following residual add -> linear_add"),
+    # --- compute weight-only expressions (merged weights) once, at compile time
+    Pass("fold_weights", fold_weights, "weight-only nodes (concats) -> new stored weights"),
     # --- clean up
     Pass("dce", dce, "remove nodes that reach no output or side effect"),
+    # --- prepare code generation
+    Pass("fusion_grouping", fusion_grouping, "partition ops into kernels: group=N attributes"),
 ]
 
 
@@ -68,6 +93,16 @@ def check_pass_options(disabled: tuple[str, ...] = (), stop_after: str | None = 
     for p in PIPELINE:
         if p.name in disabled and p.required:
             raise PassError(f"pass {p.name!r} cannot be disabled: the runtime needs its output")
+    if stop_after in disabled:
+        raise PassError(f"--stop-after {stop_after} names a disabled pass; stop after one that runs")
+
+
+def required_after(stop_after: str | None) -> list[str]:
+    """Required passes that a pipeline ending after `stop_after` would not run."""
+    if stop_after is None:
+        return []
+    names = pass_names()
+    return [p.name for p in PIPELINE[names.index(stop_after) + 1:] if p.required]
 
 
 def run_pipeline(graph: Graph, ctx: PassContext, disabled: tuple[str, ...] = (),
@@ -81,6 +116,7 @@ def run_pipeline(graph: Graph, ctx: PassContext, disabled: tuple[str, ...] = (),
             continue
         before, start = len(graph.nodes), time.perf_counter()
         hits_before = ctx.hits.get(p.name, 0)
+        ctx.value_map = None
         try:
             graph = p.run(graph, ctx)
             verify(graph)

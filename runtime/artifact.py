@@ -6,7 +6,8 @@
     weights.safetensors    every weight the graphs reference, by canonical name
     tokenizer.json         Hugging Face fast-tokenizer file
     tokenizer_config.json  chat template, bos/eos tokens, add_bos_token
-    report.json            what each pass did (hits, node counts, seconds)
+    report.json            what each pass did (hits, node counts, seconds), op counts per graph and
+                           per decoder layer, seconds per compile stage
 
 `verify_artifact` turns every mismatch into an `ArtifactError` with one sentence that names the
 file and the fix; nothing is trusted before its hash is checked.

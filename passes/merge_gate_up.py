@@ -1,0 +1,44 @@
+"""Merge the gate and up projections of every SwiGLU MLP into one GEMM.
+
+Matches: `mul(silu(linear(x, wg)), linear(x, wu))` (operands in either order), or
+  `silu_mul(linear(x, wg), linear(x, wu))`, both linears over the same x with weight operands.
+Produces: `linear(x, concat(wg, wu, dim=0))` and a `split` into gate and up halves, whose
+  results replace the two projections (fuse_silu_mul then reads the merged output directly).
+Requires: canonicalize. Preserves: numerics up to the GEMM's accumulation order.
+"""
+
+from __future__ import annotations
+
+from llmc.compiler.ir import Graph, Node
+
+from .merge_linears import merge_linears, mergeable
+from .rewrite import PassContext
+
+
+def _gate_and_up(node: Node, nodes: dict[str, Node]) -> tuple[Node, Node] | None:
+    if node.op == "silu_mul" and len(node.inputs) == 2:
+        return nodes[node.inputs[0].node], nodes[node.inputs[1].node]
+    if node.op != "mul":
+        return None
+    a, b = (nodes[v.node] for v in node.inputs)
+    if a.op != "silu" and b.op == "silu":
+        a, b = b, a
+    if a.op != "silu":
+        return None
+    return nodes[a.inputs[0].node], b
+
+
+def gate_up_groups(graph: Graph) -> list[tuple[str, ...]]:
+    """(gate, up) linear node names of every SwiGLU whose projections can merge."""
+    nodes = graph.node_map()
+    groups = []
+    for node in graph.nodes:
+        pair = _gate_and_up(node, nodes)
+        if pair and mergeable(list(pair), nodes):
+            groups.append((pair[0].name, pair[1].name))
+    return groups
+
+
+def merge_gate_up(graph: Graph, ctx: PassContext) -> Graph:
+    """One GEMM for the MLP's gate and up projections (see module docstring)."""
+    return merge_linears(graph, gate_up_groups(graph), "merge_gate_up", ctx)

@@ -1,0 +1,52 @@
+"""Shared machinery of merge_qkv and merge_gate_up: several GEMMs of one input become one.
+
+`merge_linears(graph, groups, name, ctx)` takes groups of `linear` node names (old graph), each
+in the order their outputs are to sit in the merged result. Where the first member of a group
+is met in the walk, it emits `concat` of the weights (and biases) along dim 0, one `linear`
+over the shared input, and a `split` whose results stand for the members in group order.
+The concats read only weights: fold_weights turns them into new stored weights.
+"""
+
+from __future__ import annotations
+
+from llmc.compiler.ir import Graph, Node
+
+from .rewrite import PassContext, RewriteState, rewrite
+
+
+def mergeable(nodes: list[Node], graph_nodes: dict[str, Node]) -> bool:
+    """Linear nodes over one input, with weights (and biases, all or none) that are weight nodes."""
+    if len({n.name for n in nodes}) != len(nodes) or any(n.op != "linear" for n in nodes):
+        return False
+    if len({n.inputs[0] for n in nodes}) != 1 or len({len(n.inputs) for n in nodes}) != 1:
+        return False
+    params = [v for n in nodes for v in n.inputs[1:]]
+    return all(graph_nodes[v.node].op == "weight" and v.index == 0 for v in params)
+
+
+def _emit_merged(state: RewriteState, members: list[Node]):
+    x = state.get(members[0].inputs[0])
+    params = [state.emit("concat", [state.get(m.inputs[i]) for m in members], dim=0).value()
+              for i in range(1, len(members[0].inputs))]
+    merged = state.emit("linear", [x, *params])
+    return state.emit("split", [merged.value()], sizes=[m.type.shape[1] for m in members])
+
+
+def merge_linears(graph: Graph, groups: list[tuple[str, ...]], name: str, ctx: PassContext) -> Graph:
+    """Replace each group of linears by one linear + split (see module docstring)."""
+    nodes = graph.node_map()
+    member_of: dict[str, tuple[int, int]] = {}
+    for g, group in enumerate(groups):
+        if not any(m in member_of for m in group):  # a linear joins one group at most
+            member_of |= {m: (g, i) for i, m in enumerate(group)}
+    splits: dict[int, Node] = {}
+
+    def merge_sibling_linears(node: Node, state: RewriteState):
+        if node.name not in member_of:
+            return None
+        group, index = member_of[node.name]
+        if group not in splits:
+            splits[group] = _emit_merged(state, [nodes[m] for m in groups[group]])
+        return (splits[group].value(index),)
+
+    return rewrite(graph, [merge_sibling_linears], name, ctx)
