@@ -24,6 +24,7 @@ from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
 from .bench import bench_cmd
+from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
 USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError)
@@ -53,16 +54,25 @@ def compile_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
     dtype: str = typer.Option("float32", help="compute dtype: float32, bfloat16 or float16"),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="skip a pass by name (repeatable)"),
+    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="write the IR after tracing and after every "
+                                           "pass: DIR/prefill/00_traced.ir, DIR/prefill/01_canonicalize.ir, ..."),
+    stop_after: Optional[str] = typer.Option(None, "--stop-after", help="end the pipeline after this pass (a stop "
+                                             "before insert_paged_attention writes only the --dump-ir files)"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
 
-    config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass))
+    config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir)
     console = Console(stderr=True)
     start = time.perf_counter()
     with console.status("compiling") as status:
         path = compile_model(model, out, config, progress=lambda stage: status.update(stage))
-    console.print(f"wrote {path} in {time.perf_counter() - start:.1f} s", highlight=False)
+    if path is None:
+        console.print(f"stopped after {stop_after}: wrote the IR to {dump_ir}; no artifact, since the graphs "
+                      "are not yet lowered for the runtime", highlight=False)
+        return
+    dumped = f"; IR after every pass in {dump_ir}" if dump_ir else ""
+    console.print(f"wrote {path} in {time.perf_counter() - start:.1f} s{dumped}", highlight=False)
 
 
 @app.command()
@@ -115,6 +125,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> 
 
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
+register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 
 if __name__ == "__main__":
