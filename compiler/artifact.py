@@ -37,11 +37,16 @@ def _graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor],
     return {name: weights[name].to(dtype).contiguous().clone() for name in names}
 
 
-def _prepare_target(out: Path) -> Path:
+def check_target(out: Path) -> None:
+    """Refuse an -o that is a file or a non-empty folder that is not an artifact (its files stay)."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory; choose another -o directory")
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ArtifactError(f"{out} exists and is not an llmc artifact; choose another -o directory")
+
+
+def _prepare_target(out: Path) -> Path:
+    check_target(out)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -72,7 +77,7 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
         "versions": {"llmc": package_version("llmc"), "torch": torch.__version__,
                      "triton": package_version("triton")},
         "model": model.config.to_dict(),
-        "source": {"format": model.source_format, "files": model.source_files},
+        "source": {"format": model.source_format, "files": model.source_files, "path": model.source_path},
         "compile": compile_info,
         "backends": ["torch"],
         "entries": ENTRY_FILES,

@@ -28,7 +28,7 @@ from llmc.models.loader import load_model
 from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names, required_after, run_pipeline
 from llmc.passes.rewrite import PassContext
 
-from .artifact import write_artifact
+from .artifact import check_target, write_artifact
 
 Progress = Callable[[str], None]
 
@@ -118,6 +118,8 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
 
     Returns the artifact path, or None when `config` stops before a pass the runtime needs (then
     only the IR dumps are written)."""
+    if config.writes_artifact:
+        check_target(Path(out))     # before minutes of work, not after
     seconds, start = {}, time.perf_counter()
     progress("loading model")
     model = load_model(source)

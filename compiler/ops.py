@@ -117,8 +117,8 @@ def _attention(ts, attrs):
 
 
 def _check_cache(cache: TensorType, attrs) -> None:
-    _expect(len(cache.shape) == 6 and cache.shape[1] == 2, f"kv cache must be [L,2,NB,BS,KVH,D], got {cache}")
-    _expect(cache.shape[4] == attrs["num_kv_heads"] and cache.shape[5] == attrs["head_dim"],
+    _expect(len(cache.shape) == 6 and cache.shape[1] == 2, f"kv cache must be [L,2,NB,KVH,BS,D], got {cache}")
+    _expect(cache.shape[3] == attrs["num_kv_heads"] and cache.shape[5] == attrs["head_dim"],
             f"kv cache {cache} does not match num_kv_heads={attrs['num_kv_heads']}, head_dim={attrs['head_dim']}")
     layers = cache.shape[0]
     _expect(not isinstance(layers, int) or 0 <= attrs["layer"] < layers,
@@ -269,7 +269,9 @@ def infer_types(op: str, input_types: list[TensorType], attrs: dict) -> tuple[Te
     if opdef is None:
         raise IRError(f"unknown op {op!r}")
     if not opdef.min_inputs <= len(input_types) <= opdef.max_inputs:
-        raise IRError(f"{op} takes {opdef.min_inputs}..{opdef.max_inputs} inputs, got {len(input_types)}")
+        expected = (str(opdef.min_inputs) if opdef.min_inputs == opdef.max_inputs
+                    else f"{opdef.min_inputs}..{opdef.max_inputs}")
+        raise IRError(f"{op} takes {expected} inputs, got {len(input_types)}")
     missing = [a for a in opdef.attrs if a not in attrs]
     if missing:
         raise IRError(f"{op} is missing attribute(s) {missing}")

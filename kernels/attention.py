@@ -2,7 +2,8 @@
 
 Layouts (tokens of all sequences flattened, heads packed per token):
   q            [T, H * D]         k, v   [T, KVH * D]     (H a multiple of KVH: grouped queries)
-  kv_cache     [L, 2, NB, BS, KVH, D]   (layer, key/value, block, offset in block, head, dim)
+  kv_cache     [L, 2, NB, KVH, BS, D]   (layer, key/value, block, head, offset in block, dim):
+               head-major blocks, so gathering a sequence's blocks per head yields [L, D] rows
   slot_mapping [T] int: block * BS + offset where token t's K/V go; negative = padding, skipped
   block_tables [S, MB] int: the blocks of each sequence, in order (padding entries unused)
   seq_lens     [S] int: tokens of each sequence in the cache after this step's writes
@@ -46,12 +47,12 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start
 def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor, layer: int) -> torch.Tensor:
     """Store each token's K and V at its slot of `layer`, in place; returns the cache."""
-    kvh, head_dim = kv_cache.shape[-2:]
+    kv_heads, block_size, head_dim = kv_cache.shape[3:]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
     for which, x in ((0, k), (1, v)):
-        flat = kv_cache[layer, which].view(-1, kvh, head_dim)              # [NB*BS, KVH, D]
-        flat[slots] = x.view(-1, kvh, head_dim)[valid].to(kv_cache.dtype)
+        kv_cache[layer, which][blocks, :, offsets] = x.view(-1, kv_heads, head_dim)[valid].to(kv_cache.dtype)
     return kv_cache
 
 
@@ -59,34 +60,60 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
             scale: float) -> torch.Tensor:
     """Grouped-query attention of B sequences with padded contexts.
 
-    q [B, n, H*D], k/v [B, L, KVH, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D].
-    Query heads are grouped by the KV head they share ([B, KVH, G, n, D]), so K and V are read
-    once per KV head instead of being repeated for every query head.
+    q [B, n, H*D], k/v [B, KVH, L, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D].
+    The G query heads that share a KV head are stacked with the n queries as the rows of one
+    matrix ([B, KVH, G*n, D]), so each KV head's K and V are multiplied once, unrepeated.
     """
     batch, n, width = q.shape
-    kv_heads, head_dim = k.shape[2], k.shape[3]
-    qg = q.view(batch, n, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)      # [B, KVH, G, n, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)[:, :, None]).float() * scale  # [B, KVH, G, n, L]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    kv_heads, head_dim = k.shape[1], k.shape[3]
+    groups = width // (kv_heads * head_dim)
+    rows = q.view(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, KVH, G, n, D]
+    rows = rows.reshape(batch, kv_heads, groups * n, head_dim)                 # [B, KVH, G*n, D]
+    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * scale           # [B, KVH, G*n, L]
+    mask = allowed[:, None, None].expand(batch, 1, groups, n, allowed.shape[-1])
+    scores = scores.masked_fill(~mask.reshape(batch, 1, groups * n, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3)[:, :, None])             # [B, KVH, G, n, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(batch, n, width)
+    out = torch.matmul(probs, v)                                               # [B, KVH, G*n, D]
+    out = out.view(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)  # [B, n, KVH, G, D]
+    return out.reshape(batch, n, width)
 
 
 def _gather_context(kv_cache: torch.Tensor, layer: int, tables: torch.Tensor, dtype: torch.dtype):
-    """Keys and values [B, MB*BS, KVH, D] of B sequences, read through their block tables."""
-    tables = tables.long()
-    k = kv_cache[layer, 0][tables].flatten(1, 2).to(dtype)
-    v = kv_cache[layer, 1][tables].flatten(1, 2).to(dtype)
-    return k, v
+    """Keys and values [B, KVH, MB*BS, D] of B sequences, read through their block tables.
+
+    One index per (sequence, head, block) into the cache viewed as [NB*KVH, BS, D] lands the
+    rows of each head's context next to each other: no copy beyond the gather itself.
+    """
+    kv_heads, block_size, head_dim = kv_cache.shape[3:]
+    heads = torch.arange(kv_heads, device=tables.device)[None, :, None]
+    index = tables.long()[:, None, :] * kv_heads + heads                      # [B, KVH, MB]
+    shape = (tables.shape[0], kv_heads, tables.shape[1] * block_size, head_dim)
+    k, v = (torch.index_select(kv_cache[layer, which].flatten(0, 1), 0, index.flatten()).view(shape)
+            for which in (0, 1))
+    return k.to(dtype), v.to(dtype)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, head_dim: int,
-                               scale: float) -> torch.Tensor:
-    """One query per sequence (its newest token) over its cached context, batched."""
-    k, v = _gather_context(kv_cache, layer, block_tables, q.dtype)           # [S, L, KVH, D]
-    allowed = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()
+                               scale: float, bucket: int = 16) -> torch.Tensor:
+    """One query per sequence (its newest token) over its cached context, batched.
+
+    Sequences are sorted by length and attended in buckets of `bucket`, each padded only to its
+    own longest context, so short sequences do not read as many blocks as the longest one.
+    """
+    if q.shape[0] <= bucket:
+        return _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale)
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[4]
+    for index in torch.argsort(seq_lens).split(bucket):
+        width = -(-int(seq_lens[index].max()) // block_size)
+        out[index] = _decode_bucket(q[index], kv_cache, block_tables[index, :width], seq_lens[index], layer, scale)
+    return out
+
+
+def _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale):
+    k, v = _gather_context(kv_cache, layer, block_tables, q.dtype)           # [S, KVH, L, D]
+    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None].long()
     return _attend(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
 
 
@@ -106,14 +133,14 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         index = torch.tensor(singles, device=q.device)
         out[rows] = paged_decode_attention_ref(q[rows], kv_cache, block_tables[index], seq_lens[index],
                                                layer, head_dim, scale)
-    block_size = kv_cache.shape[3]
+    block_size = kv_cache.shape[4]
     for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         n, length = end - start, lens[s]
         if n <= 1:
             continue
         table = block_tables[s:s + 1, : (length + block_size - 1) // block_size]
-        k, v = _gather_context(kv_cache, layer, table, q.dtype)              # [1, L', KVH, D]
+        k, v = _gather_context(kv_cache, layer, table, q.dtype)              # [1, KVH, L', D]
         q_pos = torch.arange(length - n, length, device=q.device)[:, None]   # [n, 1]
-        allowed = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos  # [n, L']
+        allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [n, L']
         out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale)[0]
     return out

@@ -114,6 +114,7 @@ class LoadedModel:
     tokenizer: TokenizerFiles
     source_files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     source_format: str = "hf"
+    source_path: str = ""          # where it was loaded from (recorded in the artifact's manifest)
 
 
 def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

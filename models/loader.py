@@ -26,10 +26,13 @@ def load_model(source: str | Path | None) -> LoadedModel:
     """Load a Hugging Face folder, a .gguf file, or (None) the embedded SmolLM2 default."""
     path = resolve_source(source)
     if path.is_dir():
-        return load_hf_folder(path)
-    if path.suffix.lower() == ".gguf":
-        return load_gguf(path)
-    raise ModelError(f"{path} is neither a model folder nor a .gguf file; give one of those")
+        model = load_hf_folder(path)
+    elif path.suffix.lower() == ".gguf":
+        model = load_gguf(path)
+    else:
+        raise ModelError(f"{path} is neither a model folder nor a .gguf file; give one of those")
+    model.source_path = str(path.resolve())
+    return model
 
 
 def load_config(source: str | Path | None) -> ModelConfig:

@@ -7,7 +7,7 @@ Produces: `kv_write(cache, k, v, slot_mapping, layer=i)`, which stores this step
   writes and reads is explicit), then, reading that cache through block tables,
   `paged_attention(q, cache, block_tables, seq_lens, query_start_loc)` in the prefill graph or
   `paged_decode_attention(q, cache, block_tables, seq_lens)` in the decode graph.
-  New graph inputs: kv_cache [L, 2, NB, BS, KVH, D] (dtype of q), slot_mapping i64[tokens],
+  New graph inputs: kv_cache [L, 2, NB, KVH, BS, D] (dtype of q), slot_mapping i64[tokens],
   block_tables i32[S, MB], seq_lens i32[S].
 Requires: canonicalize. Preserves: numerics of a step whose sequences start with an empty cache
   (then the cached context is exactly the chunk itself); with a filled cache the graph now
@@ -37,7 +37,7 @@ class _CacheThread:
     seq_lens: Value | None = None
 
     def declare_inputs(self, state: RewriteState, q_type: TensorType, attrs: dict) -> None:
-        cache_shape = (self.layers, 2, "NB", "BS", attrs["num_kv_heads"], attrs["head_dim"])
+        cache_shape = (self.layers, 2, "NB", attrs["num_kv_heads"], "BS", attrs["head_dim"])
         self.cache = state.declare("kv_cache", "input", TensorType(q_type.dtype, cache_shape))
         self.slot_mapping = state.declare("slot_mapping", "input", TensorType("i64", (q_type.shape[0],)))
         self.block_tables = state.declare("block_tables", "input", TensorType("i32", ("S", "MB")))

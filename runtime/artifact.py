@@ -57,6 +57,8 @@ class Artifact:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest, after checking that it is one and that this llmc can read its version."""
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist; give the folder that `llmc compile -o` wrote")
     if not path.is_dir():
         raise ArtifactError(f"{path} is not a directory; give the folder that `llmc compile -o` wrote")
     try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.compiler.dtypes import to_torch
+from llmc.compiler.ir import TensorType
 
 from .artifact import Artifact
 from .block_manager import BlockManager
@@ -59,6 +60,12 @@ def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
     )
 
 
+def allocate_kv_cache(cache_type: TensorType, num_blocks: int, block_size: int) -> torch.Tensor:
+    """A zeroed cache of the layout the graphs declare, [L, 2, NB, KVH, BS, D], sized to fit."""
+    layers, _, _, kv_heads, _, head_dim = cache_type.shape
+    return torch.zeros(layers, 2, num_blocks, kv_heads, block_size, head_dim, dtype=to_torch(cache_type.dtype))
+
+
 class ModelRunner:
     """Runs the artifact's prefill and decode graphs against one paged KV cache."""
 
@@ -66,9 +73,7 @@ class ModelRunner:
         self.artifact = artifact
         self.programs = {entry: TorchProgram(g, artifact.weights) for entry, g in artifact.graphs.items()}
         cache_type = artifact.graphs["prefill"].node_map()["kv_cache"].type
-        layers, _, _, _, kv_heads, head_dim = cache_type.shape
-        self.kv_cache = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim,
-                                    dtype=to_torch(cache_type.dtype))
+        self.kv_cache = allocate_kv_cache(cache_type, num_blocks, block_size)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

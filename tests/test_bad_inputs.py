@@ -170,7 +170,7 @@ ARTIFACT_WORDS = {
     "edited_ir": ("prefill.ir", "does not match its sha256", "edited", "recompile"),
     "newer_format": ("version 99", "newer", "upgrade llmc"),
     "no_manifest": ("no manifest.json", "not an llmc artifact", "llmc compile"),
-    "does_not_exist": ("is not a directory", "llmc compile -o"),
+    "does_not_exist": ("does not exist", "llmc compile -o"),
 }
 
 

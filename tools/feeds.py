@@ -16,6 +16,7 @@ import torch
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
+from llmc.runtime.model_runner import allocate_kv_cache
 from llmc.runtime.torch_backend import TorchProgram
 
 BLOCK_SIZE = 4
@@ -41,9 +42,7 @@ class Step:
 
 def empty_cache(graph: Graph, num_blocks: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """A zero KV cache of the layout the graph's `kv_cache` input declares."""
-    t = graph.node_map()["kv_cache"].type
-    layers, _, _, _, kv_heads, head_dim = t.shape
-    return torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=to_torch(t.dtype))
+    return allocate_kv_cache(graph.node_map()["kv_cache"].type, num_blocks, block_size)
 
 
 def _cache_feeds(graph: Graph, step: Step, block_size: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from llmc.kernels.rope_kv_write import rope_kv_write_ref
 
 F = lambda *shape: TensorType("f32", shape)  # noqa: E731
 I64 = lambda *shape: TensorType("i64", shape)  # noqa: E731
-CACHE = F(2, 2, "NB", "BS", 3, 12)
+CACHE = F(2, 2, "NB", 3, "BS", 12)
 ROPE_KV = dict(layer=1, num_heads=6, num_kv_heads=3, head_dim=12, theta=10000.0, scaling=None)
 
 
@@ -45,7 +45,7 @@ def test_packed_and_separate_rope_kv_write_agree():
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 144, generator=g)
     positions, slots = torch.tensor([0, 1, 2, 7, 3]), torch.tensor([0, 1, 2, 5, -1])  # -1: padding
-    caches = [torch.zeros(2, 2, 2, 4, 3, 12) for _ in range(2)]
+    caches = [torch.zeros(2, 2, 2, 3, 4, 12) for _ in range(2)]
     q1, c1 = rope_kv_write_ref(qkv, positions, caches[0], slots, **ROPE_KV)
     q, k, v = qkv.split([72, 36, 36], dim=-1)
     q2, c2 = rope_kv_write_ref(q, k, v, positions, caches[1], slots, **ROPE_KV)

@@ -35,11 +35,11 @@ graph prefill {
 
 SIDE_EFFECTS = """
 graph prefill {
-  %kv_cache = input() : f32[1,2,NB,BS,3,12]
+  %kv_cache = input() : f32[1,2,NB,3,BS,12]
   %k = input() : f32[T,36]
   %slot_mapping = input() : i64[T]
-  %0 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,BS,3,12]
-  %1 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,BS,3,12]
+  %0 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,3,BS,12]
+  %1 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,3,BS,12]
   return %1
 }
 """

@@ -9,12 +9,12 @@ BEFORE = """
 graph prefill {
   %x = input() : f32[T,72]
   %unused = input() : f32[T,72]
-  %kv_cache = input() : f32[1,2,NB,BS,3,12]
+  %kv_cache = input() : f32[1,2,NB,3,BS,12]
   %k = input() : f32[T,36]
   %slot_mapping = input() : i64[T]
   %0 = silu(%x) : f32[T,72]
   %1 = mul(%0, %0) : f32[T,72]
-  %2 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,BS,3,12]
+  %2 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,3,BS,12]
   %3 = add(%x, %x) : f32[T,72]
   return %3
 }
@@ -23,10 +23,10 @@ graph prefill {
 AFTER = """
 graph prefill {
   %x = input() : f32[T,72]
-  %kv_cache = input() : f32[1,2,NB,BS,3,12]
+  %kv_cache = input() : f32[1,2,NB,3,BS,12]
   %k = input() : f32[T,36]
   %slot_mapping = input() : i64[T]
-  %0 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,BS,3,12]
+  %0 = kv_write(%kv_cache, %k, %k, %slot_mapping, layer=0, num_kv_heads=3, head_dim=12) : f32[1,2,NB,3,BS,12]
   %1 = add(%x, %x) : f32[T,72]
   return %1
 }

@@ -11,7 +11,7 @@ from pass_checks import (PREFILL_STEPS, TINY, assert_same_numbers, hits, ir, pri
 ROPE = "head_dim=12, theta=10000.0, scaling=None"
 KV = "layer=0, num_kv_heads=3, head_dim=12"
 ATTN = "layer=0, num_heads=6, num_kv_heads=3, head_dim=12, scale=0.25"
-CACHE = "f32[1,2,NB,BS,3,12]"
+CACHE = "f32[1,2,NB,3,BS,12]"
 INPUTS = f"""
   %positions = input() : i64[T]
   %query_start_loc = input() : i32[S+1]

@@ -22,7 +22,7 @@ def test_printed_lowering_counter_and_numbers(entry, paged):
     after, ctx = run_pass(insert_paged_attention, graph)
     assert hits(ctx) == TINY.num_layers
     text = str(after)
-    assert f"%kv_cache = input() : f32[{TINY.num_layers},2,NB,BS,3,12]" in text
+    assert f"%kv_cache = input() : f32[{TINY.num_layers},2,NB,3,BS,12]" in text
     assert "%block_tables = input() : i32[S,MB]" in text
     assert "layer=1, num_kv_heads=3, head_dim=12)" in text       # the second layer's kv_write
     assert after.op_counts()[paged] == TINY.num_layers and "attention" not in after.op_counts()
