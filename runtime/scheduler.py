@@ -5,7 +5,8 @@ Every step gets a token budget (`max_batched_tokens`) and a seat limit (`max_num
      next chunk of an unfinished prompt. So decodes keep flowing while a long prompt is fed in
      chunks (Sarathi-style), and the step mixes prompt chunks with decode tokens.
   2. Waiting sequences fill what budget and seats are left, in (priority, arrival) order; a
-     prompt larger than the budget is admitted with its first chunk. Admission allocates blocks
+     prompt larger than the budget is admitted with its first chunk (with `chunked_prefill` off,
+     it waits for a step where nothing else runs and is computed whole). Admission allocates blocks
      for all known tokens, reusing prefix-cached blocks (those tokens are not recomputed).
 When a running sequence needs a block and none is free, the lowest-priority running sequence
 is preempted by recompute: its blocks are freed and it goes back to the waiting queue with all
@@ -120,15 +121,15 @@ class Scheduler:
             ids = seq.all_ids
             if not self.blocks.can_allocate(ids, reserve=self._watermark if self.running else 0):
                 break
-            remaining_if_cached = len(ids)
-            if not self.config.chunked_prefill and remaining_if_cached > budget and (chunks or self.running):
-                break
+            whole = not self.config.chunked_prefill
+            if whole and len(ids) > budget and (chunks or self.running):
+                break      # without chunking, an oversized prompt waits for a step of its own
             self.waiting.pop(0)
             cached = self.blocks.allocate(seq.seq_id, ids)
             seq.num_computed = min(cached, len(ids) - 1)    # always compute the last token
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = seq.num_computed
-            end = min(len(ids), seq.num_computed + budget)
+            end = len(ids) if whole else min(len(ids), seq.num_computed + budget)
             self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -28,9 +28,9 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int, priority: int = 0, b
 
 class Simulation:
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 8,
-                 max_batched_tokens: int = 64, prefix_caching: bool = True):
+                 max_batched_tokens: int = 64, prefix_caching: bool = True, chunked_prefill: bool = True):
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, SchedulerConfig(max_num_seqs, max_batched_tokens))
+        self.scheduler = Scheduler(self.blocks, SchedulerConfig(max_num_seqs, max_batched_tokens, chunked_prefill))
         self.steps = []
 
     def step(self):

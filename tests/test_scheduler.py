@@ -102,3 +102,18 @@ def test_lower_priority_value_is_admitted_first():
     sim.scheduler.add(late_urgent)
     first = sim.step()
     assert [c.seq.seq_id for c in first.chunks] == [1]
+
+
+def test_without_chunked_prefill_a_long_prompt_is_computed_whole():
+    sim = Simulation(num_blocks=256, max_batched_tokens=32, chunked_prefill=False)
+    short, long = make_seq(0, 5, 3), make_seq(1, 300, 2)
+    sim.scheduler.add(short)
+    sim.step()
+    sim.scheduler.add(long)
+    while not short.is_finished:
+        step = sim.step()
+        assert [c.seq.seq_id for c in step.chunks] == [0]       # the long prompt waits
+    step = sim.step()
+    assert [(c.seq.seq_id, c.start, c.end) for c in step.chunks] == [(1, 0, 300)]
+    sim.run([])
+    assert long.output_ids == reference_output(long)

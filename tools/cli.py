@@ -110,7 +110,7 @@ def _stream_to_stdout(engine, prompt_ids: list[int], params) -> None:
     end = time.perf_counter()
     sys.stdout.write("\n")
     tpot = (end - first) / (count - 1) if count > 1 else 0.0
-    Console(stderr=True).print(
+    Console(stderr=True, soft_wrap=True).print(
         f"prompt {len(prompt_ids)} tokens, generated {count} tokens ({reason}); "
         f"TTFT {1000 * (first - start):.0f} ms, TPOT {1000 * tpot:.1f} ms, "
         f"{(count - 1) / (end - first) if count > 1 else 0:.1f} tok/s decode", highlight=False)
