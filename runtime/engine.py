@@ -20,7 +20,7 @@ from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
 from .memory_plan import kv_bytes_per_token
 from .model_runner import ModelRunner, build_step_inputs
-from .request import Request, RequestOutput
+from .request import Completion, Request, RequestOutput
 from .sampler import make_generator, sample
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -156,16 +156,21 @@ class Engine:
     # ---------------------------------------------------------------- front ends
 
     def generate(self, prompts: list[list[int]] | list[str],
-                 params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run an offline batch to completion; return each prompt's output token ids."""
+                 params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run an offline batch to completion; return each prompt's completion, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        outputs: dict[int, list[int]] = {i: [] for i in ids}
+        done = {i: Completion(i, self.requests[i].seq.prompt_ids, [], "", None, None, None) for i in ids}
         while self.has_unfinished():
             for out in self.step():
-                if out.request_id in outputs:
-                    outputs[out.request_id] += out.new_token_ids
-        return [outputs[i] for i in ids]
+                if out.request_id not in done:
+                    continue
+                c = done[out.request_id]
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                if out.finished:
+                    c.finish_reason, c.stop_reason, c.metrics = out.finish_reason, out.stop_reason, out.metrics
+        return [done[i] for i in ids]
 
     def stream(self, prompt: list[int] | str, params: SamplingParams) -> Iterator[RequestOutput]:
         """Yield one request's outputs as they come; closing the iterator aborts it."""

@@ -44,6 +44,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None   # set when finished
 
 
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics | None
+
+
 class Request:
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, generator: torch.Generator | None):
         self.seq = seq

@@ -309,7 +309,7 @@ def test_llmc_compile_inspect_generate_good_model(good, tmp_path):
     generated = run_llmc("generate", art, "hello", "--max-tokens", "5", "--no-chat")
     assert generated.returncode == 0, generated.stderr
     engine = Engine(art, EngineConfig(kv_cache_bytes=2**20))
-    ids = engine.generate([engine.tokenizer.encode("hello")], SamplingParams(max_tokens=5, temperature=0.0))[0]
+    ids = engine.generate([engine.tokenizer.encode("hello")], SamplingParams(max_tokens=5, temperature=0.0))[0].token_ids
     assert generated.stdout == engine.tokenizer.decode(ids) + "\n"  # the answer and nothing else
     assert "TTFT" in generated.stderr and "TPOT" in generated.stderr
     assert "TTFT" not in generated.stdout

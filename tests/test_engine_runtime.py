@@ -25,7 +25,7 @@ def artifact(tiny_family):
 
 def run(artifact, batch, params=GREEDY, **config):
     engine = Engine(artifact, EngineConfig(**config))
-    outputs = engine.generate(batch, params)
+    outputs = [c.token_ids for c in engine.generate(batch, params)]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     return engine, outputs
 
@@ -57,7 +57,7 @@ def test_prefix_cache_hits_give_the_same_output(artifact):
     batch = [system + p for p in prompts(5, seed=4)] + [system[:32]] * 2   # last two: fully cached
     _, uncached = run(artifact, batch, enable_prefix_caching=False)
     engine = Engine(artifact, EngineConfig(max_num_seqs=1))    # one at a time, so later ones hit
-    cached = engine.generate(batch, GREEDY)
+    cached = [c.token_ids for c in engine.generate(batch, GREEDY)]
     assert engine.blocks.hit_rate() > 0.5
     assert cached == uncached
 
@@ -94,3 +94,10 @@ def test_priority_request_is_served_first(artifact):
     while engine.has_unfinished():
         engine.step()
     assert low != high
+
+
+def test_generate_returns_text_reason_and_metrics(artifact):
+    engine = Engine(artifact)
+    a, b = engine.generate(prompts(2, seed=9), [GREEDY, SamplingParams(max_tokens=3, temperature=0.0)])
+    assert len(a.token_ids) == 24 and a.finish_reason == "length" and a.metrics.output_tokens == 24
+    assert b.text == engine.tokenizer.decode(b.token_ids) and b.prompt_ids == prompts(2, seed=9)[1]

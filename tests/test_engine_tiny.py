@@ -56,7 +56,7 @@ def sampling(seed: int, max_tokens: int = 20) -> SamplingParams:
 def test_greedy_batch_equals_transformers_generate(tiny_family, family):
     model, _, artifact = tiny_family(family)
     prompts = make_prompts()
-    batched = new_engine(artifact).generate(prompts, GREEDY_12)
+    batched = [c.token_ids for c in new_engine(artifact).generate(prompts, GREEDY_12)]
     for prompt, got in zip(prompts, batched):
         assert len(got) == 12
         assert got == hf_greedy(model, prompt, 12)
@@ -65,8 +65,8 @@ def test_greedy_batch_equals_transformers_generate(tiny_family, family):
 def test_greedy_is_batch_invariant(tiny_family):
     _, _, artifact = tiny_family("llama_gqa")
     prompts = make_prompts(1)
-    batched = new_engine(artifact).generate(prompts, GREEDY_12)
-    alone = [new_engine(artifact).generate([p], GREEDY_12)[0] for p in prompts]
+    batched = [c.token_ids for c in new_engine(artifact).generate(prompts, GREEDY_12)]
+    alone = [new_engine(artifact).generate([p], GREEDY_12)[0].token_ids for p in prompts]
     assert batched == alone
 
 
@@ -77,18 +77,18 @@ def test_seeded_sampling_reproduces_alone_and_batched(tiny_family):
     _, _, artifact = tiny_family("llama_gqa")
     p0, p1, p2 = make_prompts(2)
     engine = new_engine(artifact)
-    first = engine.generate([p1], sampling(seed=7))[0]
-    assert engine.generate([p1], sampling(seed=7))[0] == first            # same engine, again
-    assert new_engine(artifact).generate([p1], sampling(seed=7))[0] == first  # a fresh engine
+    first = engine.generate([p1], sampling(seed=7))[0].token_ids
+    assert engine.generate([p1], sampling(seed=7))[0].token_ids == first            # same engine, again
+    assert new_engine(artifact).generate([p1], sampling(seed=7))[0].token_ids == first  # a fresh engine
     batched = engine.generate([p0, p1, p2], [GREEDY_12, sampling(seed=7), sampling(seed=8)])
-    assert batched[1] == first
+    assert batched[1].token_ids == first
 
 
 def test_different_seeds_sample_differently(tiny_family):
     _, _, artifact = tiny_family("llama_gqa")
     prompt = make_prompts(3)[0]
     engine = new_engine(artifact)
-    outs = [engine.generate([prompt], sampling(seed))[0] for seed in (1, 2, 3)]
+    outs = [engine.generate([prompt], sampling(seed))[0].token_ids for seed in (1, 2, 3)]
     assert len({tuple(o) for o in outs}) == 3
 
 

@@ -51,7 +51,8 @@ def test_greedy_generation_matches_transformers(engine, hf):
     tok, model = hf
     prompts = [hf_chat_ids(tok, p) for p in PROMPTS]
     model.generation_config.eos_token_id = None  # both sides run all 32 steps, past any EOS
-    ours = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0))
+    ours = [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True,
+                                                                         temperature=0.0))]
     for ids, got in zip(prompts, ours):
         with torch.no_grad():
             # an explicit mask: the prompt holds <|im_end|> (= pad id), which transformers
@@ -64,4 +65,5 @@ def test_greedy_generation_matches_transformers(engine, hf):
 def test_answer_mentions_paris(engine):
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     (out,) = engine.generate([ids], SamplingParams(max_tokens=32, temperature=0.0))
-    assert "Paris" in engine.tokenizer.decode(out)
+    assert out.finish_reason == "stop"             # EOS, well before 32 tokens
+    assert "Paris" in out.text and out.text == engine.tokenizer.decode(out.token_ids)
