@@ -30,7 +30,9 @@ from llmc.passes.rewrite import PassContext
 
 from .artifact import check_target, write_artifact
 
-Progress = Callable[[str], None]
+Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
+STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
+          "writing artifact"]
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ def _report(graphs: dict[str, Graph], records: list, num_layers: int, seconds: d
 
 
 def compile_model(source: str | Path | None, out: str | Path, config: CompileConfig = CompileConfig(),
-                  progress: Progress = lambda stage: None) -> Path | None:
+                  progress: Progress = lambda stage, done, total: None) -> Path | None:
     """Compile `source` (HF folder, .gguf, or None for the embedded default) into `out`.
 
     Returns the artifact path, or None when `config` stops before a pass the runtime needs (then
@@ -121,20 +123,21 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     if config.writes_artifact:
         check_target(Path(out))     # before minutes of work, not after
     seconds, start = {}, time.perf_counter()
-    progress("loading model")
+    stage = lambda name: progress(name, STAGES.index(name), len(STAGES))  # noqa: E731
+    stage("loading model")
     model = load_model(source)
     seconds["load"], start = time.perf_counter() - start, time.perf_counter()
     ir_dtype = USER_DTYPES[config.dtype]
     weights = dict(model.weights)  # fold_weights adds the merged tensors here
     graphs, records, seconds["trace"] = {}, [], 0.0
     for entry in ENTRIES:
-        progress(f"tracing {entry}")
+        stage(f"tracing {entry}")
         traced = trace(model.config, entry, ir_dtype)
         seconds["trace"] += time.perf_counter() - start
         dumper = IRDumper(config.dump_ir, entry) if config.dump_ir else None
         if dumper:
             dumper.traced(traced)
-        progress(f"running passes on {entry}")
+        stage(f"running passes on {entry}")
         graphs[entry], entry_records = run_pipeline(traced, PassContext(weights=weights), config.disabled_passes,
                                                     config.stop_after, on_pass=dumper)
         records += entry_records
@@ -142,7 +145,7 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     seconds["passes"] = sum(r.seconds for r in records)
     if not config.writes_artifact:
         return None
-    progress("writing artifact")
+    stage("writing artifact")
     report = _report(graphs, records, model.config.num_layers, seconds)
     compile_info = {"dtype": config.dtype, "passes": [r.name for r in records if r.graph == "prefill"],
                     "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after}

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
 
 from llmc.compiler.ir import IRError
@@ -65,8 +66,14 @@ def compile_cmd(
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir)
     console = Console(stderr=True)
     start = time.perf_counter()
-    with console.status("compiling") as status:
-        path = compile_model(model, out, config, progress=lambda stage: status.update(stage))
+    with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("compiling", total=1)
+
+        def show(stage: str, done: int, total: int) -> None:
+            bar.update(task, description=stage, completed=done, total=total)
+
+        path = compile_model(model, out, config, progress=show)
     if path is None:
         console.print(f"stopped after {stop_after}: wrote the IR to {dump_ir}; no artifact, since the graphs "
                       "are not yet lowered for the runtime", highlight=False)
