@@ -142,6 +142,8 @@ def bench_cmd(
 
     if baseline not in (None, "hf"):
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
+    if baseline and math.isfinite(request_rate):
+        raise RequestError("--baseline hf runs static batches and needs all requests at once; drop --request-rate")
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
@@ -152,7 +154,7 @@ def bench_cmd(
         task = progress.add_task("llmc", total=len(requests))
         result["llmc"] = run_llmc(engine, requests, lambda: progress.advance(task))
         if baseline == "hf":
-            result["baselines"] = hf_baselines(engine.artifact, hf_model, workload, requests, progress)
+            result["baselines"] = hf_baselines(engine.artifact, hf_model, requests, progress)
     hf = result.get("baselines", {}).get("hf_static", {})
     if "output_tok_s" in hf:
         result["speedup"] = result["llmc"]["output_tok_s"] / hf["output_tok_s"]

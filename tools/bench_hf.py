@@ -10,7 +10,6 @@ Both ignore EOS and decode greedily, like llmc's side of the benchmark.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -92,11 +91,8 @@ def run_hf_continuous(model, requests, on_done) -> dict:
     return {"seconds": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed}
 
 
-def hf_baselines(artifact: Artifact, hf_model: str | None, workload, requests, progress) -> dict:
+def hf_baselines(artifact: Artifact, hf_model: str | None, requests, progress) -> dict:
     """Run every available transformers baseline; a failing optional one reports its error."""
-    if math.isfinite(workload.request_rate):
-        raise RequestError("--baseline hf runs static batches and needs all requests at once; "
-                           "drop --request-rate")
     model = load_hf_model(artifact, hf_model)
     ordered = sorted(requests, key=lambda r: r.arrival)
     results = {}
