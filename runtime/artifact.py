@@ -91,7 +91,8 @@ def verify_files(path: Path, manifest: dict[str, Any]) -> None:
                                 "or corrupted; recompile the artifact")
 
 
-def _load_graph(path: Path, entry: str) -> Graph:
+def load_graph(path: Path, entry: str) -> Graph:
+    """One entry graph of an artifact, parsed and verified (ArtifactError if it is not valid)."""
     try:
         graph = parse_graph((path / ENTRY_FILES[entry]).read_text())
         verify(graph)
@@ -121,14 +122,12 @@ def _load_tokenizer(path: Path) -> TokenizerFiles:
     return TokenizerFiles(tokenizer_json=(path / TOKENIZER_FILE).read_text(), **cfg)
 
 
-def verify_artifact(path: str | Path) -> dict[str, Any]:
-    """Verify manifest, file hashes and both graphs; return the manifest."""
+def verify_artifact(path: str | Path) -> tuple[dict[str, Any], dict[str, Graph]]:
+    """Verify manifest, file hashes and both graphs; return the manifest and the graphs."""
     path = Path(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
-    for entry in ENTRY_FILES:
-        _load_graph(path, entry)
-    return manifest
+    return manifest, {entry: load_graph(path, entry) for entry in ENTRY_FILES}
 
 
 def load_artifact(path: str | Path) -> Artifact:
@@ -140,6 +139,6 @@ def load_artifact(path: str | Path) -> Artifact:
         config = ModelConfig.from_dict(manifest["model"])
     except (ModelError, TypeError, KeyError) as exc:
         raise ArtifactError(f"{MANIFEST} has an unreadable model config ({exc}); recompile") from None
-    graphs = {entry: _load_graph(path, entry) for entry in ENTRY_FILES}
+    graphs = {entry: load_graph(path, entry) for entry in ENTRY_FILES}
     weights = _load_weights(path, graphs)
     return Artifact(path, manifest, config, graphs, weights, _load_tokenizer(path))

@@ -40,14 +40,10 @@ def _is_artifact(path: Path) -> bool:
 
 
 def _artifact_graph(path: Path, entry: str) -> Graph:
-    from llmc.compiler.ir import parse_graph
-    from llmc.compiler.ops import verify
-    from llmc.runtime.artifact import ENTRY_FILES, read_manifest
+    from llmc.runtime.artifact import load_graph, read_manifest
 
     read_manifest(path)
-    graph = parse_graph((path / ENTRY_FILES[entry]).read_text())
-    verify(graph)
-    return graph
+    return load_graph(path, entry)
 
 
 def _model_graph(source: str | None, entry: str, after: str | None, dtype: str,

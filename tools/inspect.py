@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llmc.compiler.ir import parse_graph
-from llmc.runtime.artifact import ENTRY_FILES, verify_artifact
+from llmc.runtime.artifact import verify_artifact
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
+def human_bytes(n: float, digits: int = 1) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below 1 KiB; TiB is the largest unit."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while n >= 1024 and power < len(units) - 1:
+        n, power = n / 1024, power + 1
+    return f"{n:,.0f} B" if power == 0 else f"{n:,.{digits}f} {units[power]}"
 
 
 def artifact_summary(path: str | Path) -> str:
     """Verify every file hash, then describe model, compile options, graphs and files."""
     path = Path(path)
-    manifest = verify_artifact(path)
+    manifest, graphs = verify_artifact(path)
     model, compile_info, versions = manifest["model"], manifest["compile"], manifest["versions"]
     lines = [
         f"artifact   {path}  (format {manifest['format']} v{manifest['format_version']}, verified)",
@@ -33,12 +33,11 @@ def artifact_summary(path: str | Path) -> str:
         f"versions   llmc {versions['llmc']}, torch {versions['torch']}, triton {versions['triton']}; "
         f"backends {', '.join(manifest['backends'])}",
     ]
-    for entry, file in ENTRY_FILES.items():
-        graph = parse_graph((path / file).read_text())
+    for entry, graph in graphs.items():
         ops = graph.op_counts()
         body = sum(v for k, v in ops.items() if k not in ("input", "weight"))
         lines.append(f"graph      {entry}: {body} ops, {ops.get('weight', 0)} weights, inputs "
                      + ", ".join(f"{n.name}:{n.type}" for n in graph.inputs()))
     for name, entry in manifest["files"].items():
-        lines.append(f"file       {name:<24} {_human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
+        lines.append(f"file       {name:<24} {human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
     return "\n".join(lines)

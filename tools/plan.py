@@ -13,6 +13,8 @@ from llmc.models.loader import load_config
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.memory_plan import MemoryPlan, parse_bytes, plan_memory
 
+from .inspect import human_bytes
+
 
 def _config(model: str) -> ModelConfig:
     path = Path(model)
@@ -21,23 +23,15 @@ def _config(model: str) -> ModelConfig:
     return load_config(path)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def format_plan(cfg: ModelConfig, plan: MemoryPlan, weight_dtype: str, kv_dtype: str) -> str:
     return "\n".join([
         f"model             {cfg.architecture}: {plan.parameters / 1e9:.2f} B parameters, {cfg.num_layers} layers, "
         f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}",
-        f"memory            {_human(plan.memory_bytes)}",
-        f"weights           {_human(plan.weight_bytes)} ({weight_dtype})",
-        f"KV per token      {_human(plan.kv_bytes_per_token)} ({kv_dtype}; 2 x {cfg.num_layers} layers x "
+        f"memory            {human_bytes(plan.memory_bytes, 2)}",
+        f"weights           {human_bytes(plan.weight_bytes, 2)} ({weight_dtype})",
+        f"KV per token      {human_bytes(plan.kv_bytes_per_token, 2)} ({kv_dtype}; 2 x {cfg.num_layers} layers x "
         f"{cfg.num_kv_heads} kv heads x {cfg.head_dim} dims x {plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)} bytes)",
-        f"KV tokens         {plan.kv_tokens:,} in the {_human(plan.memory_bytes - plan.weight_bytes)} the weights leave",
+        f"KV tokens         {plan.kv_tokens:,} in the {human_bytes(plan.memory_bytes - plan.weight_bytes, 2)} the weights leave",
         f"max sequences     {plan.max_sequences:,} at a context of {plan.context:,} tokens",
     ])
 
