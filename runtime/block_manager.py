@@ -155,11 +155,14 @@ class BlockManager:
         full = min(num_computed, len(token_ids)) // self.block_size
         if full <= done:
             return
-        hashes = self._chain_hashes(token_ids, full)
+        # Continue the chain from the last hashed block (live blocks keep their hash) instead of
+        # rehashing the whole sequence each time a block fills.
+        parent = self.blocks[table[done - 1]].hash if done else None
         for index in range(done, full):
             block = self.blocks[table[index]]
-            block.hash = hashes[index]
-            self._cached.setdefault(hashes[index], block.block_id)
+            parent = hash((parent, tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])))
+            block.hash = parent
+            self._cached.setdefault(parent, block.block_id)
         self._hashed_upto[seq_id] = full
 
     def free(self, seq_id: int) -> None:
