@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
 from llmc.runtime.model_runner import allocate_kv_cache
 from llmc.runtime.torch_backend import TorchProgram
