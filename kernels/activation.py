@@ -15,3 +15,19 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Te
     if up is None:
         gate, up = gate.chunk(2, dim=-1)                                   # [T, N] each
     return F.silu(gate) * up
+
+
+def native_silu_mul_fits(x: torch.Tensor, up: torch.Tensor | None = None) -> bool:
+    """Whether kernels/cpu/silu_mul.cpp takes these inputs (else use silu_mul_ref)."""
+    width = x.shape[-1] if up is not None else x.shape[-1] // 2
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and width % 16 == 0
+
+
+def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher of the native kernel (kernels/cpu/silu_mul.cpp): silu_mul_ref's meaning, in fp32."""
+    if not native_silu_mul_fits(gate, up):
+        raise ValueError(f"native silu_mul takes f32/bf16 halves of a multiple of 16; got {gate.dtype} "
+                         f"{tuple(gate.shape)}")
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)                                   # [T, N] views
+    return torch.ops.llmc.silu_mul(gate, up)

@@ -144,3 +144,29 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [n, L']
         out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale)[0]
     return out
+
+
+def native_attention_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether kernels/cpu/paged_attention.cpp takes these inputs (else use the refs above)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
+            and kv_cache.shape[4] == 16 and kv_cache.shape[5] % 16 == 0)
+
+
+def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
+                        scale: float) -> torch.Tensor:
+    """Launcher of the native kernel (kernels/cpu/paged_attention.cpp states its contract):
+    paged_attention_ref's meaning, reading K/V blocks in place with an online softmax."""
+    if not native_attention_fits(q, kv_cache):
+        raise ValueError(f"native paged attention takes f32/bf16 on the CPU with block size 16 and head_dim a "
+                         f"multiple of 16; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    as_int = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
+    return torch.ops.llmc.paged_attention(q.contiguous(), kv_cache, as_int(block_tables), as_int(seq_lens),
+                                          as_int(query_start_loc), layer, scale)
+
+
+def paged_decode_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """The decode case of `paged_attention_cpu`: one query per sequence."""
+    one_each = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention_cpu(q, kv_cache, block_tables, seq_lens, one_each, layer, scale)

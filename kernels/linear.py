@@ -15,3 +15,30 @@ def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, *rest: torch.Tensor) -
     """`rest` is (residual,) or (bias, residual)."""
     *bias, residual = rest
     return F.linear(x, weight, *bias) + residual
+
+
+class PackedLinear:
+    """A weight [N, K] reordered once into oneDNN's blocked GEMM layout (what inductor's CPU
+    "freezing" does), so each call skips the per-call reorder: 1.2-2x faster than F.linear on
+    this project's CPUs at decode batch sizes (the gap shrinks as T grows). f32 and bf16 only.
+    Meaning: F.linear(x, weight, bias), accumulated in fp32 as oneDNN does."""
+
+    def __init__(self, weight: torch.Tensor):
+        if not packable(weight):
+            raise ValueError(f"only contiguous 2-D f32/bf16 CPU weights are packed, not {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.weight = weight
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != self.weight.dtype or x.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"x {x.dtype} {tuple(x.shape)} does not fit packed weight {self.weight.dtype} "
+                             f"{tuple(self.weight.shape)}")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether this torch build can pack `weight` for the CPU GEMM (else use F.linear)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))

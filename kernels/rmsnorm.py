@@ -24,3 +24,24 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     """
     total = x + residual
     return rmsnorm_ref(total, weight, eps), total
+
+
+def native_norm_fits(x: torch.Tensor) -> bool:
+    """Whether kernels/cpu/rmsnorm.cpp takes x (else use the refs above)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0
+
+
+def add_rmsnorm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher of the native kernel (kernels/cpu/rmsnorm.cpp): add_rmsnorm_ref's meaning, with
+    the weight product in fp32 (the ref rounds first: at most one ulp of x's dtype apart)."""
+    if not native_norm_fits(x):
+        raise ValueError(f"native rmsnorm takes f32/bf16 rows of a multiple of 16; got {x.dtype} {tuple(x.shape)}")
+    return torch.ops.llmc.add_rmsnorm(x, residual, weight, eps)
+
+
+def rmsnorm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Launcher of the native kernel (kernels/cpu/rmsnorm.cpp): rmsnorm_ref's meaning."""
+    if not native_norm_fits(x):
+        raise ValueError(f"native rmsnorm takes f32/bf16 rows of a multiple of 16; got {x.dtype} {tuple(x.shape)}")
+    return torch.ops.llmc.rmsnorm(x, weight, eps)

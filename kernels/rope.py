@@ -53,3 +53,21 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: flo
     half = head_dim // 2
     rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
     return (heads * cos + rotated * sin).reshape(x.shape)
+
+
+class RopeTables:
+    """cos and sin [T, head_dim/2] (fp32) of one step's positions, made once and reused by every
+    layer of that step: called again with the same, unmodified positions tensor, it returns the
+    tables it already made."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self._key: tuple[torch.Tensor, int] | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._key is None or self._key[0] is not positions or self._key[1] != positions._version:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
+            self._tables = (freqs.cos().contiguous(), freqs.sin().contiguous())
+            self._key = (positions, positions._version)
+        return self._tables

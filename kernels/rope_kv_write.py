@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .attention import kv_write_ref
-from .rope import rope_ref
+from .rope import RopeTables, rope_ref
 
 
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -28,3 +28,27 @@ def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     q = rope_ref(q, positions, head_dim, theta, scaling)
     k = rope_ref(k, positions, head_dim, theta, scaling)
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
+
+
+def native_rope_kv_write_fits(kv_cache: torch.Tensor) -> bool:
+    """Whether kernels/cpu/rope_kv_write.cpp takes this cache (else use rope_kv_write_ref)."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.shape[5] % 32 == 0)
+
+
+def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launcher of the native kernel (kernels/cpu/rope_kv_write.cpp): rope_kv_write_ref's meaning,
+    the rotation in fp32; `tables` gives the cos/sin of the step's positions."""
+    if len(tensors) == 4:
+        qkv, positions, kv_cache, slot_mapping = tensors
+        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)         # column views
+    else:
+        q, k, v, positions, kv_cache, slot_mapping = tensors
+    if not native_rope_kv_write_fits(kv_cache) or q.dtype != kv_cache.dtype:
+        raise ValueError(f"native rope_kv_write takes an f32/bf16 cache with head_dim a multiple of 32 and q of "
+                         f"its dtype; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    cos, sin = tables(positions)
+    q_rot = torch.ops.llmc.rope_kv_write(q, k, v, cos, sin, kv_cache, slot_mapping.long().contiguous(), layer)
+    return q_rot, kv_cache

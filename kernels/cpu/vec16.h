@@ -1,0 +1,97 @@
+// 16-lane fp32 vectors for the CPU kernels, written with GCC/Clang vector extensions, so the
+// compiler emits AVX-512, AVX2 or NEON code for whatever machine builds them (-march=native).
+//
+//   Vec16          16 floats
+//   load16(p)      16 elements of float or bfloat16 at p, widened to fp32
+//   store16(p, v)  16 floats to float or bfloat16 (round to nearest even) at p
+//   hsum / hmax    horizontal sum / max
+//   exp16(v)       e^v per lane, relative error ~2e-7; lanes below -87.3 give 0
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace llmc_cpu {
+
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
+typedef uint32_t Uint16 __attribute__((vector_size(64)));
+typedef uint16_t Half16 __attribute__((vector_size(32)));
+
+inline Vec16 splat(float x) { return Vec16{} + x; }
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Vec16 load16(const c10::BFloat16* p) {
+  Half16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  Uint16 bits = __builtin_convertvector(raw, Uint16) << 16;  // bf16 is the top half of an fp32
+  Vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store16(c10::BFloat16* p, Vec16 v) {
+  Uint16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);                      // round to nearest even
+  Half16 raw = __builtin_convertvector(bits >> 16, Half16);
+  std::memcpy(p, &raw, sizeof(raw));
+}
+
+// Lane i + shift (mod 16) moved to lane i: the steps of a log2(16)-deep reduction tree.
+inline Vec16 rotate8(Vec16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline Vec16 rotate4(Vec16 v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
+inline Vec16 rotate2(Vec16 v) { return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
+inline Vec16 rotate1(Vec16 v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); }
+
+inline float hsum(Vec16 v) {
+  v += rotate8(v);
+  v += rotate4(v);
+  v += rotate2(v);
+  v += rotate1(v);
+  return v[0];
+}
+
+inline Vec16 vmax(Vec16 a, Vec16 b) { return a > b ? a : b; }
+
+inline float hmax(Vec16 v) {
+  v = vmax(v, rotate8(v));
+  v = vmax(v, rotate4(v));
+  v = vmax(v, rotate2(v));
+  v = vmax(v, rotate1(v));
+  return v[0];
+}
+
+inline Vec16 exp16(Vec16 x) {
+  const Vec16 lo = splat(-87.3f), hi = splat(88.3f);
+  Int16 underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // e^x = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2
+  Vec16 n = x * 1.44269504088896341f;
+  n = __builtin_convertvector(__builtin_convertvector(n + (Vec16)(n >= 0 ? splat(0.5f) : splat(-0.5f)), Int16), Vec16);
+  Vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  Int16 scale = (__builtin_convertvector(n, Int16) + 127) << 23;
+  Vec16 two_n;
+  std::memcpy(&two_n, &scale, sizeof(two_n));
+  Vec16 out = p * two_n;
+  return underflow ? splat(0.f) : out;
+}
+
+}  // namespace llmc_cpu

@@ -1,0 +1,172 @@
+"""The native CPU kernels (kernels/cpu/*.cpp) against their torch refs, in f32 and bf16.
+
+Shapes include T=1, odd T, widths that are not powers of two (576), grouped queries, chunks
+over a cached context, sequences ending exactly on a block boundary, and padding slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmc.kernels.activation import silu_mul_cpu, silu_mul_ref
+from llmc.kernels.attention import (kv_write_ref, paged_attention_cpu, paged_attention_ref,
+                                    paged_decode_attention_cpu, paged_decode_attention_ref)
+from llmc.kernels.linear import PackedLinear
+from llmc.kernels.native import load_native_kernels
+from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref, rmsnorm_cpu, rmsnorm_ref
+from llmc.kernels.rope import RopeTables
+from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
+from tolerances import tolerance
+
+DTYPES = [torch.float32, torch.bfloat16]
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    load_native_kernels()
+
+
+def assert_matches(got, want, exact, dtype, reduction):
+    """f32: `got` (native) equals the torch ref `want` within the dtype tolerance. bf16, where
+    the two round at different points: `got` is as close to the float64 result `exact` as the
+    ref is, within a factor 2 and one bf16 ulp of the largest value."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **tolerance(dtype, reduction))
+        return
+    exact = exact.double()
+    err_got, err_ref = ((x.double() - exact).abs().max().item() for x in (got, want))
+    assert err_got <= 2 * err_ref + 2.0**-8 * exact.abs().max().item(), (err_got, err_ref)
+
+
+def random_cache(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """A 2-layer cache with random K/V for each sequence's tokens in shuffled blocks of 16."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-n // BS) for n in lens]
+    order = torch.randperm(sum(needed) + 2, generator=g).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(order[at:at + n])
+        at += n
+    width = max(needed)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cache = torch.zeros(2, 2, len(order), kv_heads, BS, head_dim, dtype=dtype)
+    for s, n in enumerate(lens):
+        slots = torch.tensor([tables[s][p // BS] * BS + p % BS for p in range(n)])
+        k, v = (torch.randn(n, kv_heads * head_dim, generator=g).to(dtype) for _ in range(2))
+        kv_write_ref(cache, k, v, slots, layer=1)
+    return cache, block_tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_decode_attention_matches_ref(dtype, heads, kv_heads, head_dim):
+    lens = [1, 16, 17, 32, 250, 7, 100]       # one token, exact blocks, one past a block
+    cache, tables = random_cache(lens, kv_heads, head_dim, dtype, seed=head_dim)
+    q = torch.randn(len(lens), heads * head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    seq_lens, scale = torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5
+    got = paged_decode_attention_cpu(q, cache, tables, seq_lens, 1, scale)
+    want = paged_decode_attention_ref(q, cache, tables, seq_lens, 1, head_dim, scale)
+    exact = paged_decode_attention_ref(q.double(), cache.double(), tables, seq_lens, 1, head_dim, scale)
+    assert_matches(got, want, exact, dtype, max(lens))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_chunks_match_ref(dtype):
+    """Decodes, chunks over a cached context (longer than one 16-query tile), a whole prompt."""
+    lens, chunk = [9, 57, 1, 40, 6, 33], [1, 21, 1, 40, 1, 17]
+    cache, tables = random_cache(lens, 3, 64, dtype, seed=3)
+    qsl = torch.tensor([0] + torch.tensor(chunk).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(chunk), 9 * 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = paged_attention_cpu(q, cache, tables, seq_lens, qsl, 1, 0.125)
+    want = paged_attention_ref(q, cache, tables, seq_lens, qsl, 1, 64, 0.125)
+    exact = paged_attention_ref(q.double(), cache.double(), tables, seq_lens, qsl, 1, 64, 0.125)
+    assert_matches(got, want, exact, dtype, max(lens))
+
+
+def test_attention_launcher_refuses_what_the_kernel_does_not_take():
+    cache = torch.zeros(1, 2, 4, 3, 16, 12)                               # head_dim 12
+    with pytest.raises(ValueError, match="head_dim a multiple of 16"):
+        paged_decode_attention_cpu(torch.zeros(1, 36), cache, torch.zeros(1, 1, dtype=torch.int32),
+                                   torch.ones(1, dtype=torch.int32), 0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [True, False])
+def test_rope_kv_write_matches_ref(dtype, packed):
+    heads, kv_heads, d, t = 9, 3, 64, 13
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    parts = [qkv] if packed else [x.contiguous() for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)]
+    positions = torch.randint(0, 500, (t,), generator=g)
+    slots = torch.randperm(4 * BS, generator=g)[:t]
+    slots[5] = -1                                                         # padding: not written
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    attrs = dict(layer=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=d)
+    caches = [torch.zeros(2, 2, 4, kv_heads, BS, d, dtype=dt) for dt in (dtype, dtype, torch.float64)]
+    q_got, _ = rope_kv_write_cpu(*parts, positions, caches[0], slots, **attrs,
+                                 tables=RopeTables(d, 10000.0, scaling))
+    q_want, _ = rope_kv_write_ref(*parts, positions, caches[1], slots, **attrs, theta=10000.0, scaling=scaling)
+    q_exact, _ = rope_kv_write_ref(*[x.double() for x in parts], positions, caches[2], slots, **attrs,
+                                   theta=10000.0, scaling=scaling)
+    assert_matches(q_got, q_want, q_exact, dtype, 2)
+    assert_matches(caches[0], caches[1], caches[2], dtype, 2)
+
+
+def test_rope_tables_are_reused_within_a_step_and_remade_after_a_change():
+    tables, positions = RopeTables(64, 10000.0, None), torch.arange(5)
+    first = tables(positions)
+    assert tables(positions) is first
+    positions += 1                                                        # in place: a new step's values
+    cos, _ = tables(positions)
+    torch.testing.assert_close(cos, (positions.float()[:, None] * tables.inv_freq).cos())
+
+
+def test_rope_kv_write_refuses_a_slot_outside_the_cache():
+    cache = torch.zeros(1, 2, 2, 1, BS, 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        rope_kv_write_cpu(torch.zeros(1, 96), torch.zeros(1, dtype=torch.long), cache, torch.tensor([2 * BS]),
+                          layer=0, num_heads=1, num_kv_heads=1, head_dim=32, tables=RopeTables(32, 1e4, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_rmsnorms_match_ref(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x, r = (torch.randn(tokens, 576, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(576, generator=g).add(0.5).to(dtype)
+    normed, total = add_rmsnorm_cpu(x, r, w, 1e-5)
+    want_normed, want_total = add_rmsnorm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(total, want_total, atol=0, rtol=0)          # the same rounded sum
+    assert_matches(normed, want_normed, rmsnorm_ref(total.double(), w.double(), 1e-5), dtype, 576)
+    assert_matches(rmsnorm_cpu(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), rmsnorm_ref(x.double(), w.double(), 1e-5),
+                   dtype, 576)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_ref_packed_and_split(dtype):
+    x = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    exact = silu_mul_ref(x.double())
+    assert_matches(silu_mul_cpu(x), silu_mul_ref(x), exact, dtype, 1)
+    gate, up = x.chunk(2, dim=-1)
+    assert_matches(silu_mul_cpu(gate, up), silu_mul_ref(gate, up), exact, dtype, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, tokens, bias):
+    g = torch.Generator().manual_seed(tokens)
+    x, w = torch.randn(tokens, 576, generator=g).to(dtype), torch.randn(960, 576, generator=g).to(dtype)
+    b = torch.randn(960, generator=g).to(dtype) if bias else None
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_matches(PackedLinear(w)(x, b), F.linear(x, w, b), exact, dtype, 576)
+
+
+def test_packed_linear_refuses_a_mismatched_input():
+    with pytest.raises(ValueError, match="does not fit"):
+        PackedLinear(torch.zeros(8, 16))(torch.zeros(2, 8))
