@@ -20,6 +20,7 @@ from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
 from .memory_plan import kv_bytes_per_token
 from .model_runner import ModelRunner, build_step_inputs
+from .native_impls import KERNEL_CHOICES, choose_op_impls
 from .request import Completion, Request, RequestOutput
 from .sampler import make_generator, sample
 from .sampling_params import RequestError, SamplingParams
@@ -38,11 +39,14 @@ class EngineConfig:
     max_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
+    kernels: str = "auto"           # "native" (C++ CPU kernels), "reference" (torch refs) or "auto"
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise RequestError(f"engine option {name}={getattr(self, name)} must be positive")
+        if self.kernels not in KERNEL_CHOICES:
+            raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
-        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size)
+        impls, self.kernels = choose_op_impls(config.kernels)
+        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, impls)
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}
         self.num_steps = 0

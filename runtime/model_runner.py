@@ -21,7 +21,7 @@ from llmc.compiler.ir import TensorType
 from .artifact import Artifact
 from .block_manager import BlockManager
 from .scheduler import Chunk
-from .torch_backend import TorchProgram
+from .torch_backend import OpImpl, TorchProgram
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ def allocate_kv_cache(cache_type: TensorType, num_blocks: int, block_size: int) 
 class ModelRunner:
     """Runs the artifact's prefill and decode graphs against one paged KV cache."""
 
-    def __init__(self, artifact: Artifact, num_blocks: int, block_size: int):
+    def __init__(self, artifact: Artifact, num_blocks: int, block_size: int, impls: dict[str, OpImpl]):
         self.artifact = artifact
-        self.programs = {entry: TorchProgram(g, artifact.weights) for entry, g in artifact.graphs.items()}
+        self.programs = {entry: TorchProgram(g, artifact.weights, impls) for entry, g in artifact.graphs.items()}
         cache_type = artifact.graphs["prefill"].node_map()["kv_cache"].type
         self.kv_cache = allocate_kv_cache(cache_type, num_blocks, block_size)
 

@@ -73,20 +73,21 @@ def _value_slots(graph: Graph) -> dict[Value, int]:
 
 
 class TorchProgram:
-    """One IR graph bound to its weights, callable with a dict of input tensors."""
+    """One IR graph bound to its weights, callable with a dict of input tensors. `impls` maps
+    each op to its torch function: the refs (OP_IMPLS) unless a faster table is given."""
 
-    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor]):
+    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], impls: dict[str, OpImpl] = OP_IMPLS):
         self.graph = graph
         self.input_names = [n.name for n in graph.inputs()]
         self._slots = slot = _value_slots(graph)
         self._constants = {slot[n.value()]: weights[n.name[2:]] for n in graph.weights()}
         self._input_slots = {n.name: slot[n.value()] for n in graph.inputs()}
         self._outputs = [slot[v] for v in graph.outputs]
-        self._steps = self._plan(graph, slot)
+        self._steps = self._plan(graph, slot, impls)
         self._num_slots = len(slot)
 
     @staticmethod
-    def _plan(graph: Graph, slot: dict[Value, int]) -> list[_Step]:
+    def _plan(graph: Graph, slot: dict[Value, int], impls: dict[str, OpImpl]) -> list[_Step]:
         ops = [n for n in graph.nodes if n.op not in ("input", "weight")]
         last_use: dict[int, int] = {}
         for i, node in enumerate(ops):
@@ -100,7 +101,7 @@ class TorchProgram:
             reads = tuple(slot[v] for v in node.inputs)
             outs = tuple(slot[node.value(r)] for r in range(len(node.types)))
             dying = tuple(s for s in sorted(set(reads) | set(outs)) if last_use.get(s) == i and s not in keep)
-            steps.append(_Step(OP_IMPLS[node.op], node.attrs, reads, outs, dying))
+            steps.append(_Step(impls[node.op], node.attrs, reads, outs, dying))
         return steps
 
     def _run(self, feeds: dict[str, torch.Tensor], free: bool) -> list[Any]:

@@ -12,6 +12,7 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
+from llmc.runtime.native_impls import choose_op_impls
 from llmc.runtime.sequence import Sequence
 from tiny_models import FAMILIES
 from tolerances import tolerance
@@ -29,9 +30,12 @@ def make_prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def new_runner(artifact_path, num_blocks=32, block_size=4):
+def new_runner(artifact_path, kernels="reference"):
+    """Reference kernels on blocks of 4 tokens; native ones on the blocks of 16 they take."""
     art = load_artifact(artifact_path)
-    return ModelRunner(art, num_blocks, block_size), BlockManager(num_blocks, block_size)
+    num_blocks, block_size = (32, 4) if kernels == "reference" else (8, 16)
+    impls, _ = choose_op_impls(kernels)
+    return ModelRunner(art, num_blocks, block_size, impls), BlockManager(num_blocks, block_size)
 
 
 def run_all_positions(runner, blocks, chunks):
@@ -41,10 +45,11 @@ def run_all_positions(runner, blocks, chunks):
     return runner.run("prefill", step)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "native"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_prefill_and_decode_match_transformers(tiny_family, family):
+def test_prefill_and_decode_match_transformers(tiny_family, family, kernels):
     model, _, artifact = tiny_family(family)
-    runner, blocks = new_runner(artifact)
+    runner, blocks = new_runner(artifact, kernels)
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=16)) for i, p in enumerate(make_prompts(1))]
     for s in seqs:
@@ -67,10 +72,11 @@ def test_prefill_and_decode_match_transformers(tiny_family, family):
             s.num_computed = s.num_tokens
 
 
-def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family):
+@pytest.mark.parametrize("family,kernels", [("llama_gqa", "reference"), ("llama_hd32", "native")])
+def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family, family, kernels):
     """A prompt computed in three chunks, mixed with another sequence's decode token."""
-    model, _, artifact = tiny_family("llama_gqa")
-    runner, blocks = new_runner(artifact)
+    model, _, artifact = tiny_family(family)
+    runner, blocks = new_runner(artifact, kernels)
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     long = Sequence(0, make_prompts(3)[2] * 2, SamplingParams(max_tokens=1))    # 26 tokens
     short = Sequence(1, make_prompts(4)[0], SamplingParams(max_tokens=8))
@@ -86,3 +92,17 @@ def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family):
         torch.testing.assert_close(logits[-1], hf_logits(model, short.all_ids)[-1], **tol)
         short.output_ids.append(7)
     torch.testing.assert_close(torch.cat(pieces), hf_logits(model, long.prompt_ids), **tol)
+
+
+def test_native_runner_runs_the_native_kernels_where_shapes_fit(tiny_family):
+    """On the hd32 model every native kernel applies (the others fall back to refs)."""
+    _, _, artifact = tiny_family("llama_hd32")
+    runner, blocks = new_runner(artifact, "native")
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=1)) for i, p in enumerate(make_prompts(5))]
+    for s in seqs:
+        blocks.allocate(s.seq_id, s.prompt_ids)
+    with torch.profiler.profile() as prof:
+        run_all_positions(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
+    ran = {e.name for e in prof.events()}
+    assert {"llmc::paged_attention", "llmc::rope_kv_write", "llmc::add_rmsnorm", "llmc::rmsnorm",
+            "llmc::silu_mul", "mkldnn::_linear_pointwise"} <= ran

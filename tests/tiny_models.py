@@ -26,6 +26,9 @@ FAMILIES = {
                 dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)),
+    # widths a multiple of 16 and head_dim 32: the shapes llmc's native CPU kernels take
+    "llama_hd32": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(num_attention_heads=6, num_key_value_heads=3,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -45,14 +48,14 @@ def byte_tokenizer() -> Tokenizer:
 
 
 def build_hf_model(family: str, seed: int = 0):
-    """A random-weight transformers model of `family`: hidden 72, 2 layers, vocab 300."""
+    """A random-weight transformers model of `family`: hidden 72 unless the family says, 2 layers, vocab 300."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=300, hidden_size=72, intermediate_size=120, num_hidden_layers=2,
-        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    settings = dict(vocab_size=300, hidden_size=72, intermediate_size=120, num_hidden_layers=2,
+                    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = getattr(transformers, config_cls)(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # norms start at 1.0; make them random so a wrong norm would show

@@ -101,6 +101,7 @@ def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[],
         "tpot_s": percentiles([m.tpot for m in metrics if m.output_tokens > 1]),
         "prefix_cache_hit_rate": engine.blocks.hit_rate(),
         "preemptions": engine.scheduler.num_preemptions,
+        "kernels": engine.kernels,
     }
 
 
@@ -111,7 +112,8 @@ def format_report(result: dict) -> str:
         f"llmc          {llmc['output_tok_s']:8.1f} output tok/s  {llmc['total_tok_s']:8.1f} total tok/s  "
         f"({llmc['output_tokens']} output tokens in {llmc['seconds']:.1f} s)",
         f"              TTFT p50/p90/p99 {ms(llmc['ttft_s'])} ms   TPOT p50/p90/p99 {ms(llmc['tpot_s'])} ms",
-        f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}",
+        f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}, "
+        f"{llmc['kernels']} kernels",
     ]
     for name, base in result.get("baselines", {}).items():
         if "error" in base:
@@ -133,6 +135,7 @@ def bench_cmd(
     kv_memory: str = typer.Option("1GiB", help="KV cache memory for llmc"),
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
     max_batched_tokens: int = typer.Option(512, help="llmc's token budget per step"),
+    kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -147,7 +150,7 @@ def bench_cmd(
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                                           max_batched_tokens=max_batched_tokens))
+                                           max_batched_tokens=max_batched_tokens, kernels=kernels))
     requests = workload.requests(engine.artifact.config.vocab_size)
     result: dict = {"workload": asdict(workload)}
     with Progress(transient=True) as progress:

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
 
 from llmc.compiler.ir import IRError
+from llmc.kernels.native import NativeBuildError
 from llmc.models.config import ModelError
 from llmc.passes.pipeline import PassError
 from llmc.runtime.artifact import ArtifactError
@@ -28,7 +29,7 @@ from .bench import bench_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
-USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError)
+USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="llmc: compile a Llama-family model into an artifact, then run it.")
@@ -92,13 +93,14 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="seed for sampling, for reproducible output"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the model's chat template"),
     system: Optional[str] = typer.Option(None, help="system message (chat mode)"),
+    kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
-    from llmc.runtime.engine import Engine
+    from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact)
+    engine = Engine(artifact, EngineConfig(kernels=kernels))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
