@@ -4,20 +4,22 @@
 They are built with torch's C++ extension builder (`-O3 -march=native`, so the 16-lane vectors of
 `cpu/vec16.h` become AVX-512, AVX2 or NEON code for the machine at hand) into
 `$LLMC_CACHE_DIR/kernels` (default `~/.cache/llmc/kernels`); a later process reuses the build
-unless a source changed. Building takes ~15 s once per machine and needs a C++ compiler. Each
+unless a source changed. Building takes ~30 s once per machine and needs a C++ compiler. Each
 launcher in kernels/*.py states its kernel's contract; the torch `_ref` beside it is the meaning.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 from pathlib import Path
 
 import torch
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 EXTENSION_NAME = "llmc_cpu_kernels"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 class NativeBuildError(RuntimeError):
@@ -41,11 +43,18 @@ def load_native_kernels() -> None:
 
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob(f"{EXTENSION_NAME}*.so")):
+        logging.getLogger("llmc").info("building the native CPU kernels into %s (once per machine, about 30 s)", build)
+    builder_log = logging.getLogger("torch.utils.cpp_extension")
+    level = builder_log.level
+    builder_log.setLevel(logging.ERROR)        # its compiler-ABI banner is noise next to our sentence
     try:
         load(name=EXTENSION_NAME, sources=[str(p) for p in sorted(SOURCE_DIR.glob("*.cpp"))],
              extra_cflags=CFLAGS, extra_include_paths=[str(SOURCE_DIR)], build_directory=str(build),
              is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise NativeBuildError(f"building the native CPU kernels in {build} failed ({first_line}); "
-                               "install a C++ compiler (g++) or run with --kernels reference") from None
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError):
+        compiler = os.environ.get("CXX", "c++")
+        raise NativeBuildError(f"the C++ compiler {compiler!r} could not build llmc's native CPU kernels in "
+                               f"{build}; install g++, or run with --kernels reference") from None
+    finally:
+        builder_log.setLevel(level)

@@ -10,6 +10,7 @@ good path, also run as real `llmc` processes.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,10 +61,10 @@ def assert_cli_error(result, *words: str) -> None:
     assert_one_sentence(message.removeprefix("error: "), *words)
 
 
-def run_llmc(*args) -> subprocess.CompletedProcess:
+def run_llmc(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """A real `llmc` process (bytes out, so no newline translation of generated text)."""
     proc = subprocess.run([sys.executable, "-m", "llmc.tools.cli", *map(str, args)], capture_output=True,
-                          timeout=120)
+                          timeout=120, env=None if env is None else {**os.environ, **env})
     return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
 
 
@@ -213,6 +214,7 @@ REQUEST_CASES = {  # prompt, options, words
     "negative_temperature": ("hi", ["--temperature", "-1"], ("temperature=-1.0", "must be in [0, 100]")),
     "over_the_context": ("hi", ["--max-tokens", "1000"], ("max_tokens (1000)", "context of 256", "shorten")),
     "empty_prompt": ("", ["--no-chat"], ("prompt is empty",)),
+    "unknown_kernels": ("hi", ["--kernels", "fast"], ("kernels 'fast' is unknown", "auto, native, reference")),
 }
 
 
@@ -313,3 +315,16 @@ def test_llmc_compile_inspect_generate_good_model(good, tmp_path):
     assert generated.stdout == engine.tokenizer.decode(ids) + "\n"  # the answer and nothing else
     assert "TTFT" in generated.stderr and "TPOT" in generated.stderr
     assert "TTFT" not in generated.stdout
+
+
+def test_no_cpp_compiler_fails_native_in_one_sentence_and_auto_falls_back(good, tmp_path):
+    """No C++ compiler: --kernels native is an error; the default runs the torch refs, warned."""
+    env = {"CXX": str(tmp_path / "no-such-c++"), "LLMC_CACHE_DIR": str(tmp_path / "cache")}
+    native = run_llmc("generate", good[1], "hello", "--max-tokens", "3", "--kernels", "native", env=env)
+    assert native.returncode == 1 and "Traceback" not in native.stderr and native.stdout == ""
+    last = native.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    assert_one_sentence(last.removeprefix("error: "), "no-such-c++", "could not build", "--kernels reference")
+    auto = run_llmc("generate", good[1], "hello", "--max-tokens", "3", "--no-chat", env=env)
+    assert auto.returncode == 0, auto.stderr
+    assert "running the torch reference kernels instead" in auto.stderr and auto.stdout.strip()

@@ -7,6 +7,7 @@ the answer. A user error (bad model, bad artifact, bad request) prints one sente
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,12 @@ USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, Nati
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="llmc: compile a Llama-family model into an artifact, then run it.")
+
+
+@app.callback()
+def show_progress_notes() -> None:
+    """llmc's log lines (a one-time kernel build, a fallback) go to stderr as plain sentences."""
+    logging.basicConfig(level=logging.INFO, format="llmc: %(message)s", stream=sys.stderr)
 
 
 def user_errors(command: Callable) -> Callable:
