@@ -1,7 +1,8 @@
 """The torch backend's op table with llmc's native CPU kernels (kernels/cpu/*.cpp) in place of
 the torch refs for the ops that dominate a step: paged attention, RoPE + KV write, RMSNorm and
-SiLU-and-multiply; GEMMs run on weights packed once into oneDNN's layout (kernels/linear.py). Every entry checks, per call, that its kernel takes the inputs (dtype, block
-size, head_dim) and runs the op's torch ref where it does not, so any artifact runs.
+SiLU-and-multiply; GEMMs run on weights packed once into oneDNN's layout (kernels/linear.py).
+Every entry checks, per call, that its kernel takes the inputs (dtype, block size, head_dim)
+and runs the op's torch ref where it does not, so any artifact runs.
 """
 
 from __future__ import annotations

@@ -38,8 +38,13 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
 
 @app.callback()
 def show_progress_notes() -> None:
-    """llmc's log lines (a one-time kernel build, a fallback) go to stderr as plain sentences."""
-    logging.basicConfig(level=logging.INFO, format="llmc: %(message)s", stream=sys.stderr)
+    """llmc's own log lines (a one-time kernel build, a fallback) go to stderr as plain sentences;
+    other libraries' loggers are left as they are."""
+    handler = logging.StreamHandler(sys.stderr)            # this invocation's stderr
+    handler.setFormatter(logging.Formatter("llmc: %(message)s"))
+    log = logging.getLogger("llmc")
+    log.handlers, log.propagate = [handler], False
+    log.setLevel(logging.INFO)
 
 
 def user_errors(command: Callable) -> Callable:
