@@ -36,7 +36,7 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
-    max_batched_tokens: int = 512
+    max_batched_tokens: int = 2048  # vLLM's online default; on a CPU, 512 cost ~10% throughput
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
     kernels: str = "auto"           # "native" (C++ CPU kernels), "reference" (torch refs) or "auto"

@@ -24,7 +24,7 @@ from .sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_batched_tokens: int = 512
+    max_batched_tokens: int = 2048
     chunked_prefill: bool = True
 
     def __post_init__(self) -> None:

@@ -134,7 +134,7 @@ def bench_cmd(
     seed: int = typer.Option(0, help="seed of the workload draw"),
     kv_memory: str = typer.Option("1GiB", help="KV cache memory for llmc"),
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
-    max_batched_tokens: int = typer.Option(512, help="llmc's token budget per step"),
+    max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
     kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
