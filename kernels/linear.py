@@ -19,8 +19,8 @@ def linear_add_ref(x: torch.Tensor, weight: torch.Tensor, *rest: torch.Tensor) -
 
 class PackedLinear:
     """A weight [N, K] reordered once into oneDNN's blocked GEMM layout (what inductor's CPU
-    "freezing" does), so each call skips the per-call reorder: 1.2-2x faster than F.linear on
-    this project's CPUs at decode batch sizes (the gap shrinks as T grows). f32 and bf16 only.
+    "freezing" does), so each call skips the per-call reorder: faster than F.linear most at
+    decode batch sizes (`python -m llmc.tools.bench_kernels` prints the ratio). f32 and bf16 only.
     Meaning: F.linear(x, weight, bias), accumulated in fp32 as oneDNN does."""
 
     def __init__(self, weight: torch.Tensor):
