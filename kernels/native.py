@@ -3,15 +3,17 @@
 
 They are built with torch's C++ extension builder (`-O3 -march=native`, so the 16-lane vectors of
 `cpu/vec16.h` become AVX-512, AVX2 or NEON code for the machine at hand) into
-`$LLMC_CACHE_DIR/kernels` (default `~/.cache/llmc/kernels`); a later process reuses the build
-unless a source changed. Building takes ~30 s once per machine and needs a C++ compiler. Each
+`$LLMC_CACHE_DIR/kernels` (default `~/.cache/llmc/kernels`), one folder per torch version and CPU
+type; a later process reuses the build unless a source changed. Building takes ~30 s once per machine and needs a C++ compiler. Each
 launcher in kernels/*.py states its kernel's contract; the torch `_ref` beside it is the meaning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -26,9 +28,20 @@ class NativeBuildError(RuntimeError):
     """The native kernels could not be built or loaded on this machine."""
 
 
+def cpu_tag() -> str:
+    """A short hash of this CPU's model and feature flags: a -march=native build is only good
+    for CPUs with the same features, so builds for different CPUs live apart."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = platform.processor()
+    facts = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))][:2]
+    return hashlib.sha256("\n".join([platform.machine(), *facts]).encode()).hexdigest()[:12]
+
+
 def cache_dir() -> Path:
     root = os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc"
-    return Path(root) / "kernels" / f"torch-{torch.__version__}"
+    return Path(root) / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_tag()}"
 
 
 def native_kernels_loaded() -> bool:
