@@ -16,15 +16,21 @@ from .attention import kv_write_ref
 from .rope import RopeTables, rope_ref
 
 
+def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[torch.Tensor, ...]:
+    """(qkv, positions, cache, slots) or (q, k, v, positions, cache, slots) -> the second form,
+    q/k/v as column views of a packed qkv."""
+    if len(tensors) == 6:
+        return tensors
+    qkv, positions, kv_cache, slot_mapping = tensors
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    return (*qkv.split([q_width, kv_width, kv_width], dim=-1), positions, kv_cache, slot_mapping)
+
+
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`tensors` is (qkv, positions, cache, slots) or (q, k, v, positions, cache, slots)."""
-    if len(tensors) == 4:
-        qkv, positions, kv_cache, slot_mapping = tensors
-        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)         # column views
-    else:
-        q, k, v, positions, kv_cache, slot_mapping = tensors
+    q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
     q = rope_ref(q, positions, head_dim, theta, scaling)
     k = rope_ref(k, positions, head_dim, theta, scaling)
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
@@ -40,12 +46,7 @@ def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
                       tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the native kernel (kernels/cpu/rope_kv_write.cpp): rope_kv_write_ref's meaning,
     the rotation in fp32; `tables` gives the cos/sin of the step's positions."""
-    if len(tensors) == 4:
-        qkv, positions, kv_cache, slot_mapping = tensors
-        q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)         # column views
-    else:
-        q, k, v, positions, kv_cache, slot_mapping = tensors
+    q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
     if not native_rope_kv_write_fits(kv_cache) or q.dtype != kv_cache.dtype:
         raise ValueError(f"native rope_kv_write takes an f32/bf16 cache with head_dim a multiple of 32 and q of "
                          f"its dtype; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")

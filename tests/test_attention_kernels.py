@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmc.kernels.attention import kv_write_ref, paged_attention_ref, paged_decode_attention_ref
+from paged_layout import shuffled_block_tables
 from tolerances import tolerance
 
 LAYERS, KVH, GROUPS, D, BS = 2, 3, 3, 12, 4
@@ -15,15 +16,8 @@ H = KVH * GROUPS
 def random_layout(lens: list[int], seed: int):
     """A cache holding random K/V for each sequence's tokens, in shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BS) for n in lens]
-    order = torch.randperm(sum(needed) + 3, generator=g).tolist()
-    tables, at = [], 0
-    for n in needed:
-        tables.append(order[at:at + n])
-        at += n
-    width = max(needed)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    cache = torch.zeros(LAYERS, 2, len(order), KVH, BS, D)
+    tables, block_tables, num_blocks = shuffled_block_tables(lens, BS, g, spare=3)
+    cache = torch.zeros(LAYERS, 2, num_blocks, KVH, BS, D)
     keys = [torch.randn(n, KVH * D, generator=g) for n in lens]
     values = [torch.randn(n, KVH * D, generator=g) for n in lens]
     for s, n in enumerate(lens):

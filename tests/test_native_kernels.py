@@ -18,6 +18,7 @@ from llmc.kernels.native import load_native_kernels
 from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref, rmsnorm_cpu, rmsnorm_ref
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
+from paged_layout import shuffled_block_tables
 from tolerances import tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -44,15 +45,8 @@ def assert_matches(got, want, exact, dtype, reduction):
 def random_cache(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
     """A 2-layer cache with random K/V for each sequence's tokens in shuffled blocks of 16."""
     g = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BS) for n in lens]
-    order = torch.randperm(sum(needed) + 2, generator=g).tolist()
-    tables, at = [], 0
-    for n in needed:
-        tables.append(order[at:at + n])
-        at += n
-    width = max(needed)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    cache = torch.zeros(2, 2, len(order), kv_heads, BS, head_dim, dtype=dtype)
+    tables, block_tables, num_blocks = shuffled_block_tables(lens, BS, g, spare=2)
+    cache = torch.zeros(2, 2, num_blocks, kv_heads, BS, head_dim, dtype=dtype)
     for s, n in enumerate(lens):
         slots = torch.tensor([tables[s][p // BS] * BS + p % BS for p in range(n)])
         k, v = (torch.randn(n, kv_heads * head_dim, generator=g).to(dtype) for _ in range(2))
