@@ -164,3 +164,22 @@ def test_packed_linear_matches_f_linear(dtype, tokens, bias):
 def test_packed_linear_refuses_a_mismatched_input():
     with pytest.raises(ValueError, match="does not fit"):
         PackedLinear(torch.zeros(8, 16))(torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("block outside the cache", "outside the cache"),
+    ("more queries than tokens", "has 3 queries, length 2"),
+    ("length past the block table", "block-table entries"),
+])
+def test_attention_kernel_refuses_reads_outside_its_inputs(case, words):
+    cache, tables, lens, qsl = torch.zeros(1, 2, 4, 1, BS, 16), torch.tensor([[1, 2]], dtype=torch.int32), [20], [0, 1]
+    if case == "block outside the cache":
+        tables[0, 1] = 4
+    elif case == "more queries than tokens":
+        lens, qsl = [2], [0, 3]
+    else:
+        lens = [40]
+    q = torch.zeros(qsl[-1], 16)
+    with pytest.raises(RuntimeError, match=words):
+        torch.ops.llmc.paged_attention(q, cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                       torch.tensor(qsl, dtype=torch.int32), 0, 1.0)

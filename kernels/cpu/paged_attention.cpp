@@ -155,6 +155,20 @@ void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
               " is not a multiple of kv_heads * head_dim");
 }
 
+// Every read the work items will make stays inside q and the cache.
+void check_layout(const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t num_seqs, int64_t width,
+                  int64_t tokens, int64_t num_blocks) {
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == tokens, "query_start_loc must run from 0 to ", tokens);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n = qsl[s + 1] - qsl[s], used = (lens[s] + kBlock - 1) / kBlock;
+    TORCH_CHECK(n >= 0 && n <= lens[s] && used <= width, "sequence ", s, " has ", n, " queries, length ", lens[s],
+                " and ", width, " block-table entries");
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks, "block ",
+                  tables[s * width + b], " of sequence ", s, " is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
                            double scale) {
@@ -166,6 +180,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
+  check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
   const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads);
   const int64_t layer_stride = kv_cache.stride(0), half = kv_cache.stride(1);
   const auto run = [&](auto* typed) {
