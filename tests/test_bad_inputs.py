@@ -113,13 +113,19 @@ HF_WORDS = {
 }
 
 
+def edited_copies(folder: Path, root: Path, edits: dict) -> dict[str, Path]:
+    """One copy of `folder` per edit, under `root`, each spoilt by its edit."""
+    copies = {}
+    for name, edit in edits.items():
+        copies[name] = Path(shutil.copytree(folder, root / name))
+        edit(copies[name])
+    return copies
+
+
 @pytest.fixture(scope="module")
 def bad_sources(good, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bad_hf")
-    sources = {}
-    for name, edit in HF_EDITS.items():
-        sources[name] = Path(shutil.copytree(good[0], root / name))
-        edit(sources[name])
+    sources = edited_copies(good[0], root, HF_EDITS)
     sources["does_not_exist"] = root / "no-such-model"
     sources["not_a_model_file"] = root / "notes.txt"
     sources["not_a_model_file"].write_text("not a model\n")
@@ -178,10 +184,7 @@ ARTIFACT_WORDS = {
 @pytest.fixture(scope="module")
 def bad_artifacts(good, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bad_artifacts")
-    artifacts = {}
-    for name, edit in ARTIFACT_EDITS.items():
-        artifacts[name] = Path(shutil.copytree(good[1], root / name))
-        edit(artifacts[name])
+    artifacts = edited_copies(good[1], root, ARTIFACT_EDITS)
     artifacts["does_not_exist"] = root / "no-such-artifact"
     return artifacts
 
