@@ -1,14 +1,18 @@
 """Engine: requests in, tokens and text out, one scheduled step at a time.
 
-`add_request` validates and queues; `step` runs one scheduled step (any mix of prompt chunks
-and decode tokens), samples, and returns what each advanced request gained; `abort` ends a
-request and frees its blocks; `generate` runs an offline batch to completion; `stream` yields
-one request's incremental outputs while the engine serves every other request too.
+The engine is single-threaded: `add_request` validates and queues; `step` runs one scheduled
+step (any mix of prompt chunks and decode tokens), samples, and returns what each advanced
+request gained; `abort` ends a request and frees its blocks. A step whose computation raises
+fails the requests computed in it (finish_reason "error", with the reason) and leaves the
+scheduler and block manager consistent, so the engine goes on serving the others.
+Concurrent callers go through an `EngineLoop` (engine_loop.py), the engine's one owner;
+`generate` and `stream` here are conveniences that run such a loop for the call.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,7 @@ from llmc.compiler.dtypes import USER_DTYPES
 
 from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
+from .engine_loop import EngineLoop
 from .memory_plan import kv_bytes_per_token
 from .model_runner import ModelRunner, build_step_inputs
 from .native_impls import KERNEL_CHOICES, choose_op_impls
@@ -27,6 +32,8 @@ from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("llmc")
 
 
 @dataclass(frozen=True)
@@ -91,23 +98,39 @@ class Engine:
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         cfg = self.artifact.config
         if not prompt_ids:
-            raise RequestError("the prompt is empty; send at least one token")
+            raise RequestError("the prompt is empty; send at least one token", "prompt")
         if bad := [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})", "prompt")
         total = len(prompt_ids) + params.max_tokens
         if total > cfg.max_position_embeddings:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                               f"exceeds the model's context of {cfg.max_position_embeddings}; shorten one")
+                               f"exceeds the model's context of {cfg.max_position_embeddings}; shorten one", "max_tokens")
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             raise RequestError(f"{total} tokens need more KV cache than the engine has "
-                               f"({self.blocks.num_blocks * self.blocks.block_size} tokens); lower max_tokens")
+                               f"({self.max_sequence_tokens} tokens); lower max_tokens", "max_tokens")
 
-    def add_request(self, prompt: list[int] | str, params: SamplingParams = SamplingParams(),
-                    priority: int = 0) -> int:
-        """Queue a request (token ids, or text to tokenize); return its id. Invalid: RequestError."""
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens (prompt + output) one sequence may hold: context and KV cache permitting."""
+        return min(self.artifact.config.max_position_embeddings, self.blocks.num_blocks * self.blocks.block_size)
+
+    def prepare_prompt(self, prompt: list[int] | str, params: SamplingParams) -> list[int]:
+        """Token ids of a valid request (text is tokenized); RequestError otherwise. Reads only what
+        never changes after construction, so any thread may call it."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_request(prompt_ids, params)
-        seq = Sequence(next(self._ids), prompt_ids, params, priority, arrival_time=time.perf_counter())
+        return prompt_ids
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def add_request(self, prompt: list[int] | str, params: SamplingParams = SamplingParams(),
+                    priority: int = 0, request_id: int | None = None) -> int:
+        """Queue a request (token ids, or text to tokenize); return its id. Invalid: RequestError."""
+        prompt_ids = self.prepare_prompt(prompt, params)
+        rid = self.next_request_id() if request_id is None else request_id
+        assert rid not in self.requests, f"request id {rid} is already in use"
+        seq = Sequence(rid, prompt_ids, params, priority, arrival_time=time.perf_counter())
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.requests[seq.seq_id] = Request(seq, detok, make_generator(params))
         self.scheduler.add(seq)
@@ -121,13 +144,22 @@ class Engine:
         self.scheduler.finish(req.seq)
         return req.abort(time.perf_counter())
 
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request in flight with an error (after a failure the engine cannot place)."""
+        return [self._fail(rid, error) for rid in list(self.requests)]
+
+    def _fail(self, request_id: int, error: str) -> RequestOutput:
+        req = self.requests.pop(request_id)
+        self.scheduler.finish(req.seq)
+        return req.fail(time.perf_counter(), error)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests that gained a token."""
+        """Run one scheduled step; return the outputs of the requests that gained a token or failed."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -135,16 +167,21 @@ class Engine:
         now = time.perf_counter()
         for c in scheduled.chunks:
             c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
-        logits = self._forward(scheduled)
-        outputs = []
         sampling = [(i, c) for i, c in enumerate(scheduled.chunks) if c.samples]
+        reqs = [self.requests[c.seq.seq_id] for _, c in sampling]
+        try:
+            logits = self._forward(scheduled)
+            results = sample(logits[[i for i, _ in sampling]], [r.seq.params for r in reqs],
+                             [r.generator for r in reqs], [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
+        except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
+            log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
+            reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
+            return [self._fail(c.seq.seq_id, reason) for c in scheduled.chunks]
         for c in scheduled.chunks:
             c.seq.num_computed = c.end
             self.blocks.register_full_blocks(c.seq.seq_id, c.seq.all_ids, c.end)
-        reqs = [self.requests[c.seq.seq_id] for _, c in sampling]
-        results = sample(logits[[i for i, _ in sampling]], [r.seq.params for r in reqs],
-                         [r.generator for r in reqs], [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
         now = time.perf_counter()
+        outputs = []
         for req, result in zip(reqs, results):
             out = req.add_token(result, self.eos_ids, now)
             if out.finished:
@@ -162,31 +199,14 @@ class Engine:
 
     def generate(self, prompts: list[list[int]] | list[str],
                  params: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        """Run an offline batch to completion; return each prompt's completion, in order."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        done = {i: Completion(i, self.requests[i].seq.prompt_ids, [], "", None, None, None) for i in ids}
-        while self.has_unfinished():
-            for out in self.step():
-                if out.request_id not in done:
-                    continue
-                c = done[out.request_id]
-                c.token_ids += out.new_token_ids
-                c.text += out.new_text
-                if out.finished:
-                    c.finish_reason, c.stop_reason, c.metrics = out.finish_reason, out.stop_reason, out.metrics
-        return [done[i] for i in ids]
+        """Run an offline batch to completion through an EngineLoop; completions in prompt order."""
+        with EngineLoop(self) as loop:
+            return loop.generate(prompts, params)
 
     def stream(self, prompt: list[int] | str, params: SamplingParams) -> Iterator[RequestOutput]:
-        """Yield one request's outputs as they come; closing the iterator aborts it."""
-        rid = self.add_request(prompt, params)
-        try:
-            while rid in self.requests:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-        finally:
-            self.abort(rid)
+        """Yield one request's outputs as they come, through an EngineLoop; closing it aborts."""
+        with EngineLoop(self) as loop:
+            yield from loop.stream(prompt, params)
 
     def stats(self) -> EngineStats:
         free = self.blocks.num_free_blocks

@@ -38,10 +38,16 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None        # "stop" (EOS, stop token or string), "length", "abort"
+    finish_reason: str | None = None        # "stop" (EOS, stop token or string), "length", "abort", "error"
     stop_reason: str | int | None = None    # the stop string or token that ended it
     logprobs: list[SampleResult] = field(default_factory=list)
     metrics: RequestMetrics | None = None   # set when finished
+    error: str | None = None                # why, when finish_reason is "error"
+
+    @classmethod
+    def failed(cls, request_id: int, error: str) -> "RequestOutput":
+        """The end of a request that failed before the engine computed anything for it."""
+        return cls(request_id, [], "", True, "error", error=error)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Completion:
     finish_reason: str | None
     stop_reason: str | int | None
     metrics: RequestMetrics | None
+    error: str | None = None
 
 
 class Request:
@@ -103,6 +110,13 @@ class Request:
     def abort(self, now: float) -> RequestOutput:
         self.seq.finish("abort", now)
         return self._output([], [], None)
+
+    def fail(self, now: float, error: str) -> RequestOutput:
+        """End the request because the step computing it failed; the text so far is delivered."""
+        self.seq.finish("error", now)
+        out = self._output([], [], None)
+        out.error = error
+        return out
 
     def _output(self, tokens: list[int], logprobs: list[SampleResult], stop) -> RequestOutput:
         seq = self.seq
