@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 
 class RequestError(ValueError):
-    """A request with invalid parameters; the message names the parameter and its valid range."""
+    """A request with invalid parameters; the message names the parameter and its valid range,
+    `param` (when known) is the parameter's name, as an API error reports it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -30,20 +35,23 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1"),
-            (0.0 <= self.temperature <= 100.0, f"temperature={self.temperature} must be in [0, 100]"),
-            (self.top_k >= 0, f"top_k={self.top_k} must be 0 (off) or positive"),
-            (0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, f"min_p={self.min_p} must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty={self.repetition_penalty} must be positive"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs={self.logprobs} must be in [0, 20]"),
-            (all(s for s in self.stop), "stop strings must not be empty"),
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens={self.max_tokens} must be at least 1"),
+            (0.0 <= self.temperature <= 100.0, "temperature", f"temperature={self.temperature} must be in [0, 100]"),
+            (self.top_k >= 0, "top_k", f"top_k={self.top_k} must be 0 (off) or positive"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p={self.top_p} must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p={self.min_p} must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty",
+             f"repetition_penalty={self.repetition_penalty} must be positive"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"logprobs={self.logprobs} must be in [0, 20]"),
+            (all(s for s in self.stop), "stop", "stop strings must not be empty"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise RequestError(message)
+                raise RequestError(message, param)
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,8 @@ The chat template is a Hugging Face Jinja template, rendered the way transformer
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from jinja2 import TemplateError
@@ -21,10 +23,28 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spelling: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class Tokenizer:
     def __init__(self, files: TokenizerFiles):
         self.files = files
         self._tok = HFTokenizer.from_str(files.tokenizer_json)
+        decoder = (json.loads(files.tokenizer_json).get("decoder") or {}).get("type")
+        self._byte_chars = _byte_level_alphabet() if decoder == "ByteLevel" else None
         self._template = None
         if files.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -40,6 +60,23 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character)."""
+        piece = self._tok.id_to_token(token_id) or ""
+        if self._byte_chars is not None and piece and all(c in self._byte_chars for c in piece):
+            return bytes(self._byte_chars[c] for c in piece)
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as OpenAI's logprobs name it: its text, or `bytes:\\xNN...` for part of a character."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render chat messages to the prompt text the model was trained on."""

@@ -1,0 +1,210 @@
+"""The OpenAI request bodies llmc serves, parsed strictly, and their translation to SamplingParams.
+
+Bodies are validated as JSON in pydantic's strict mode: a number sent as a string or a boolean
+sent as an integer is refused, as OpenAI refuses it. Every refusal is an `APIError` carrying the
+HTTP status, OpenAI's error type and the offending parameter, so the server answers with OpenAI's
+error JSON naming the field. Fields that would change the meaning of a request and that llmc
+cannot honour (logit_bias, tools, ...) are refused rather than silently ignored; unknown fields
+are ignored, as vLLM and OpenAI ignore them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .sampling_params import RequestError, SamplingParams
+
+MAX_N = 128                      # OpenAI's own limit on choices per request
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error type, the parameter at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _GenerationRequest(_Strict):
+    """Fields both endpoints share (OpenAI's, plus vLLM's sampling extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # accepted by OpenAI, not honoured here: refused by name instead of ignored
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        for name in ("logit_bias", "tools", "functions", "suffix"):
+            if getattr(self, name):
+                return name
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format"
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16         # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+_UNION_HINTS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "stop": "must be a string or a list of strings",
+}
+
+
+def _param_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _describe(error: dict) -> APIError:
+    """One sentence for pydantic's first complaint, naming the parameter as OpenAI does."""
+    loc, kind = tuple(error["loc"]), error["type"]
+    if kind == "json_invalid":
+        return APIError(f"the request body is not valid JSON ({error['msg']}); send a JSON object")
+    if not loc:
+        return APIError("the request body must be a JSON object")
+    for i, part in enumerate(loc):
+        if part in _UNION_HINTS and i + 1 < len(loc) and isinstance(loc[i + 1], str):
+            param = _param_path(loc[:i + 1])
+            return APIError(f"{param} {_UNION_HINTS[part]}", param=param)
+    param = _param_path(loc)
+    if kind == "missing":
+        return APIError(f"{param} is required", param=param)
+    return APIError(f"{param}: {error['msg'][0].lower()}{error['msg'][1:]}", param=param)
+
+
+def parse_request(model: type[_GenerationRequest], raw: bytes) -> Any:
+    """Validate a JSON body as `model`; APIError naming the first bad field otherwise."""
+    try:
+        request = model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _describe(exc.errors()[0]) from None
+    if name := request.unsupported():
+        raise APIError(f"{name} is not supported by this server; remove it from the request", param=name)
+    if not 1 <= request.n <= MAX_N:
+        raise APIError(f"n={request.n} must be between 1 and {MAX_N}", param="n")
+    return request
+
+
+def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The SamplingParams of choice 0; RequestError's parameter becomes the APIError's."""
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=request.temperature,
+            top_k=0 if request.top_k == -1 else request.top_k, top_p=request.top_p, min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty, frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty, seed=request.seed, stop=stop,
+            stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs)
+    except RequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: with a seed, choice j draws from seed + j, so the n choices
+    differ from each other and the whole answer repeats for the same seed."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + j) for j in range(n)]
+
+
+def completion_logprobs(request: CompletionRequest) -> int | None:
+    if request.logprobs is not None and request.echo:
+        raise APIError("echo with logprobs is not supported (prompt logprobs are not computed); "
+                       "drop one of them", param="echo")
+    return request.logprobs
+
+
+def chat_logprobs(request: ChatCompletionRequest) -> int | None:
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None
+
+
+def chat_max_tokens(request: ChatCompletionRequest) -> int | None:
+    return request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them; 'developer' is OpenAI's newer name for 'system'."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
+
+
+def prompt_list(request: CompletionRequest) -> list[str | list[int]]:
+    """The completion request's prompts: one string or token list each."""
+    prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError("prompt is empty; send a string or token ids", param="prompt")
+    return prompts
