@@ -39,9 +39,13 @@ def cpu_tag() -> str:
     return hashlib.sha256("\n".join([platform.machine(), *facts]).encode()).hexdigest()[:12]
 
 
+def cache_root() -> Path:
+    """llmc's per-user cache folder: `$LLMC_CACHE_DIR`, else ~/.cache/llmc."""
+    return Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc"
-    return Path(root) / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_tag()}"
+    return cache_root() / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_tag()}"
 
 
 def native_kernels_loaded() -> bool:

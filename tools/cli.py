@@ -144,6 +144,43 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> 
     typer.echo(artifact_summary(artifact))
 
 
+@app.command()
+@user_errors
+def serve(
+    artifact: Optional[Path] = typer.Argument(None, help="artifact directory; omit to serve the embedded default "
+                                              "(compiled once into the cache folder)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless told otherwise)"),
+    port: int = typer.Option(8000, help="port to listen on (0: any free port, printed at start)"),
+    api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer KEY' on /v1/ routes"),
+    served_model_name: Optional[str] = typer.Option(None, help="model id clients name (default: the artifact "
+                                                    "folder's name)"),
+    max_num_seqs: int = typer.Option(64, help="most sequences computed at once"),
+    max_batched_tokens: int = typer.Option(2048, help="token budget per step (prompt chunks + decodes)"),
+    kv_memory: str = typer.Option("1GiB", help="KV cache memory, e.g. 512MiB or 2GiB"),
+    max_waiting: int = typer.Option(256, help="most requests waiting to be scheduled; more get 429"),
+    grace_period: float = typer.Option(30.0, help="seconds running requests get to finish after SIGTERM"),
+    kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
+) -> None:
+    """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
+    from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.runtime.memory_plan import parse_bytes
+    from llmc.runtime.server import ServerConfig, bind_socket, run_server
+
+    from .default_artifact import default_artifact
+
+    config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
+                          max_batched_tokens=max_batched_tokens, kernels=kernels)
+    server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
+    sock = bind_socket(host, port)
+    engine = Engine(artifact if artifact is not None else default_artifact(), config)
+    bound_host, bound_port = sock.getsockname()[:2]
+    Console(stderr=True, soft_wrap=True).print(
+        f"llmc: serving {served_model_name or engine.artifact.path.name} at http://{bound_host}:{bound_port}/v1 ({engine.kernels} kernels, "
+        f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens); Ctrl-C or SIGTERM stops",
+        highlight=False)
+    run_server(engine, server, sock)
+
+
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
