@@ -233,8 +233,12 @@ class EngineLoop:
                 raise LoopStopped("the server shut down before this request started")
             self.engine.add_request(command.prompt_ids, command.params, command.priority,
                                     request_id=command.request_id)
-        except RequestError as exc:      # checked at submit; only a shutdown or a changed engine gets here
+        except RequestError as exc:      # checked at submit; only a shutdown gets here
             self._deliver(RequestOutput.failed(command.request_id, str(exc)))
+        except Exception as exc:         # a bug: this request fails, the loop goes on
+            log.exception("the engine could not take request %d", command.request_id)
+            self._deliver(RequestOutput.failed(command.request_id, f"the engine could not take this request: "
+                                                                   f"{type(exc).__name__}: {exc}"))
 
     def _step(self) -> None:
         try:

@@ -169,11 +169,11 @@ def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int 
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """One SamplingParams per choice: with a seed, choice j draws from seed + j, so the n choices
-    differ from each other and the whole answer repeats for the same seed."""
+    """One SamplingParams per choice: with a seed, choice j draws from seed + j (wrapping within
+    64 bits), so the n choices differ from each other and the whole answer repeats for the same seed."""
     if params.seed is None:
         return [params] * n
-    return [replace(params, seed=params.seed + j) for j in range(n)]
+    return [replace(params, seed=(params.seed + j + 2**63) % 2**64 - 2**63) for j in range(n)]
 
 
 def completion_logprobs(request: CompletionRequest) -> int | None:

@@ -279,3 +279,38 @@ def test_a_failing_step_fails_only_its_own_request(one_seat_server, artifact):
     assert whole.status_code == 500 and "injected fault" in whole.json()["error"]["message"]
     m = one_seat_server.wait_idle()
     assert m['llmc_requests_total{outcome="error"}'] == 2
+
+
+# --------------------------------------------------------------------- nothing crashes it
+
+FIELD_VALUES = {
+    "prompt": ["hi", "", [], [1, 2], [[3], [4, 5]], [[]], [-1], [2**40], 3.5, None, {"a": 1}, ["a", 1]],
+    "messages": [CHAT, [], [{}], [{"role": "user"}], [{"role": "user", "content": None}], "hi", [1]],
+    "max_tokens": [1, 3, 0, -1, 2**70, 1.5, "3", None, True],
+    "temperature": [0, 0.7, 2, -1, 1e308, "x", None],
+    "top_p": [0.5, 1, 0, -0.1, 2], "top_k": [0, -1, 5, -7, 10**12], "min_p": [0.1, 1.5, -1],
+    "seed": [0, -1, 2**63, -(2**64), 7, "7"], "n": [1, 2, 0, 129, -3],
+    "stop": ["a", ["b", "c"], [""], [1], "", None], "logprobs": [0, 2, 21, -1, True, None],
+    "top_logprobs": [0, 3, 30, -1], "echo": [True, False, 1], "stream": [True, False, "no"],
+    "presence_penalty": [0.5, 5, -5], "frequency_penalty": [1, -3], "repetition_penalty": [1.2, 0, -1],
+    "stream_options": [{"include_usage": True}, {"include_usage": "y"}, 3], "ignore_eos": [True, 0],
+    "user": ["u", 5], "model": ["tiny", "other", 1], "stop_token_ids": [[2], [-5], "x"],
+}
+
+
+def test_random_bodies_get_200_or_a_4xx_and_the_server_stays_healthy(server):
+    import random
+
+    rng = random.Random(0)
+    statuses = []
+    for i in range(80):
+        fields = rng.sample(sorted(FIELD_VALUES), rng.randint(1, 8))
+        body = {f: rng.choice(FIELD_VALUES[f]) for f in fields}
+        endpoint = "chat/completions" if i % 2 else "completions"
+        r = httpx.post(f"{server.url}/v1/{endpoint}", json=body, headers=server.headers(), timeout=60)
+        assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
+        assert r.status_code == 200 or r.json()["error"]["message"]
+        statuses.append(r.status_code)
+    assert 200 in statuses and 400 in statuses
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    server.wait_idle()
