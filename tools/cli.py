@@ -27,6 +27,7 @@ from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
 from .bench import bench_cmd
+from .bench_serve import bench_serve_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
@@ -183,6 +184,7 @@ def serve(
 
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
+app.command("bench-serve")(user_errors(bench_serve_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 
