@@ -104,7 +104,8 @@ class Engine:
         total = len(prompt_ids) + params.max_tokens
         if total > cfg.max_position_embeddings:
             raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                               f"exceeds the model's context of {cfg.max_position_embeddings}; shorten one", "max_tokens")
+                               f"exceeds the model's context of {cfg.max_position_embeddings}; shorten one",
+                               "max_tokens")
         if self.blocks.blocks_needed(total) > self.blocks.num_blocks:
             raise RequestError(f"{total} tokens need more KV cache than the engine has "
                                f"({self.max_sequence_tokens} tokens); lower max_tokens", "max_tokens")

@@ -46,7 +46,8 @@ class SamplingParams:
              f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
              f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"logprobs={self.logprobs} must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs={self.logprobs} must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
             (self.seed is None or -2**63 <= self.seed < 2**63, "seed", f"seed={self.seed} must fit in 64 bits"),
         ]

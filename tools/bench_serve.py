@@ -45,7 +45,8 @@ class RequestTiming:
     completion_tokens: int
 
 
-def draw_requests(num: int, prompt_words: tuple[int, int], output_len: tuple[int, int], seed: int) -> list[ServeRequest]:
+def draw_requests(num: int, prompt_words: tuple[int, int], output_len: tuple[int, int],
+                  seed: int) -> list[ServeRequest]:
     rng = random.Random(seed)
     return [ServeRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words))),
                          rng.randint(*output_len)) for _ in range(num)]

@@ -175,8 +175,9 @@ def serve(
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
     bound_host, bound_port = sock.getsockname()[:2]
+    name = served_model_name or engine.artifact.path.name
     Console(stderr=True, soft_wrap=True).print(
-        f"llmc: serving {served_model_name or engine.artifact.path.name} at http://{bound_host}:{bound_port}/v1 ({engine.kernels} kernels, "
+        f"llmc: serving {name} at http://{bound_host}:{bound_port}/v1 ({engine.kernels} kernels, "
         f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens); Ctrl-C or SIGTERM stops",
         highlight=False)
     run_server(engine, server, sock)
