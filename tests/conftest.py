@@ -10,6 +10,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_models, tolerances
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not __import__("torch").cuda.is_available():
+    # Triton kernels run in its interpreter on CPU tensors; read when a kernel is decorated,
+    # so it is set before any test imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import FAMILIES, build_hf_model, write_hf_folder  # noqa: E402
 
