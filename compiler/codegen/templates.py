@@ -1,0 +1,115 @@
+"""Kernel modules for units that a hand-written Triton template computes.
+
+  gemm group        linear (+ bias) -> [silu | silu_mul over the gate/up halves] -> [+ residual]:
+                    kernels/triton/gemm.py, the epilogue as the template's constexpr flags
+  rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
+  paged_attention / paged_decode_attention   kernels/triton/paged_attention.py
+  embedding / index_select                   kernels/triton/gather.py
+
+Each module defines `build(device)`, which returns `launch(*inputs) -> outputs`: the unit's
+input values in, its output values out, in the unit's order. Attributes (layer, scale, eps,
+head counts) are written into the module as constants.
+"""
+
+from __future__ import annotations
+
+from llmc.compiler.ir import Node, Value
+
+from .errors import CodegenError
+from .units import KernelUnit
+
+TEMPLATE_OPS = ("linear", "rope_kv_write", "paged_attention", "paged_decode_attention", "embedding",
+                "index_select")
+
+
+def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str]) -> str:
+    params = ", ".join(f"in{i}" for i in range(len(unit.inputs)))
+    returns = ", ".join(results) + ("," if len(results) == 1 else "")
+    return "\n".join([
+        *imports, "", "",
+        "def build(device):",
+        '    """The launcher on `device`: the unit\'s inputs in, its outputs out."""',
+        *[f"    {line}" for line in prelude],
+        "",
+        f"    def launch({params}):",
+        f"        result = {call}",
+        f"        return {returns}",
+        "",
+        "    return launch",
+    ])
+
+
+def _arg(unit: KernelUnit, v: Value) -> str:
+    return f"in{unit.inputs.index(v)}"
+
+
+def _pick(unit: KernelUnit, node: Node) -> list[str]:
+    """Expressions for the unit's outputs from `result`, the node's return value."""
+    if len(node.types) == 1:
+        return ["result"]
+    return [f"result[{v.index}]" for v in unit.outputs]
+
+
+def _gemm(unit: KernelUnit) -> str:
+    linear, *epilogue = unit.nodes
+    x, w, bias = _arg(unit, linear.inputs[0]), _arg(unit, linear.inputs[1]), \
+        (_arg(unit, linear.inputs[2]) if len(linear.inputs) == 3 else "None")
+    activation, gated, residual, last = "none", False, "None", linear.value()
+    for node in epilogue:
+        if node.op == "silu_mul" and len(node.inputs) == 1 and node.inputs[0] == last and not gated \
+                and activation == "none" and residual == "None":
+            gated = True
+        elif node.op == "silu" and node.inputs[0] == last and not gated and activation == "none" and residual == "None":
+            activation = "silu"
+        elif node.op == "add" and last in node.inputs and residual == "None":
+            residual = _arg(unit, node.inputs[1] if node.inputs[0] == last else node.inputs[0])
+        else:
+            raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} as an epilogue of the GEMM template "
+                               "(it takes bias, then silu or gated silu_mul, then a residual add)")
+        last = node.value()
+    if unit.outputs != (last,):
+        raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
+    call = f"linear_triton({x}, {w}, {bias}, {residual}, activation={activation!r}, gated={gated})"
+    return _module(unit, ["from llmc.kernels.triton.gemm import linear_triton"], [], call, ["result"])
+
+
+def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
+    a = node.attrs
+    args = ", ".join(_arg(unit, v) for v in node.inputs)
+    prelude = [f"inv_freq = rope_inv_freq({a['head_dim']}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
+    call = (f"rope_kv_write_triton({args}, layer={a['layer']}, num_heads={a['num_heads']}, "
+            f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq)")
+    imports = ["from llmc.kernels.rope import rope_inv_freq",
+               "from llmc.kernels.triton.rope_kv_write import rope_kv_write_triton"]
+    return _module(unit, imports, prelude, call, _pick(unit, node))
+
+
+def _attention(unit: KernelUnit, node: Node) -> str:
+    a, args = node.attrs, ", ".join(_arg(unit, v) for v in node.inputs)
+    kind = "decode" if node.op == "paged_decode_attention" else "prefill"
+    function = f"paged_{kind}_attention_triton"
+    call = f"{function}({args}, {a['layer']}, {a['scale']!r})"
+    return _module(unit, [f"from llmc.kernels.triton.paged_attention import {function}"], [], call, ["result"])
+
+
+def _gather(unit: KernelUnit, node: Node) -> str:
+    table, index = (node.inputs[0], node.inputs[1])
+    call = f"gather_rows_triton({_arg(unit, table)}, {_arg(unit, index)})"
+    return _module(unit, ["from llmc.kernels.triton.gather import gather_rows_triton"], [], call, ["result"])
+
+
+def template_module_source(unit: KernelUnit) -> str:
+    """The kernel module of a template unit (see module docstring); CodegenError if none fits."""
+    first = unit.nodes[0]
+    if first.op == "linear":
+        return _gemm(unit)
+    if len(unit.nodes) != 1:
+        raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")
+    if first.op == "rope_kv_write":
+        return _rope_kv_write(unit, first)
+    if first.op in ("paged_attention", "paged_decode_attention"):
+        return _attention(unit, first)
+    if first.op in ("embedding", "index_select"):
+        return _gather(unit, first)
+    raise CodegenError(f"{unit.label}: codegen cannot lower op {first.op!r}; compile for --target cpu, or keep the "
+                       "passes that turn it into ops with kernels")
