@@ -1,0 +1,214 @@
+"""GEMM with a fused epilogue: y = epilogue(x @ w.T + bias), one Triton template.
+
+Contract:
+  x        [M, K]   fp32, fp16 or bf16 (any strides)
+  w        [N_w, K] x's dtype, row-major as torch.nn.Linear stores it (any strides)
+  bias     [N_w]    x's dtype, optional, added to the fp32 accumulator
+  residual [M, N]   x's dtype, optional, added last
+  out      [M, N]   x's dtype, optional preallocated output (may be `residual` itself)
+The product accumulates in fp32 and the whole epilogue runs on the fp32 accumulator; the result
+is rounded to x's dtype once, at the store. Epilogue, in order:
+  gated=False: N = N_w;      y = act(x @ w.T + bias)                      act: "none" or "silu"
+  gated=True:  N = N_w // 2; y = silu(g) * u, g = columns [0, N), u = columns [N, 2N) of
+               x @ w.T + bias (a merged gate/up GEMM followed by SiLU-and-multiply: each program
+               keeps two accumulators, for columns j and j + N, so the [M, 2N] product is never
+               stored). The gate's SiLU is implied; `activation` must stay "none".
+  then y += residual.
+Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
+fused group. Block sizes come from `pick_config(M, N, K)`: BLOCK_M 16 for decode-sized M, larger
+tiles for prefill; M, N and K edges are masked (no divisibility is required). fp32 inputs use
+IEEE fp32 dots (torch's default; no TF32). bf16 operands are upcast to fp32 for the dot on CPU
+tensors, because Triton's interpreter computes bf16 dots wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("none", "silu")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                        residual: torch.Tensor | None = None, *, activation: str = "none",
+                        gated: bool = False) -> torch.Tensor:
+    """The contract in torch, every step in fp32, rounded to x's dtype at the end."""
+    y = F.linear(x.float(), w.float(), None if bias is None else bias.float())   # [M, N_w]
+    if gated:
+        gate, up = y.chunk(2, dim=-1)                                           # [M, N] each
+        y = F.silu(gate) * up
+    elif activation == "silu":
+        y = F.silu(y)
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of one GEMM instance, chosen at compile time and recorded."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def _clamp_block(block: int, dim: int) -> int:
+    """A block no larger than the dimension needs, and at least 16 (the GPU's smallest dot)."""
+    return max(16, min(block, triton.next_power_of_2(max(dim, 1))))
+
+
+def pick_config(M: int, N: int, K: int, *, gated: bool = False) -> GemmConfig:
+    """Block sizes from the problem shape. N is the output width (N_w // 2 when gated).
+
+    Decode (M <= 16): one 16-row tile, narrow 64-column tiles so that many programs stream
+    the weight; M up to 64: one M tile of M rounded up; prefill: the Triton tutorial's
+    128 x 128 x 32 tile. A gated GEMM keeps two accumulators, so its N tile is halved. Stages
+    are sized so that fp32 operands fit in 164 KB of shared memory (A100) as well as H100/H200's.
+    Not tuned on a GPU yet: the numbers are the tutorial's and gemlite's starting points.
+    """
+    if M <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 3
+    elif M <= 64:
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), 64, 64, 4, 3
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 32, 4, 4
+    if gated:
+        block_n //= 2
+    return GemmConfig(block_m=_clamp_block(block_m, M), block_n=_clamp_block(block_n, N),
+                      block_k=_clamp_block(block_k, K), group_m=8, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,         # x [M, K]: the activations
+    w_ptr,         # w [N_w, K]: the weight, rows are output columns (gate rows, then up rows if GATED)
+    bias_ptr,      # bias [N_w]; not read unless HAS_BIAS
+    residual_ptr,  # residual [M, N]; not read unless HAS_RESIDUAL
+    out_ptr,       # out [M, N]: the result, written once, in out's dtype
+    M, N, K,       # N is the output width (N_w // 2 when GATED)
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped tile order (the tutorial's): GROUP_M row tiles share each column tile in L2.
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * tiles_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)       # [BM]
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)       # [BN]
+    offs_k = tl.arange(0, BLOCK_K)                                        # [BK]
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk     # [BM, BK]
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk     # [BK, BN]: w.T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)               # used only if GATED
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
+        b = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = _dot(a, b, acc, DOT_FP32, INPUT_PRECISION)
+        if GATED:
+            b_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = _dot(a, b_up, acc_up, DOT_FP32, INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # Epilogue, all on the fp32 accumulators.
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif SILU:
+        acc = acc * tl.sigmoid(acc)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RESIDUAL:
+        r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+        acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """acc + a @ b, the operands upcast to fp32 first when DOT_FP32."""
+    if DOT_FP32:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, *, activation: str = "none", gated: bool = False,
+                  out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """Launcher: checks the contract (ValueError naming the bad value), picks a config unless
+    given one, launches one program per output tile, returns `out`."""
+    n_out = _check_linear_inputs(x, w, bias, residual, activation, gated)
+    M, K = x.shape
+    out = _checked_out(out, x, (M, n_out))
+    if M == 0 or n_out == 0:
+        return out
+    cfg = config or pick_config(M, n_out, K, gated=gated)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_out, cfg.block_n),)
+    res_strides = residual.stride() if residual is not None else (0, 0)
+    dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
+    _linear_kernel[grid](
+        x, w, bias if bias is not None else x, residual if residual is not None else x, out,
+        M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu", GATED=gated,
+        DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _check_linear_inputs(x, w, bias, residual, activation, gated) -> int:
+    """The output width N, after checking every input against the contract."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"linear_triton takes x [M, K] and w [N, K]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"linear_triton takes fp32, fp16 or bf16; got x {x.dtype}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w must match x's dtype and device ({x.dtype}, {x.device}); got {w.dtype} on {w.device}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w {tuple(w.shape)} does not take x {tuple(x.shape)}: K must match")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+    if gated and (activation != "none" or w.shape[0] % 2):
+        raise ValueError(f"gated takes w [2N, K] and applies the gate's silu itself (activation 'none'); got "
+                         f"w {tuple(w.shape)}, activation {activation!r}")
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    _check_operand("bias", bias, (w.shape[0],), x)
+    _check_operand("residual", residual, (x.shape[0], n_out), x)
+    return n_out
+
+
+def _check_operand(name: str, t: torch.Tensor | None, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape or t.dtype != x.dtype or t.device != x.device:
+        raise ValueError(f"{name} must be {list(shape)} {x.dtype} on {x.device}; got {list(t.shape)} {t.dtype} "
+                         f"on {t.device}")
+
+
+def _checked_out(out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=x.dtype, device=x.device)
+    _check_operand("out", out, shape, x)
+    return out
