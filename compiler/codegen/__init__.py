@@ -52,7 +52,7 @@ def _body(unit: KernelUnit, types: dict[Value, TensorType]) -> tuple[str, str]:
         source = pointwise_kernel_source(unit, types, "KERNEL")
         return f"pointwise_{ops}", "\n".join(_POINTWISE_HEADER) + "\n\n\n" + source + \
             "\n\n\ndef build(device):\n    return launch\n"
-    return f"template_{ops}", template_module_source(unit) + "\n"
+    return f"template_{ops}", template_module_source(unit, types) + "\n"
 
 
 def _header(name: str, units: list[KernelUnit]) -> str:

@@ -13,7 +13,7 @@ head counts) are written into the module as constants.
 
 from __future__ import annotations
 
-from llmc.compiler.ir import Node, Value
+from llmc.compiler.ir import Node, TensorType, Value
 
 from .errors import CodegenError
 from .units import KernelUnit
@@ -22,11 +22,12 @@ TEMPLATE_OPS = ("linear", "rope_kv_write", "paged_attention", "paged_decode_atte
                 "index_select")
 
 
-def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str]) -> str:
+def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str],
+            constants: list[str] = ()) -> str:
     params = ", ".join(f"in{i}" for i in range(len(unit.inputs)))
     returns = ", ".join(results) + ("," if len(results) == 1 else "")
     return "\n".join([
-        *imports, "", "",
+        *imports, "", "", *constants, *([""] * 2 * bool(constants)),
         "def build(device):",
         '    """The launcher on `device`: the unit\'s inputs in, its outputs out."""',
         *[f"    {line}" for line in prelude],
@@ -50,7 +51,17 @@ def _pick(unit: KernelUnit, node: Node) -> list[str]:
     return [f"result[{v.index}]" for v in unit.outputs]
 
 
-def _gemm(unit: KernelUnit) -> str:
+def _gemm_configs(n_out: int, k: int, gated: bool) -> list[str]:
+    """Launch configs chosen now, at compile time, per bucket of M (the step's token count)."""
+    from llmc.kernels.triton.gemm import pick_config
+
+    buckets = [(16, 16), (32, 32), (64, 64), (None, 128)]
+    rows = [f"    ({limit}, {pick_config(m, n_out, k, gated=gated)!r})," for limit, m in buckets]
+    return ["configs = [  # (most tokens, config), chosen at compile time", *rows, "]",
+            "", "", "def config_for(tokens):", "    return next(c for limit, c in configs if limit is None or tokens <= limit)"]
+
+
+def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     linear, *epilogue = unit.nodes
     x, w, bias = _arg(unit, linear.inputs[0]), _arg(unit, linear.inputs[1]), \
         (_arg(unit, linear.inputs[2]) if len(linear.inputs) == 3 else "None")
@@ -69,8 +80,11 @@ def _gemm(unit: KernelUnit) -> str:
         last = node.value()
     if unit.outputs != (last,):
         raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
-    call = f"linear_triton({x}, {w}, {bias}, {residual}, activation={activation!r}, gated={gated})"
-    return _module(unit, ["from llmc.kernels.triton.gemm import linear_triton"], [], call, ["result"])
+    n_out, k = types[linear.value()].shape[1], types[linear.inputs[1]].shape[1]
+    call = (f"linear_triton({x}, {w}, {bias}, {residual}, activation={activation!r}, gated={gated}, "
+            f"config=config_for({x}.shape[0]))")
+    imports = ["from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
+    return _module(unit, imports, [], call, ["result"], _gemm_configs(n_out // 2 if gated else n_out, k, gated))
 
 
 def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
@@ -98,11 +112,11 @@ def _gather(unit: KernelUnit, node: Node) -> str:
     return _module(unit, ["from llmc.kernels.triton.gather import gather_rows_triton"], [], call, ["result"])
 
 
-def template_module_source(unit: KernelUnit) -> str:
+def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     """The kernel module of a template unit (see module docstring); CodegenError if none fits."""
     first = unit.nodes[0]
     if first.op == "linear":
-        return _gemm(unit)
+        return _gemm(unit, types)
     if len(unit.nodes) != 1:
         raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")
     if first.op == "rope_kv_write":
