@@ -10,6 +10,8 @@ Outputs are preallocated full of NaN, so an element the kernel never writes fail
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -20,7 +22,8 @@ from paged_layout import shuffled_block_tables
 from tolerances import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16]          # the interpreter's bf16 tl.dot is wrong: bf16 on a GPU only
+# The interpreter's bf16 tl.dot is silently wrong, so bf16 runs on a GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 HEAD_SHAPES = [(6, 2, 80), (4, 4, 64), (8, 1, 128)]   # (H, KVH, D): groups of 3, 1 and 8; D not a power of 2
 LAYER = 1
 
@@ -161,6 +164,34 @@ def test_strided_queries_and_outputs():
     torch.testing.assert_close(out, want, **tolerance(torch.float32, 30))
 
 
+def test_int64_index_tensors():
+    """Block tables, seq_lens and query_start_loc may be int64 (as torch builds them by default)."""
+    cache, tables = poisoned_cache([30, 9], 2, 64, torch.float32, 16, seed=8)
+    q = random_queries(2, 4 * 64, torch.float32, seed=9)
+    seq_lens = torch.tensor([30, 9], device=DEVICE)
+    want = paged_decode_attention_ref(q, cache.nan_to_num(0.0), tables, seq_lens, LAYER, 64, 0.125)
+    for got in (paged_decode_attention_triton(q, cache, tables.long(), seq_lens, LAYER, 0.125, out=nan_like(q)),
+                paged_prefill_attention_triton(q, cache, tables.long(), seq_lens, torch.arange(3, device=DEVICE),
+                                               LAYER, 0.125, out=nan_like(q))):
+        torch.testing.assert_close(got, want, **tolerance(torch.float32, 30))
+
+
+def test_launchers_never_sync_with_the_device():
+    """No .item(), .tolist(), int(t) or bool(t) on a tensor: the launches must be capturable in a
+    CUDA graph, so every grid and split size comes from shapes."""
+    args = valid_inputs()
+    qsl = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    syncs = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def sync(*_args, **_kwargs):
+        raise AssertionError("a launcher read a device value on the host")
+
+    with mock.patch.multiple(torch.Tensor, **{name: sync for name in syncs}):
+        decode = paged_decode_attention_triton(**args)
+        prefill = paged_prefill_attention_triton(query_start_loc=qsl, **args)
+    torch.testing.assert_close(decode, prefill, **tolerance(torch.float32, 20))   # one query each: the same
+
+
 def valid_inputs():
     """Decode inputs the launchers accept: H=6, KVH=2, D=80, block size 16, two layers."""
     cache, tables = poisoned_cache([5, 20], 2, 80, torch.float32, 16, seed=0)
@@ -207,3 +238,42 @@ def test_launchers_refuse_a_query_count_that_does_not_fit():
     with pytest.raises(ValueError, match=r"query_start_loc must be \[3\].*\(2,\)"):
         paged_prefill_attention_triton(query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
                                        **args)
+
+
+@pytest.mark.gpu
+def test_block_offsets_past_int32_on_a_gpu():
+    """Block ids whose element offset (block * KVH * BS * D) passes 2**31: int64 cache offsets."""
+    num_blocks, block_size, head_dim = (2**31 // (16 * 128)) + 64, 16, 128
+    cache = torch.zeros(1, 2, num_blocks, 1, block_size, head_dim, dtype=torch.float16, device="cuda")  # 8.6 GB
+    blocks = [num_blocks - 1, 3, num_blocks - 40]
+    assert blocks[0] * block_size * head_dim >= 2**31
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for block in blocks:
+        cache[0, :, block] = torch.randn(2, 1, block_size, head_dim, generator=g, device="cuda").half()
+    tables = torch.tensor([blocks], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([40], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 2 * head_dim, generator=g, device="cuda").half()
+    want = paged_decode_attention_ref(q, cache, tables, seq_lens, 0, head_dim, head_dim ** -0.5)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    for got in (paged_decode_attention_triton(q, cache, tables, seq_lens, 0, head_dim ** -0.5),
+                paged_prefill_attention_triton(q, cache, tables, seq_lens, qsl, 0, head_dim ** -0.5)):
+        torch.testing.assert_close(got, want, **tolerance(torch.float16, 40))
+
+
+@pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once, replayed after the sequences grew: the split count and grids hold."""
+    lens = [37, 200]
+    cache, tables = poisoned_cache([300, 300], 2, 64, torch.float16, 16, seed=1)
+    q = random_queries(2, 4 * 64, torch.float16, seed=2)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    paged_decode_attention_triton(q, cache, tables, seq_lens, LAYER, 0.125, out=out)      # compile outside
+    graph = torch.cuda.graph_pool_handle()
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured, pool=graph):
+        paged_decode_attention_triton(q, cache, tables, seq_lens, LAYER, 0.125, out=out)
+    seq_lens.copy_(torch.tensor([38, 300], dtype=torch.int32))
+    captured.replay()
+    want = paged_decode_attention_ref(q, cache.nan_to_num(0.0), tables, seq_lens, LAYER, 64, 0.125)
+    torch.testing.assert_close(out, want, **tolerance(torch.float16, 300))

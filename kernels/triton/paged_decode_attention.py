@@ -69,7 +69,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_q + heads[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)                 # [BLOCK_G, D_PAD]
 
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)                               # int32 or int64 in memory
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table

@@ -42,7 +42,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr
     right = num_seqs
     while left < right:
         mid = (left + right) // 2
-        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        first_block = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
         if first_block <= q_block:
             left = mid + 1
         else:
@@ -65,8 +65,8 @@ def _prefill_kernel(
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)                         # int32 or int64 in memory
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
     local_block = q_block - (q_start // BLOCK_Q + seq)
     if local_block * BLOCK_Q >= q_len:
         return                                                   # a spare program of the upper bound
@@ -79,7 +79,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_q + heads[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)                 # [BLOCK_M, D_PAD]
 
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     positions = seq_len - q_len + query                                               # [BLOCK_M]
     end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len))
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
