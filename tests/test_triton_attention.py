@@ -210,6 +210,10 @@ REFUSALS = [
     ("block size 12", lambda a: {"kv_cache": torch.zeros(2, 2, 4, 2, 12, 80, device=DEVICE)}, "got 12"),
     ("cache without the K/V axis", lambda a: {"kv_cache": a["kv_cache"][:, :1]}, r"\(2, 1,"),
     ("float block table", lambda a: {"block_tables": a["block_tables"].float()}, "float32"),
+    ("block table transposed in memory", lambda a: {"block_tables": a["block_tables"].t().contiguous().t()},
+     r"block_tables must be contiguous"),
+    ("seq_lens strided", lambda a: {"seq_lens": torch.arange(4, dtype=torch.int32, device=DEVICE)[::2]},
+     r"seq_lens must be contiguous"),
     ("one seq_len short", lambda a: {"seq_lens": a["seq_lens"][:1]}, r"\(1,\)"),
     ("int16 seq_lens", lambda a: {"seq_lens": a["seq_lens"].short()}, "int16"),
     ("out in another dtype", lambda a: {"out": a["q"].half()}, "float16"),
@@ -237,6 +241,9 @@ def test_launchers_refuse_a_query_count_that_does_not_fit():
         paged_decode_attention_triton(**(args | {"q": torch.zeros(3, 480, device=DEVICE)}))
     with pytest.raises(ValueError, match=r"query_start_loc must be \[3\].*\(2,\)"):
         paged_prefill_attention_triton(query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
+                                       **args)
+    with pytest.raises(ValueError, match="query_start_loc must be contiguous"):
+        paged_prefill_attention_triton(query_start_loc=torch.arange(6, dtype=torch.int32, device=DEVICE)[::2],
                                        **args)
 
 

@@ -40,11 +40,12 @@ TARGET_PROGRAMS = 264     # about two waves of an H100/H200's 132 SMs
 
 def decode_splits(num_seqs: int, kv_heads: int, max_context: int) -> tuple[int, int]:
     """(number of splits, keys per split) for `max_context` = block table width * block size."""
-    by_length = triton.cdiv(max(max_context, 1), MIN_SPLIT_KEYS)
+    context = max(max_context, 1)
+    by_length = triton.cdiv(context, MIN_SPLIT_KEYS)
     by_occupancy = triton.cdiv(TARGET_PROGRAMS, max(num_seqs * kv_heads, 1))
     splits = max(1, min(MAX_SPLITS, by_length, by_occupancy))
-    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), splits), TILE) * TILE
-    return triton.cdiv(max(max_context, 1), split_len), split_len
+    split_len = triton.cdiv(triton.cdiv(context, splits), TILE) * TILE
+    return triton.cdiv(context, split_len), split_len          # rounding to tiles may leave fewer splits
 
 
 @triton.jit

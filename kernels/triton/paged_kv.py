@@ -14,6 +14,8 @@ Tiles: a K/V tile is TILE consecutive key positions, each looked up through the 
 its own (block_tables[s, pos // BS], slot pos % BS), so TILE is independent of BS and stays
 >= 16, the smallest K dim of tl.dot on a GPU. D is padded to D_PAD = max(16, next_pow2(D)) with
 masks. Scores live in the log2 domain (scaled by scale * log2(e)) and are softmaxed in fp32.
+Both tl.dots take input_precision="ieee": exact for an fp32 cache (no tf32 rounding; on a GPU that
+means FMA rather than tensor cores), no effect on fp16/bf16.
 """
 
 from __future__ import annotations
@@ -107,14 +109,21 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         raise ValueError(f"seq_lens must be [{block_tables.shape[0]}] int32/int64 (one per block table row); "
                          f"got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        check_index_tensor(name, t, q.device)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
                             or (out.shape[1] > 1 and out.stride(1) != 1)):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous last dim; got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
     return PagedShape(block_tables.shape[0], q.shape[1] // head_dim, kv_heads, head_dim, block_size,
                       block_tables.shape[1])
+
+
+def check_index_tensor(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """An index tensor is read with unit stride along its last dim, on q's device."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim; got strides {t.stride()}")
 
 
 def qk_scale(scale: float) -> float:

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from llmc.kernels.attention import paged_attention_ref
-from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_paged_inputs, kv_tile_offsets, online_softmax_step,
-                                          qk_scale)
+from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, check_paged_inputs, kv_tile_offsets,
+                                          online_softmax_step, qk_scale)
 
 __all__ = ["paged_attention_ref", "paged_prefill_attention_triton"]
 
@@ -107,10 +107,10 @@ def paged_prefill_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, bloc
                                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref's result [T, H * D] in q's dtype, written into `out` if given."""
     shape = check_paged_inputs(q, kv_cache, block_tables, seq_lens, layer, out)
-    if (query_start_loc.shape != (shape.num_seqs + 1,) or query_start_loc.dtype not in INDEX_DTYPES
-            or query_start_loc.device != q.device):
-        raise ValueError(f"query_start_loc must be [{shape.num_seqs + 1}] int32/int64 on {q.device}; got "
-                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)} on {query_start_loc.device}")
+    if query_start_loc.shape != (shape.num_seqs + 1,) or query_start_loc.dtype not in INDEX_DTYPES:
+        raise ValueError(f"query_start_loc must be [{shape.num_seqs + 1}] int32/int64; got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    check_index_tensor("query_start_loc", query_start_loc, q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] == 0 or shape.num_seqs == 0:
         return out
