@@ -1,0 +1,133 @@
+"""What the paged attention kernels share: reading K/V tiles through a block table, one online
+softmax step, and the launchers' contract checks.
+
+Contract (both kernels; kernels/attention.py states the layouts):
+  q            [T, H * D]  fp32, fp16 or bf16; the last dim contiguous (a row stride is allowed)
+  kv_cache     [L, 2, NB, KVH, BS, D], q's dtype and device; BS a power of two; D any value
+  block_tables [S, MB] int32/int64; entries past a sequence's ceil(seq_len / BS) blocks are never read
+  seq_lens     [S] int32/int64, each <= MB * BS (not checked: that would need a host sync)
+  out          [T, H * D] in q's dtype on q's device (optional; a fresh tensor otherwise)
+Cache offsets are int64 (block id * block stride overflows int32 for large NB); `layer` is
+applied on the host by viewing kv_cache[layer, 0] and kv_cache[layer, 1].
+
+Tiles: a K/V tile is TILE consecutive key positions, each looked up through the block table on
+its own (block_tables[s, pos // BS], slot pos % BS), so TILE is independent of BS and stays
+>= 16, the smallest K dim of tl.dot on a GPU. D is padded to D_PAD = max(16, next_pow2(D)) with
+masks. Scores live in the log2 domain (scaled by scale * log2(e)) and are softmaxed in fp32.
+Both tl.dots take input_precision="ieee": exact for an fp32 cache (no tf32 rounding; on a GPU that
+means FMA rather than tensor cores), no effect on fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """Sizes read off the launchers' inputs, all from shapes (no device values)."""
+
+    num_seqs: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    max_blocks: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def head_dim_padded(self) -> int:
+        return max(16, triton.next_power_of_2(self.head_dim))
+
+
+@triton.jit
+def kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE: tl.constexpr):
+    """Element offsets [TILE, D_PAD] of key positions `keys` [TILE] within one KV head of the cache.
+
+    table_row: pointer to the sequence's block table row; only entries of masked-in keys are read.
+    """
+    block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)  # [TILE]
+    slot = block * stride_block + (keys % BLOCK_SIZE).to(tl.int64) * stride_offset         # [TILE]
+    return slot[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m, l, acc, qk_scale):
+    """Fold one K/V tile into the running max `m` [M], sum `l` [M] and output `acc` [M, D_PAD].
+
+    q [M, D_PAD], k/v [TILE, D_PAD] in the cache dtype; visible [M, TILE] (False = masked out).
+    A row that has seen no visible key keeps m = -inf, l = 0, acc = 0 (no NaN).
+    """
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale    # [M, TILE] fp32, log2 domain
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])                                  # [M, TILE]
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l, acc
+
+
+def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, layer: int, out: torch.Tensor | None) -> PagedShape:
+    """The contract above, from shapes, dtypes and devices only; ValueError names the bad value."""
+    if q.dim() != 2 or q.dtype not in DTYPES or (q.shape[1] > 1 and q.stride(1) != 1):
+        raise ValueError(f"q must be [T, H * D] fp32/fp16/bf16 with a contiguous last dim; got {q.dtype} "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [L, 2, NB, KVH, BS, D] with a contiguous last dim; got "
+                         f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
+    if kv_cache.dtype != q.dtype or kv_cache.device != q.device:
+        raise ValueError(f"kv_cache must match q's dtype and device ({q.dtype}, {q.device}); got "
+                         f"{kv_cache.dtype} on {kv_cache.device}")
+    layers, _, _, kv_heads, block_size, head_dim = kv_cache.shape
+    if block_size & (block_size - 1) or block_size == 0:
+        raise ValueError(f"the cache's block size must be a power of two; got {block_size}")
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} is outside the cache's {layers} layers")
+    if q.shape[1] % head_dim or (q.shape[1] // head_dim) % kv_heads:
+        raise ValueError(f"q's width {q.shape[1]} must be H * {head_dim} with H a multiple of the cache's "
+                         f"{kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
+        raise ValueError(f"block_tables must be [S, MB] int32/int64; got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != block_tables.shape[:1] or seq_lens.dtype not in INDEX_DTYPES:
+        raise ValueError(f"seq_lens must be [{block_tables.shape[0]}] int32/int64 (one per block table row); "
+                         f"got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        check_index_tensor(name, t, q.device)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+                            or (out.shape[1] > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous last dim; got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
+    return PagedShape(block_tables.shape[0], q.shape[1] // head_dim, kv_heads, head_dim, block_size,
+                      block_tables.shape[1])
+
+
+def check_index_tensor(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """An index tensor is read with unit stride along its last dim, on q's device."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, q on {device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim; got strides {t.stride()}")
+
+
+def qk_scale(scale: float) -> float:
+    """Softmax scale in the log2 domain the kernels use (exp2 instead of exp)."""
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number; got {scale}")
+    return float(scale) * LOG2E
