@@ -3,7 +3,7 @@
   gemm group        linear (+ bias) -> [silu | silu_mul over the gate/up halves] -> [+ residual]:
                     kernels/triton/gemm.py, the epilogue as the template's constexpr flags
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
-  paged_attention / paged_decode_attention   kernels/triton/paged_attention.py
+  paged_attention / paged_decode_attention   kernels/triton/paged_{prefill,decode}_attention.py
   embedding / index_select                   kernels/triton/gather.py
 
 Each module defines `build(device)`, which returns `launch(*inputs) -> outputs`: the unit's
@@ -103,7 +103,7 @@ def _attention(unit: KernelUnit, node: Node) -> str:
     kind = "decode" if node.op == "paged_decode_attention" else "prefill"
     function = f"paged_{kind}_attention_triton"
     call = f"{function}({args}, {a['layer']}, {a['scale']!r})"
-    return _module(unit, [f"from llmc.kernels.triton.paged_attention import {function}"], [], call, ["result"])
+    return _module(unit, [f"from llmc.kernels.triton.paged_{kind}_attention import {function}"], [], call, ["result"])
 
 
 def _gather(unit: KernelUnit, node: Node) -> str:
