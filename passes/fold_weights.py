@@ -41,7 +41,7 @@ def folded_name(node: Node, operand_names: list[str]) -> str:
 
 def _evaluate(node: Node, operand_names: list[str], weights: dict) -> object:
     from llmc.compiler.dtypes import to_torch
-    from llmc.runtime.torch_backend import OP_IMPLS
+    from llmc.kernels.torch_ops import OP_IMPLS
 
     operands = [weights[n] for n in operand_names]
     return OP_IMPLS[node.op](operands, node.attrs).to(to_torch(node.type.dtype)).contiguous()

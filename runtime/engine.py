@@ -19,18 +19,20 @@ from pathlib import Path
 from typing import Iterator
 
 from llmc.compiler.dtypes import USER_DTYPES
+from llmc.kernels.native_ops import KERNEL_CHOICES
 
 from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
+from .executor import BACKENDS
 from .memory_plan import kv_bytes_per_token
-from .model_runner import ModelRunner, build_step_inputs
-from .native_impls import KERNEL_CHOICES, choose_op_impls
+from .model_runner import ModelRunner
 from .request import Completion, Request, RequestOutput
 from .sampler import make_generator, sample
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence
+from .step_inputs import build_step_inputs
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("llmc")
@@ -47,6 +49,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
     kernels: str = "auto"           # "native" (C++ CPU kernels), "reference" (torch refs) or "auto"
+    backend: str = "auto"           # "torch", "triton", or "auto": triton on a GPU if the artifact has kernels
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -54,6 +57,8 @@ class EngineConfig:
                 raise RequestError(f"engine option {name}={getattr(self, name)} must be positive")
         if self.kernels not in KERNEL_CHOICES:
             raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
+        if self.backend not in BACKENDS:
+            raise RequestError(f"backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
-        impls, self.kernels = choose_op_impls(config.kernels)
-        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, impls)
+        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels)
+        self.kernels = self.runner.kernels
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}
         self.num_steps = 0

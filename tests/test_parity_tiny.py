@@ -12,7 +12,6 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
-from llmc.runtime.native_impls import choose_op_impls
 from llmc.runtime.sequence import Sequence
 from tiny_models import FAMILIES
 from tolerances import tolerance
@@ -34,8 +33,7 @@ def new_runner(artifact_path, kernels="reference"):
     """Reference kernels on blocks of 4 tokens; native ones on the blocks of 16 they take."""
     art = load_artifact(artifact_path)
     num_blocks, block_size = (32, 4) if kernels == "reference" else (8, 16)
-    impls, _ = choose_op_impls(kernels)
-    return ModelRunner(art, num_blocks, block_size, impls), BlockManager(num_blocks, block_size)
+    return ModelRunner(art, num_blocks, block_size, "torch", kernels), BlockManager(num_blocks, block_size)
 
 
 def run_all_positions(runner, blocks, chunks):

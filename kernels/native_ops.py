@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import logging
 
-from llmc.kernels.activation import native_silu_mul_fits, silu_mul_cpu
-from llmc.kernels.attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
-from llmc.kernels.linear import PackedLinear, packable
-from llmc.kernels.native import NativeBuildError, load_native_kernels
-from llmc.kernels.rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
-from llmc.kernels.rope import RopeTables
-from llmc.kernels.rope_kv_write import native_rope_kv_write_fits, rope_kv_write_cpu
-
-from .torch_backend import OP_IMPLS, OpImpl
+from .activation import native_silu_mul_fits, silu_mul_cpu
+from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
+from .linear import PackedLinear, packable
+from .native import NativeBuildError, load_native_kernels
+from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
+from .rope import RopeTables
+from .rope_kv_write import native_rope_kv_write_fits, rope_kv_write_cpu
+from .torch_ops import OP_IMPLS, OpImpl
 
 
 def native_op_impls() -> dict[str, OpImpl]:

@@ -1,0 +1,96 @@
+"""A graph resolved once into a list of launches over numbered value slots.
+
+Both backends run a graph this way: the torch backend launches one torch function per node, the
+triton backend one kernel per unit. Resolving the graph once (which slots each launch reads and
+writes, and after which launch each value is dead) means a call does no lookups by name and
+frees every intermediate right after its last reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from llmc.compiler.ir import Graph, Value
+
+Launch = Callable[[list[torch.Tensor], dict[str, Any]], "torch.Tensor | tuple[torch.Tensor, ...]"]
+
+
+class MissingInputError(KeyError):
+    """A graph input was not fed."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch: its function, attributes, the values it reads and the values it returns."""
+
+    fn: Launch
+    attrs: dict[str, Any]
+    reads: tuple[Value, ...]
+    writes: tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class _Step:
+    fn: Launch
+    attrs: dict[str, Any]
+    args: tuple[int, ...]       # slots read
+    outs: tuple[int, ...]       # slots written, one per result
+    free: tuple[int, ...]       # slots whose last reader is this step (or that nobody reads)
+
+
+class SlotProgram:
+    """`launches` (in a valid order) of `graph`, bound to its weights; call with input tensors."""
+
+    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], launches: list[LaunchSpec]):
+        self.graph = graph
+        values = [n.value() for n in graph.nodes if n.op in ("input", "weight")]
+        values += [v for spec in launches for v in spec.writes]
+        self._slots = slot = {v: i for i, v in enumerate(dict.fromkeys(values))}
+        self._constants = {slot[n.value()]: weights[n.name[2:]] for n in graph.weights()}
+        self._input_slots = {n.name: slot[n.value()] for n in graph.inputs()}
+        self._outputs = [slot[v] for v in graph.outputs]
+        self._steps = self._plan(launches, keep={slot[v] for v in graph.outputs} | set(self._constants))
+
+    def _plan(self, launches: list[LaunchSpec], keep: set[int]) -> list[_Step]:
+        slot, last_use = self._slots, {}
+        for i, spec in enumerate(launches):
+            for v in (*spec.writes, *spec.reads):     # unread results die where they are made
+                last_use[slot[v]] = i
+        steps = []
+        for i, spec in enumerate(launches):
+            reads, outs = tuple(slot[v] for v in spec.reads), tuple(slot[v] for v in spec.writes)
+            dying = tuple(s for s in sorted(set(reads) | set(outs)) if last_use.get(s) == i and s not in keep)
+            steps.append(_Step(spec.fn, spec.attrs, reads, outs, dying))
+        return steps
+
+    def _run(self, feeds: dict[str, torch.Tensor], free: bool) -> list[Any]:
+        env: list[Any] = [None] * len(self._slots)
+        for s, t in self._constants.items():
+            env[s] = t
+        for name, s in self._input_slots.items():
+            if name not in feeds:
+                raise MissingInputError(f"graph {self.graph.name} needs input {name!r}")
+            env[s] = feeds[name]
+        for step in self._steps:
+            result = step.fn([env[s] for s in step.args], step.attrs)
+            if len(step.outs) == 1 and not isinstance(result, tuple):
+                env[step.outs[0]] = result
+            else:
+                for s, t in zip(step.outs, result, strict=True):
+                    env[s] = t
+            if free:
+                for s in step.free:
+                    env[s] = None
+        return env
+
+    def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        env = self._run(feeds, free=True)
+        return [env[s] for s in self._outputs]
+
+    def values(self, feeds: dict[str, torch.Tensor]) -> dict[Value, torch.Tensor]:
+        """Every value the graph computes (for debugging: nothing is freed)."""
+        env = self._run(feeds, free=False)
+        return {v: env[s] for v, s in self._slots.items()}

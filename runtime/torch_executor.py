@@ -1,0 +1,36 @@
+"""The `torch` executor: every op through torch (aten) calls, llmc's native CPU kernels where they fit.
+
+It is the CPU runtime and the numeric reference of the triton executor. On the CPU the op table
+is the native one (kernels/native_ops.py) or the torch refs, as `kernels` asks; on another device
+the refs run there (the native kernels are CPU code). Weights move to the device once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmc.kernels.native_ops import choose_op_impls
+from llmc.kernels.torch_ops import OP_IMPLS
+
+from .artifact import Artifact
+from .executor import Executor, KVCacheSpec
+from .step_inputs import StepInputs
+from .torch_backend import TorchProgram
+
+
+class TorchExecutor(Executor):
+    backend = "torch"
+
+    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, kernels: str = "auto"):
+        super().__init__(artifact, device, kv)
+        if device.type == "cpu":
+            impls, self.kernels = choose_op_impls(kernels)
+        else:
+            impls, self.kernels = dict(OP_IMPLS), "reference"
+        weights = {name: w.to(device) for name, w in artifact.weights.items()}
+        self.programs = {entry: TorchProgram(g, weights, impls) for entry, g in artifact.graphs.items()}
+
+    @torch.inference_mode()
+    def run(self, entry: str, step: StepInputs) -> torch.Tensor:
+        (logits,) = self.programs[entry](step.feeds(self.kv_cache))
+        return logits.float()
