@@ -17,6 +17,7 @@ from llmc.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from llmc.passes.pipeline import PIPELINE, Pass, PassError, pass_names, run_pipeline
 from llmc.passes.rewrite import PassContext, RewriteState, rewrite
 from llmc.tools.cli import app
+from llmc.tools.graph_export import GROUP_COLOURS
 
 FAMILY = "llama_gqa"
 
@@ -149,6 +150,12 @@ def test_ir_dot_output_has_every_op_and_a_cluster_per_group(dumped):
     assert text.count(" -> ") == edges
     groups = {n.attrs["group"] for n in graph.nodes if "group" in n.attrs}
     assert len(re.findall(r'subgraph "cluster_group_\d+"', text)) == len(groups) > 0
+    for node in graph.nodes:                   # a group's ops share its fill colour; others have none
+        fill = re.search(rf'"{node.name}" \[[^\n]*fillcolor="(#\w+)"', text)
+        if "group" in node.attrs:
+            assert fill and fill.group(1) == GROUP_COLOURS[node.attrs["group"] % len(GROUP_COLOURS)]
+        elif node.op != "weight":
+            assert fill is None
 
 
 def test_ir_onnx_output_passes_the_onnx_checker(dumped, tmp_path):

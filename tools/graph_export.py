@@ -1,7 +1,8 @@
 """Export an IR graph for graph viewers: Graphviz DOT text, or an ONNX model that Netron opens.
 
 DOT: one box per op (op, attributes, result types), ellipses for inputs, notes for weights,
-and a dashed cluster per fusion group (`group=N`).
+and a dashed cluster per fusion group (`group=N`) whose ops are filled with that group's colour
+(one kernel, one colour; an op with no group is its own kernel and stays white).
 
 ONNX: every op becomes a node of the custom domain `llmc` (its attributes carried over:
 ints, floats, strings and their lists as such, anything else as its Python text); values keep
@@ -18,6 +19,7 @@ from typing import Any
 from llmc.compiler.ir import Graph, Node, TensorType
 
 ONNX_DOMAIN = "llmc"
+GROUP_COLOURS = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#fccde5")
 
 
 # ---------------------------------------------------------------------------------- DOT
@@ -40,7 +42,10 @@ def _dot_node(node: Node) -> str:
     if node.op == "weight":
         return (f'  {_quote(node.name)} [shape=note, style=filled, fillcolor="#eeeeee", '
                 f'label="%{node.name}\\n{node.type}"];')
-    return f'  {_quote(node.name)} [label="{_dot_label(node)}"];'
+    fill = ""
+    if "group" in node.attrs:
+        fill = f', style=filled, fillcolor="{GROUP_COLOURS[node.attrs["group"] % len(GROUP_COLOURS)]}"'
+    return f'  {_quote(node.name)} [label="{_dot_label(node)}"{fill}];'
 
 
 def to_dot(graph: Graph) -> str:
