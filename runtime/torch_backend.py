@@ -19,7 +19,6 @@ from llmc.compiler.ir import Graph, Value
 from llmc.kernels.activation import silu_mul_ref
 from llmc.kernels.attention import (attention_ref, kv_write_ref, paged_attention_ref,
                                     paged_decode_attention_ref)
-from llmc.kernels.linear import linear_add_ref
 from llmc.kernels.rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from llmc.kernels.rope import rope_ref
 from llmc.kernels.rope_kv_write import rope_kv_write_ref
@@ -45,7 +44,6 @@ OP_IMPLS: dict[str, OpImpl] = {
     "split": lambda x, a: tuple(torch.split(x[0], a["sizes"], dim=-1)),
     "add_rmsnorm": lambda x, a: add_rmsnorm_ref(*x, a["eps"]),
     "silu_mul": lambda x, a: silu_mul_ref(*x),
-    "linear_add": lambda x, a: linear_add_ref(*x),
     "rope_kv_write": lambda x, a: rope_kv_write_ref(*x, **{k: a[k] for k in ROPE_KV_ATTRS}),
 }
 
