@@ -175,7 +175,7 @@ def _localize(before: Stage, check: Check, probe: Probe, weights: Weights) -> Cu
             continue
         for i in range(len(node.types)):
             old, new = node.value(i), value_map.get(node.value(i))
-            if new is None or new not in va or old not in vb or not vb[old].is_floating_point():
+            if new not in va or old not in vb or old not in exact or not vb[old].is_floating_point():
                 continue
             err = max_abs_error(vb[old], va[new])
             magnitude = exact[old].abs().max() if exact[old].numel() else 0.0
