@@ -20,9 +20,9 @@ run still has a bound). FACTOR = 4 sits above the largest ratio a clean pipeline
 tiny family and SmolLM2 in f32, bf16 and f16 (at most 1.54, SmolLM2 in bf16), and below what
 the planted bugs of tests/test_bisect.py cause (6x for gate and up swapped in bf16, up to 10^6x).
 A bug smaller than the dtype's own rounding is not flagged: RoPE theta or the attention scale
-1% off shows in f32 (~10^4x) but is within 1.5x in bf16, where the traced graph is that far off. The same rule, per value, localises the bug: a value
-after the pass diverges when it misses the before-graph's value by more than FACTOR times that
-value's own float64 error.
+1% off shows in f32 (~10^4x) but is within 1.5x in bf16, where the traced graph is that far
+off. The same rule, per value, localises the bug: a value after the pass diverges when it misses
+the before-graph's value by more than FACTOR times that value's own float64 error.
 """
 
 from __future__ import annotations
