@@ -1,7 +1,11 @@
-"""Write an artifact directory (the format is described in runtime/artifact.py).
+"""Write an artifact directory (the format: compiler/artifact_format.py).
 
-The directory is assembled under a temporary name next to the target and renamed into place at
-the end, so an interrupted compile never leaves a half-written artifact behind.
+The directory is assembled in a fresh hidden folder next to the target and renamed into place at
+the end, so an interrupted compile never leaves a half-written artifact behind. An existing
+target is replaced only if it is an llmc artifact holding nothing but the files its manifest
+lists: it is renamed aside, the new one renamed in, and only then is the old one removed, so at
+every moment one complete artifact sits under one of the two names. Any other folder is refused
+and left as it is.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import datetime
 import importlib.metadata
 import json
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +23,10 @@ from safetensors.torch import save_file
 
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel
-from llmc.models.provenance import file_sha256
-from llmc.runtime.artifact import (ENTRY_FILES, FORMAT, FORMAT_VERSION, MANIFEST, REPORT_FILE,
-                                   TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError)
+
+from .artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, MANIFEST, REPORT_FILE, TOKENIZER_CONFIG_FILE,
+                              TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError, check_file_list, file_entries,
+                              is_artifact_manifest)
 
 
 def package_version(name: str) -> str | None:
@@ -37,20 +43,49 @@ def _graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor],
     return {name: weights[name].to(dtype).contiguous().clone() for name in names}
 
 
+def _listed_files(out: Path) -> dict | None:
+    """The `files` section of `out`'s manifest if `out` holds an llmc artifact manifest, else None."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if is_artifact_manifest(manifest) else None
+    return files if isinstance(files, dict) else None
+
+
 def check_target(out: Path) -> None:
-    """Refuse an -o that is a file or a non-empty folder that is not an artifact (its files stay)."""
+    """Refuse an -o that is a file, or a non-empty folder that is not an llmc artifact made only of
+    the files its manifest lists (such a folder and its files stay as they are)."""
     if out.exists() and not out.is_dir():
         raise ArtifactError(f"{out} exists and is not a directory; choose another -o directory")
-    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+    if not out.exists() or not any(out.iterdir()):
+        return
+    listed = _listed_files(out)
+    if listed is None:
         raise ArtifactError(f"{out} exists and is not an llmc artifact; choose another -o directory")
+    try:
+        check_file_list(out, listed)
+    except ArtifactError as exc:
+        raise ArtifactError(f"{out} is an llmc artifact with other files in it, so it is not replaced "
+                            f"({str(exc).split(';')[0]}); move those files or choose another -o directory") from None
 
 
-def _prepare_target(out: Path) -> Path:
-    check_target(out)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
+def _sibling(out: Path, role: str) -> Path:
+    """A fresh hidden name next to `out` (never an existing folder of the user's)."""
+    return out.with_name(f".{out.name}.{role}-{uuid.uuid4().hex[:12]}")
+
+
+def _replace(out: Path, staging: Path) -> None:
+    """Put the finished `staging` folder at `out`, moving a checked old artifact aside first."""
+    if out.exists() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        staging.rename(out)
+        return
+    old = _sibling(out, "old")
+    out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old)
 
 
 def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
@@ -60,7 +95,22 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
 
     `weights` (default: the model's) holds every tensor the graphs name, including those that
     fold_weights computed."""
-    staging = _prepare_target(out)
+    check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(out, "partial")
+    staging.mkdir()
+    try:
+        _write_files(staging, model, graphs, dtype, compile_info, report, weights)
+        check_target(out)          # again: the folder may have changed during the compile
+        _replace(out, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
+                 compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
     save_file(_graph_weights(graphs, model.weights if weights is None else weights, dtype),
@@ -68,8 +118,7 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(model.tokenizer.config_dict(), indent=2))
     (staging / REPORT_FILE).write_text(json.dumps(report, indent=2))
-    files = {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(staging.iterdir())}
+    files = file_entries(staging)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -84,6 +133,3 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
         "files": files,
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out

@@ -200,12 +200,6 @@ def _concat(ts, attrs):
     return (first.with_shape(*first.shape[:dim], sum(t.shape[dim] for t in ts), *first.shape[dim + 1:]),)
 
 
-def _linear_add(ts, attrs):
-    (out,) = _linear(ts[:-1], attrs)
-    _same(out, ts[-1], "linear_add residual")
-    return (out,)
-
-
 def _rope_kv_write(ts, attrs):
     heads, kv_heads, head_dim = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     _expect(len(ts) in (4, 6), f"rope_kv_write takes (qkv, positions, cache, slots) or "
@@ -256,7 +250,6 @@ OPS: dict[str, OpDef] = {op.name: op for op in [
           "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm"),
     OpDef("silu_mul", 1, 2, (), _silu_mul,
           "silu(gate) * up; with one input x [T, 2N], gate and up are its two halves"),
-    OpDef("linear_add", 3, 4, (), _linear_add, "x @ w.T (+ b) + r: a GEMM with a residual-add epilogue"),
     OpDef("rope_kv_write", 4, 6, ("layer", "num_heads", "num_kv_heads", "head_dim", "theta", "scaling"),
           _rope_kv_write, "rope q and k, store k and v at their slots; returns (roped q, cache)",
           side_effects=True),

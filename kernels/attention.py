@@ -69,7 +69,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     groups = width // (kv_heads * head_dim)
     rows = q.view(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, KVH, G, n, D]
     rows = rows.reshape(batch, kv_heads, groups * n, head_dim)                 # [B, KVH, G*n, D]
-    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * scale           # [B, KVH, G*n, L]
+    acc = torch.promote_types(q.dtype, torch.float32)                           # float64 stays float64
+    scores = torch.matmul(rows, k.transpose(-1, -2)).to(acc) * scale          # [B, KVH, G*n, L]
     mask = allowed[:, None, None].expand(batch, 1, groups, n, allowed.shape[-1])
     scores = scores.masked_fill(~mask.reshape(batch, 1, groups * n, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)

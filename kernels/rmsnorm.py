@@ -1,8 +1,9 @@
 """RMSNorm.
 
 Contract: x [T, D] (f32/f16/bf16), weight [D] of the same dtype; returns [T, D] in x's dtype.
-y = x / sqrt(mean(x^2, -1) + eps) * weight, with the mean and the scaling done in fp32 and the
-product with the weight taken after casting back, as Hugging Face's Llama does.
+y = x / sqrt(mean(x^2, -1) + eps) * weight, with the mean and the scaling done in fp32 (float64
+for float64 x, the reference runs of bisect) and the product with the weight taken after
+casting back, as Hugging Face's Llama does.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
+    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 

@@ -45,8 +45,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
              scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(x.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]           # [T, D/2]
+    acc = torch.promote_types(x.dtype, torch.float32)                 # float64 stays float64
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(x.device, acc)
+    freqs = positions.to(acc)[:, None] * inv_freq[None, :]            # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)                           # [T, D]
     cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
     heads = x.view(x.shape[0], -1, head_dim)                          # [T, H, D]

@@ -17,7 +17,6 @@ from llmc.compiler.dtypes import to_torch
 
 from .activation import silu_mul_ref
 from .attention import attention_ref, kv_write_ref, paged_attention_ref, paged_decode_attention_ref
-from .linear import linear_add_ref
 from .rmsnorm import add_rmsnorm_ref, rmsnorm_ref
 from .rope import rope_ref
 from .rope_kv_write import rope_kv_write_ref
@@ -43,6 +42,5 @@ OP_IMPLS: dict[str, OpImpl] = {
     "split": lambda x, a: tuple(torch.split(x[0], a["sizes"], dim=-1)),
     "add_rmsnorm": lambda x, a: add_rmsnorm_ref(*x, a["eps"]),
     "silu_mul": lambda x, a: silu_mul_ref(*x),
-    "linear_add": lambda x, a: linear_add_ref(*x),
     "rope_kv_write": lambda x, a: rope_kv_write_ref(*x, **{k: a[k] for k in ROPE_KV_ATTRS}),
 }

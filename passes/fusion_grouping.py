@@ -17,7 +17,7 @@ from llmc.compiler.ir import Graph, Node
 
 from .rewrite import PassContext, RewriteState, rewrite
 
-GEMM = ("linear", "linear_add")
+GEMM = ("linear",)
 ELEMENTWISE = ("add", "mul", "silu", "silu_mul", "cast", "split")
 ROWWISE = ("rmsnorm", "add_rmsnorm", "rope")
 ANCHORS = GEMM + ROWWISE

@@ -22,7 +22,6 @@ from .cse import cse
 from .dce import dce
 from .fold_weights import fold_weights
 from .fuse_add_rmsnorm import fuse_add_rmsnorm
-from .fuse_epilogues import fuse_epilogues
 from .fuse_rope_kv_write import fuse_rope_kv_write
 from .fuse_silu_mul import fuse_silu_mul
 from .fusion_grouping import fusion_grouping
@@ -58,7 +57,6 @@ PIPELINE: list[Pass] = [
     Pass("insert_paged_attention", insert_paged_attention,
          "attention -> kv_write + paged attention over block tables", required=True),
     Pass("fuse_rope_kv_write", fuse_rope_kv_write, "rope of q and k + kv_write -> rope_kv_write"),
-    Pass("fuse_epilogues", fuse_epilogues, "linear + following residual add -> linear_add"),
     # --- compute weight-only expressions (merged weights) once, at compile time
     Pass("fold_weights", fold_weights, "weight-only nodes (concats) -> new stored weights"),
     # --- clean up

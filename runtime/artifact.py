@@ -1,16 +1,9 @@
-"""The artifact directory: format constants, loading, and verification.
+"""Loading an artifact for the runtime: verify it, then parse its graphs, weights and tokenizer.
 
-    manifest.json          format + version, model config, source hashes, pass list and options,
-                           llmc / torch / triton versions, backends, sha256 + size of every file
-    prefill.ir, decode.ir  the entry graphs in IR text
-    weights.safetensors    every weight the graphs reference, by canonical name
-    tokenizer.json         Hugging Face fast-tokenizer file
-    tokenizer_config.json  chat template, bos/eos tokens, add_bos_token
-    report.json            what each pass did (hits, node counts, seconds), op counts per graph and
-                           per decoder layer, seconds per compile stage
-
-`verify_artifact` turns every mismatch into an `ArtifactError` with one sentence that names the
-file and the fix; nothing is trusted before its hash is checked.
+The format itself (files, version, hashing, verification) is compiler/artifact_format.py, which
+the writer uses too; this module re-exports its names for the runtime's callers. Nothing is
+trusted before its hash is checked, and every problem is an `ArtifactError` with one sentence
+that names the file and the fix.
 """
 
 from __future__ import annotations
@@ -24,23 +17,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from llmc.compiler.artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, MANIFEST, REPORT_FILE,  # noqa: F401
+                                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError,
+                                           read_manifest, verify_files)
 from llmc.compiler.ir import Graph, IRError, parse_graph
 from llmc.compiler.ops import verify
 from llmc.models.config import ModelConfig, ModelError, TokenizerFiles
-from llmc.models.provenance import file_sha256
-
-FORMAT = "llmc-artifact"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-ENTRY_FILES = {"prefill": "prefill.ir", "decode": "decode.ir"}
-WEIGHTS_FILE = "weights.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-REPORT_FILE = "report.json"
-
-
-class ArtifactError(Exception):
-    """An artifact that cannot be used as it is; the message names the file and the fix."""
 
 
 @dataclass
@@ -53,42 +35,6 @@ class Artifact:
     graphs: dict[str, Graph]
     weights: dict[str, torch.Tensor]
     tokenizer: TokenizerFiles
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest, after checking that it is one and that this llmc can read its version."""
-    if not path.exists():
-        raise ArtifactError(f"{path} does not exist; give the folder that `llmc compile -o` wrote")
-    if not path.is_dir():
-        raise ArtifactError(f"{path} is not a directory; give the folder that `llmc compile -o` wrote")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"{path} has no {MANIFEST}; it is not an llmc artifact (run `llmc compile`)") from None
-    except json.JSONDecodeError as exc:
-        raise ArtifactError(f"{path / MANIFEST} is not valid JSON ({exc.msg}); recompile the artifact") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path / MANIFEST} is not an llmc artifact manifest; recompile the artifact")
-    version = manifest.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ArtifactError(f"artifact format version {version} is newer than this llmc reads "
-                            f"(version {FORMAT_VERSION}); upgrade llmc or recompile with this one")
-    return manifest
-
-
-def verify_files(path: Path, manifest: dict[str, Any]) -> None:
-    """Check the size and sha256 of every file the manifest lists."""
-    for name, entry in manifest.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            raise ArtifactError(f"artifact file {name} is missing from {path}; recompile the artifact")
-        size = file.stat().st_size
-        if size != entry["bytes"]:
-            raise ArtifactError(f"{name} is {size} bytes but the manifest records {entry['bytes']}: "
-                                "the file is truncated or replaced; recompile the artifact")
-        if file_sha256(file) != entry["sha256"]:
-            raise ArtifactError(f"{name} does not match its sha256 in the manifest: the file was edited "
-                                "or corrupted; recompile the artifact")
 
 
 def load_graph(path: Path, entry: str) -> Graph:

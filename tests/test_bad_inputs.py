@@ -166,17 +166,48 @@ def _edit_ir(path: Path) -> None:
     path.write_text(text.replace("eps=1e-05", "eps=2e-05", 1))  # same size, new sha256
 
 
+def _edit_files(artifact: Path, edit) -> None:
+    """Apply `edit` to the manifest's `files` section."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    edit(manifest["files"])
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _unlisted_edited_ir(artifact: Path) -> None:
+    _edit_files(artifact, lambda files: files.pop("prefill.ir"))
+    _edit_ir(artifact / "prefill.ir")
+
+
+def _no_file_list(artifact: Path) -> None:
+    _edit_json(artifact / "manifest.json", files=None)
+    _truncate(artifact / "weights.safetensors")
+
+
 ARTIFACT_EDITS = {
     "truncated_weights": lambda a: _truncate(a / "weights.safetensors"),
     "edited_ir": lambda a: _edit_ir(a / "prefill.ir"),
     "newer_format": lambda a: _edit_json(a / "manifest.json", format_version=99),
     "no_manifest": lambda a: (a / "manifest.json").unlink(),
+    "unlisted_edited_ir": _unlisted_edited_ir,
+    "no_file_list": _no_file_list,
+    "extra_file": lambda a: (a / "notes.txt").write_text("mine\n"),
+    "extra_file_in_a_folder": lambda a: ((a / "kernels").mkdir(), (a / "kernels" / "k.py").write_text("x = 1\n")),
+    "missing_file": lambda a: (a / "report.json").unlink(),
+    "malformed_entry": lambda a: _edit_files(a, lambda files: files["decode.ir"].update(bytes="12")),
+    "entry_outside": lambda a: _edit_files(a, lambda files: files.update({"../x": files["report.json"]})),
 }
 ARTIFACT_WORDS = {
     "truncated_weights": ("weights.safetensors", "truncated", "recompile"),
     "edited_ir": ("prefill.ir", "does not match its sha256", "edited", "recompile"),
     "newer_format": ("version 99", "newer", "upgrade llmc"),
     "no_manifest": ("no manifest.json", "not an llmc artifact", "llmc compile"),
+    "unlisted_edited_ir": ("does not list prefill.ir", "recompile"),
+    "no_file_list": ("no valid 'files' section", "recompile"),
+    "extra_file": ("notes.txt", "is not listed in manifest.json", "remove the file or recompile"),
+    "extra_file_in_a_folder": ("kernels/k.py", "is not listed in manifest.json"),
+    "missing_file": ("report.json is missing", "recompile"),
+    "malformed_entry": ("malformed entry for decode.ir", '"bytes": "12"', "recompile"),
+    "entry_outside": ("lists '../x'", "not a path inside the artifact"),
     "does_not_exist": ("does not exist", "llmc compile -o"),
 }
 

@@ -1,4 +1,9 @@
-"""The engine over a compiled tiny model: scheduling choices never change greedy output."""
+"""The engine over a compiled tiny model: scheduling choices never change greedy output.
+
+The invariance tests (batching, preemption, chunking, prefix caching with copy-on-write) run on
+two tiny models: llama_gqa (head_dim 12: the native kernels decline it, the torch refs run) and
+llama_hd32, whose shapes every native kernel takes (run with kernels="native", as the CLI does
+where they build)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-BLOCK_BYTES = 16 * 2 * 2 * 3 * 12 * 4      # block_size x K,V x layers x kv_heads x head_dim x f32
+KERNELS = {"llama_gqa": "auto", "llama_hd32": "native"}
 
 
 def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -23,42 +28,74 @@ def artifact(tiny_family):
     return tiny_family("llama_gqa")[2]
 
 
+@pytest.fixture(scope="module", params=list(KERNELS))
+def family_artifact(request, tiny_family):
+    """(artifact, kernels) of each invariance model."""
+    return tiny_family(request.param)[2], KERNELS[request.param]
+
+
+def block_bytes(engine: Engine) -> int:
+    """block_size x K,V x layers x kv_heads x head_dim x element size."""
+    return engine.runner.kv_cache.element_size() * engine.runner.kv_cache[:, :, 0].numel()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on busy shared cores OpenMP waits cost ~20x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def run(artifact, batch, params=GREEDY, **config):
-    engine = Engine(artifact, EngineConfig(**config))
+    engine = Engine(artifact, EngineConfig(**{"kv_cache_bytes": 2**22, **config}))
     outputs = [c.token_ids for c in engine.generate(batch, params)]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     return engine, outputs
 
 
-def test_sixteen_requests_together_equal_each_alone(artifact):
+def test_sixteen_requests_together_equal_each_alone(family_artifact):
+    artifact, kernels = family_artifact
     batch = prompts(16)
-    _, together = run(artifact, batch)
-    alone = [run(artifact, [p])[1][0] for p in batch]
+    with torch.profiler.profile() as prof:
+        _, together = run(artifact, batch, kernels=kernels)
+    ran = {e.name for e in prof.events()}
+    assert kernels != "native" or {"llmc::paged_attention", "llmc::rope_kv_write"} <= ran
+    alone = [run(artifact, [p], kernels=kernels)[1][0] for p in batch]
     assert together == alone
 
 
-def test_preempted_requests_give_the_same_greedy_output(artifact):
+def test_preempted_requests_give_the_same_greedy_output(family_artifact):
+    artifact, kernels = family_artifact
     batch = prompts(12, seed=1)
-    _, reference = run(artifact, batch)
-    engine, squeezed = run(artifact, batch, kv_cache_bytes=12 * BLOCK_BYTES)
+    engine, reference = run(artifact, batch, kernels=kernels)
+    engine, squeezed = run(artifact, batch, kernels=kernels, kv_cache_bytes=12 * block_bytes(engine))
     assert engine.scheduler.num_preemptions > 0
     assert squeezed == reference
 
 
-def test_small_token_budget_chunks_prompts_without_changing_output(artifact):
+def test_small_token_budget_chunks_prompts_without_changing_output(family_artifact):
+    artifact, kernels = family_artifact
     batch = prompts(6, seed=2, lo=30, hi=90)
-    _, reference = run(artifact, batch)
-    engine, chunked = run(artifact, batch, max_batched_tokens=7)
+    _, reference = run(artifact, batch, kernels=kernels)
+    engine, chunked = run(artifact, batch, kernels=kernels, max_batched_tokens=7)
     assert chunked == reference
 
 
-def test_prefix_cache_hits_give_the_same_output(artifact):
+def test_prefix_cache_hits_and_copy_on_write_give_the_same_output(family_artifact):
+    artifact, kernels = family_artifact
     system = prompts(1, seed=3, lo=40, hi=41)[0]              # 40 shared tokens: 2 full blocks
     batch = [system + p for p in prompts(5, seed=4)] + [system[:32]] * 2   # last two: fully cached
-    _, uncached = run(artifact, batch, enable_prefix_caching=False)
-    engine = Engine(artifact, EngineConfig(max_num_seqs=1))    # one at a time, so later ones hit
-    cached = [c.token_ids for c in engine.generate(batch, GREEDY)]
+    _, uncached = run(artifact, batch, kernels=kernels, enable_prefix_caching=False)
+    engine = Engine(artifact, EngineConfig(kernels=kernels))
+    copied = []
+    copy_blocks = engine.runner.copy_blocks
+    engine.runner.copy_blocks = lambda copies: (copied.extend(copies), copy_blocks(copies))
+    first = [c.token_ids for c in engine.generate(batch[:1], GREEDY)]    # caches the shared blocks
+    cached = first + [c.token_ids for c in engine.generate(batch[1:], GREEDY)]
     assert engine.blocks.hit_rate() > 0.5
+    assert copied  # the two fully cached prompts share their last block and recompute a token into it
     assert cached == uncached
 
 

@@ -7,13 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from llmc.compiler.driver import compile_model
+from llmc.models import llama
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, build_hf_model
 from tolerances import tolerance
 
 PROMPT_LENS = (7, 1, 13)
@@ -47,6 +49,11 @@ def run_all_positions(runner, blocks, chunks):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prefill_and_decode_match_transformers(tiny_family, family, kernels):
     model, _, artifact = tiny_family(family)
+    assert_matches_transformers(model, artifact, kernels)
+
+
+def assert_matches_transformers(model, artifact, kernels: str) -> None:
+    """Prefill logits at every position of three prompts, then 16 teacher-forced decode steps."""
     runner, blocks = new_runner(artifact, kernels)
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=16)) for i, p in enumerate(make_prompts(1))]
@@ -70,7 +77,8 @@ def test_prefill_and_decode_match_transformers(tiny_family, family, kernels):
             s.num_computed = s.num_tokens
 
 
-@pytest.mark.parametrize("family,kernels", [("llama_gqa", "reference"), ("llama_hd32", "native")])
+@pytest.mark.parametrize("kernels", ["reference", "native"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family, family, kernels):
     """A prompt computed in three chunks, mixed with another sequence's decode token."""
     model, _, artifact = tiny_family(family)
@@ -104,3 +112,36 @@ def test_native_runner_runs_the_native_kernels_where_shapes_fit(tiny_family):
     ran = {e.name for e in prof.events()}
     assert {"llmc::paged_attention", "llmc::rope_kv_write", "llmc::add_rmsnorm", "llmc::rmsnorm",
             "llmc::silu_mul", "mkldnn::_linear_pointwise"} <= ran
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiny_models_attend_far_from_uniformly(family):
+    """Scores span several units (tiny_models.QK_GAIN): each layer's attention rows have well
+    under the entropy of uniform attention over the same causal prefix, so a RoPE or scale bug
+    moves the logits."""
+    model = build_hf_model(family)          # a fresh copy: eager attention returns the weights
+    model.config._attn_implementation = "eager"
+    ids = torch.tensor([make_prompts(6)[2] * 3])                             # 39 tokens
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions          # per layer [1, H, T, T]
+    uniform = torch.log(torch.arange(1, ids.shape[1] + 1, dtype=torch.float64))[1:].mean()
+    for probs in attentions:
+        p = probs[0, :, 1:].double()                                         # rows with > 1 key
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()
+        assert entropy < 0.7 * uniform, f"{family}: entropy {entropy:.2f} vs uniform {uniform:.2f}"
+
+
+def test_a_rope_theta_bug_in_the_model_definition_fails_parity(tiny_family, tmp_path, monkeypatch):
+    """The parity test can fail: llmc's decoder layer with RoPE theta 1% off is caught."""
+    model, folder, _ = tiny_family("llama_gqa")
+    build_layer = llama.DecoderLayer.__init__
+
+    def theta_off_by_1_percent(self, cfg, *args, **kwargs):
+        build_layer(self, dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 1.01), *args, **kwargs)
+
+    monkeypatch.setattr(llama.DecoderLayer, "__init__", theta_off_by_1_percent)
+    broken = compile_model(folder, tmp_path / "broken")
+    monkeypatch.undo()
+    assert_matches_transformers(model, compile_model(folder, tmp_path / "fixed"), "reference")
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_matches_transformers(model, broken, "reference")

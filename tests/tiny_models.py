@@ -47,8 +47,15 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
+# Q and K at the default init (std 0.02) give attention scores of ~0.03: every row is nearly
+# uniform, and a RoPE or scale bug moves the logits by ~1e-3. Scaled by 10 the scores span
+# several units, so attention picks tokens (tests/test_parity_tiny.py checks the entropy).
+QK_GAIN = 10.0
+
+
 def build_hf_model(family: str, seed: int = 0):
-    """A random-weight transformers model of `family`: hidden 72 unless the family says, 2 layers, vocab 300."""
+    """A random-weight transformers model of `family`: hidden 72 unless the family says, 2 layers, vocab 300,
+    random norm weights and biases, Q and K projections scaled by QK_GAIN."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[family]
@@ -64,6 +71,8 @@ def build_hf_model(family: str, seed: int = 0):
                 p.uniform_(0.5, 1.5)
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_GAIN)
     return model
 
 

@@ -1,19 +1,28 @@
 """`llmc debug bisect`: find the first pass that changes what a model computes.
 
 The pipeline runs one pass at a time over both entry graphs (stage 0: the traced graphs). Each
-stage is interpreted with the torch backend on the same probes: random token ids (a prefill of
-two sequences, odd T; a decode of one token per sequence) and the model's chat template around
-a real prompt. Every probe is computed from an empty KV cache, where a graph before
-insert_paged_attention and one after it compute the same logits (tools/feeds.py). The first
-stage whose logits differ from the traced graph's beyond the tolerance names the pass. Within
-that pass, the values before and after it are compared node by node through the rewrite's
-value map (old value -> the value that stands for it), and the first value that differs is
-printed as IR text with its error. Last, greedy decoding of the prompt with the traced graphs
-and with the culprit's (or else the final) graphs shows the first step whose token flips.
+stage is interpreted with the torch backend on the same probes (tools/bisect_probes.py: random
+prefills and decodes, the chat prompt, a decode and a chunked-prefill step over real cached
+context in shuffled blocks). The first stage whose logits are too far from the truth names the
+pass. Within that pass, the values before and after it are compared node by node through the
+rewrite's value map (old value -> the value that stands for it), and the first value that
+differs is printed as IR text with its error. Last, greedy decoding of the prompt with the
+traced graphs and with the culprit's (or else the final) graphs shows the first step whose
+token flips.
 
-Tolerance: the rounding error of a dot product of length K grows like sqrt(K) units of the
-dtype's epsilon (llm.c's rule); a model chains a few dozen such products, so the bound is
-eps * sqrt(K) * SAFETY, times the magnitude of the reference values (at least 1).
+Tolerance. The truth is the traced graph run in float64 on the same probe (weights cast up from
+the working dtype, so only rounding separates the two). The traced graph run in the working
+dtype misses it by E, the rounding error this dtype costs this model on this probe; a correct
+pass only reorders or fuses rounding steps, so its graphs miss the truth by about as much, while
+a wrong rewrite adds an error of its own that does not shrink with the dtype's epsilon. A stage
+diverges when its error exceeds FACTOR * E (E at least eps * max|logit|, so an exact float32
+run still has a bound). FACTOR = 4 sits above the largest ratio a clean pipeline showed on every
+tiny family and SmolLM2 in f32, bf16 and f16 (at most 1.54, SmolLM2 in bf16), and below what
+the planted bugs of tests/test_bisect.py cause (6x for gate and up swapped in bf16, up to 10^6x).
+A bug smaller than the dtype's own rounding is not flagged: RoPE theta or the attention scale
+1% off shows in f32 (~10^4x) but is within 1.5x in bf16, where the traced graph is that far
+off. The same rule, per value, localises the bug: a value after the pass diverges when it misses
+the before-graph's value by more than FACTOR times that value's own float64 error.
 """
 
 from __future__ import annotations
@@ -32,22 +41,23 @@ from llmc.passes.rewrite import PassContext
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.torch_backend import TorchProgram
 
-from .feeds import Step, greedy_tokens, step_feeds
+from .bisect_probes import Probe, make_probes, prepare, probe_logits, runs_as_is
+from .feeds import greedy_tokens
 
 EPS = {"f32": 2.0**-23, "bf16": 2.0**-7, "f16": 2.0**-10}
-SAFETY = 16.0
+FACTOR = 4.0
 DEFAULT_PROMPT = "What is the capital of France?"
-
-
-def tolerance(dtype: str, reduction: int, magnitude: float) -> float:
-    """Largest max-abs error that rounding alone explains (see module docstring)."""
-    return EPS[dtype] * math.sqrt(reduction) * SAFETY * max(float(magnitude), 1.0)
 
 
 def max_abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return math.inf
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def tolerance(dtype: str, rounding_error: float, magnitude: float) -> float:
+    """FACTOR times the working dtype's own error against float64 (at least eps * magnitude)."""
+    return FACTOR * max(rounding_error, EPS[dtype] * float(magnitude))
 
 
 @dataclass(frozen=True)
@@ -76,30 +86,8 @@ def pipeline_stages(config: ModelConfig, ir_dtype: str, weights: dict[str, torch
 
 
 @dataclass(frozen=True)
-class Probe:
-    entry: str
-    step: Step
-
-
-def make_probes(config: ModelConfig, prompt_ids: list[int], seed: int) -> list[Probe]:
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(n: int, high: int = config.vocab_size) -> list[int]:
-        return torch.randint(0, high, (n,), generator=g).tolist()
-
-    return [Probe("prefill", Step.prefill("random prefill", [rand(7), rand(4)])),
-            Probe("prefill", Step.prefill("chat prompt", [prompt_ids])),
-            Probe("decode", Step.decode("random decode", rand(3), rand(3, high=64)))]
-
-
-def _logits(graph: Graph, weights: dict, step: Step) -> torch.Tensor:
-    with torch.inference_mode():
-        return TorchProgram(graph, weights)(step_feeds(graph, step))[0].float()
-
-
-@dataclass(frozen=True)
 class Check:
-    """One stage on one probe: max abs error of the logits against the traced graph's."""
+    """One stage on one probe: max abs error of the logits against the float64 traced graph's."""
 
     stage: Stage
     probe: str
@@ -155,37 +143,48 @@ def _result_text(graph: Graph, value: Value) -> str:
     return format_node(node) + suffix
 
 
-def _localize(before: Stage, check: Check, probe: Probe, weights: dict, ir_dtype: str, reduction: int) -> Culprit:
+def _values(graphs: dict[str, Graph], weights: dict, probe: Probe, cache_dtype=None) -> dict[Value, torch.Tensor]:
+    """Every value of the probe's entry graph on the probe, cache contents excepted (updated in place)."""
+    program, feeds = prepare(graphs, weights, probe, cache_dtype)
+    with torch.inference_mode():
+        values = program.values(feeds)
+    aliased = {t.data_ptr() for t in feeds.values()}
+    return {v: t for v, t in values.items() if t.data_ptr() not in aliased}
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The model's weights in the working dtype and in float64 (cast up from those)."""
+
+    dtype: str
+    working: dict[str, torch.Tensor]
+    exact: dict[str, torch.Tensor]
+
+
+def _localize(before: Stage, check: Check, probe: Probe, weights: Weights) -> Culprit:
     """Compare every value of the graph before the pass with the value standing for it after."""
-    after, entry = check.stage, probe.entry
+    after = check.stage
+    entry = probe.entry if runs_as_is(before.graphs, probe) else "prefill"   # the graph that computes it
     value_map = after.value_maps[entry]
     if value_map is None:
         return Culprit(check)
-    gb, ga = before.graphs[entry], after.graphs[entry]
-    feeds_b, feeds_a = step_feeds(gb, probe.step), step_feeds(ga, probe.step)
-    with torch.inference_mode():
-        vb = TorchProgram(gb, weights).values(feeds_b)
-        va = TorchProgram(ga, weights).values(feeds_a)
-    aliased = {t.data_ptr() for t in (*feeds_b.values(), *feeds_a.values())}  # the cache, updated in place
+    gb = before.graphs[entry]
+    vb = _values(before.graphs, weights.working, probe)
+    exact = _values(before.graphs, weights.exact, probe, torch.float64)
+    va = _values(after.graphs, weights.working, probe)
     for node in gb.nodes:
         if node.op in ("input", "weight"):
             continue
         for i in range(len(node.types)):
             old, new = node.value(i), value_map.get(node.value(i))
-            if new is None or new not in va or vb[old].data_ptr() in aliased:
+            if new not in va or old not in vb or old not in exact or not vb[old].is_floating_point():
                 continue
             err = max_abs_error(vb[old], va[new])
-            tol = tolerance(ir_dtype, reduction, vb[old].float().abs().max() if vb[old].numel() else 0.0)
+            magnitude = exact[old].abs().max() if exact[old].numel() else 0.0
+            tol = tolerance(weights.dtype, max_abs_error(vb[old], exact[old]), magnitude)
             if not err <= tol:
-                return Culprit(check, _result_text(gb, old), _result_text(ga, new), err, tol)
+                return Culprit(check, _result_text(gb, old), _result_text(after.graphs[entry], new), err, tol)
     return Culprit(check)
-
-
-def _reduction(graph: Graph) -> int:
-    """The longest dot product in the graph (the reduction dim of its widest linear)."""
-    nodes = graph.node_map()
-    return max((nodes[n.inputs[1].node].types[n.inputs[1].index].shape[1] for n in graph.nodes
-                if n.op == "linear"), default=1)
 
 
 def _greedy(stages: list[Stage], culprit: Culprit | None, weights: dict, prompt: list[int],
@@ -201,29 +200,43 @@ def _greedy(stages: list[Stage], culprit: Culprit | None, weights: dict, prompt:
     return [GreedyCheck(s.name, reference, run(s)) for s in chosen]
 
 
+def _check_stages(report: "BisectReport", stages: list[Stage], probes: list[Probe], weights: Weights) -> None:
+    """Every stage on every probe against the float64 traced graph; the earliest divergence is
+    localised, on a probe that runs the same tokens before and after the pass."""
+    first: dict[int, list[tuple[Check, Probe]]] = {}
+    for probe in probes:
+        truth = probe_logits(stages[0].graphs, weights.exact, probe, torch.float64)
+        rounding = max_abs_error(probe_logits(stages[0].graphs, weights.working, probe), truth)
+        tol = tolerance(weights.dtype, rounding, truth.abs().max())
+        for k, stage in enumerate(stages):
+            check = Check(stage, probe.step.name, max_abs_error(probe_logits(stage.graphs, weights.working, probe),
+                                                                truth), tol)
+            report.checks.append(check)
+            if check.diverged:
+                first.setdefault(k, []).append((check, probe))
+    if not first:
+        return
+    k = min(first)
+    local = [(c, p) for c, p in first[k] if runs_as_is(stages[k - 1].graphs, p) == runs_as_is(stages[k].graphs, p)]
+    check, probe = (local or first[k])[0]
+    report.culprit = _localize(stages[k - 1], check, probe, weights) if local and k > 0 else Culprit(check)
+
+
 def bisect(model: LoadedModel, name: str = "model", dtype: str = "float32", steps: int = 16,
            prompt: str = DEFAULT_PROMPT, disabled: tuple[str, ...] = (), seed: int = 0) -> BisectReport:
     """Run the pipeline pass by pass and find the first pass that changes the model's output."""
     ir_dtype = USER_DTYPES[dtype]
-    weights = {k: v.to(to_torch(ir_dtype)) for k, v in model.weights.items()}
-    stages = pipeline_stages(model.config, ir_dtype, weights, disabled)
+    working = {k: v.to(to_torch(ir_dtype)) for k, v in model.weights.items()}
+    stages = pipeline_stages(model.config, ir_dtype, working, disabled)
+    weights = Weights(ir_dtype, working, {k: v.double() for k, v in working.items()})  # after fold_weights ran
     tokenizer = Tokenizer(model.tokenizer)
     messages = [{"role": "user", "content": prompt}]
     prompt_ids = tokenizer.encode_chat(messages) if tokenizer.has_chat_template else tokenizer.encode(prompt)
     probes = make_probes(model.config, prompt_ids, seed)
-    reduction = _reduction(stages[0].graphs["prefill"])
     report = BisectReport(name, dtype, [p.step.name for p in probes])
-    for probe in probes:
-        reference = _logits(stages[0].graphs[probe.entry], weights, probe.step)
-        tol = tolerance(ir_dtype, reduction, reference.abs().max())
-        for k, stage in enumerate(stages):
-            check = Check(stage, probe.step.name, max_abs_error(_logits(stage.graphs[probe.entry], weights,
-                                                                         probe.step), reference), tol)
-            report.checks.append(check)
-            if check.diverged and (report.culprit is None or stage.index < report.culprit.check.stage.index):
-                report.culprit = _localize(stages[k - 1], check, probe, weights, ir_dtype, reduction)
+    _check_stages(report, stages, probes, weights)
     if steps > 0:
-        report.greedy = _greedy(stages, report.culprit, weights, prompt_ids, steps)
+        report.greedy = _greedy(stages, report.culprit, working, prompt_ids, steps)
         ids = {t for g in report.greedy for t in (*g.reference, *g.tokens)}
         report.token_text = {t: tokenizer.decode([t], skip_special_tokens=False) for t in ids}
     return report

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .bisect import FACTOR
+
 if TYPE_CHECKING:
     from .bisect import BisectReport, GreedyCheck
 
@@ -56,8 +58,9 @@ def _greedy_line(report: "BisectReport", check: "GreedyCheck") -> str:
 
 
 def render(report: "BisectReport") -> str:
-    lines = [f"llmc debug bisect: {report.model} ({report.dtype}); max abs error of the logits "
-             "against the traced graph, each probe from an empty KV cache"]
+    lines = [f"llmc debug bisect: {report.model} ({report.dtype}); max abs error of the logits against "
+             "the traced graph run in float64; a stage diverges beyond the tolerance, "
+             f"{FACTOR:g}x the traced graph's own error in {report.dtype}"]
     lines += _table(report)
     lines += _culprit(report)
     lines += [_greedy_line(report, g) for g in report.greedy]

@@ -1,7 +1,12 @@
 """What every pass test checks, in one place: run a pass (verified), the printed IR, numbers
 before == after on random inputs, and traced tiny graphs to run a pass on.
 
-Shapes: T=1 and odd T, hidden 72 (not a power of two).
+Shapes: T=1 and odd T, hidden 72 (not a power of two). A graph that takes a KV cache is also run
+on steps over cached context (`CONTEXT_STEPS`): several sequences of several blocks each, ending
+mid-block, in shuffled blocks with holes, the cache full of random K/V (the same for the graph
+before and after the pass): a chunk of a prompt, a decode token in the same step and a new
+prompt, or a decode of three sequences, so RoPE at real positions, the paged K/V read and the
+softmax over many keys are all part of what must stay the same.
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ TINY_QWEN = dataclasses.replace(TINY, architecture="Qwen2ForCausalLM", qkv_bias=
 
 PREFILL_STEPS = [Step.prefill("T=7+4", [[5, 17, 3, 99, 42, 7, 250], [8, 1, 120, 33]]),
                  Step.prefill("T=1", [[77]])]
-DECODE_STEPS = [Step.decode("S=3", [5, 200, 31], [0, 9, 40]), Step.decode("S=1", [12], [3])]
+DECODE_STEPS = [Step.decode("S=3", [5, 200, 31]), Step.decode("S=1", [12])]
+CONTEXT_STEPS = {
+    "prefill": [Step.after_context("6+1+5 after 11, 29, 0 cached", [[(7 * i) % 300 for i in range(17)],
+                                                                     [(11 * i + 3) % 300 for i in range(30)],
+                                                                     [4, 8, 15, 16, 23]], [6, 1, 5])],
+    "decode": [Step.after_context("S=3 after 9, 22, 36 cached", [[(5 * i) % 300 for i in range(10)],
+                                                                  [(13 * i + 1) % 300 for i in range(23)],
+                                                                  [(17 * i + 2) % 300 for i in range(37)]], [1, 1, 1])],
+}
 
 
 def ir(text: str) -> Graph:
@@ -74,7 +87,7 @@ def feeds(graph: Graph, step: Step, seed: int = 0) -> dict[str, torch.Tensor]:
     """The standard inputs of `step`, plus random [T, N] tensors for any other float input."""
     out = step_feeds(graph, step)
     g = torch.Generator().manual_seed(seed)
-    tokens = sum(len(s) for s in step.sequences)
+    tokens = sum(len(s) for s in step.new_tokens)
     for node in graph.inputs():
         if node.name not in out and node.type.dtype.startswith(("f", "bf")):
             shape = [tokens if isinstance(d, str) else d for d in node.type.shape]
@@ -111,4 +124,7 @@ def traced_before(pass_name: str, entry: str = "prefill", config: ModelConfig = 
 
 
 def steps_for(graph: Graph) -> list[Step]:
-    return PREFILL_STEPS if graph.name == "prefill" else DECODE_STEPS
+    """The steps of the graph's entry, and those over cached context if it takes a cache."""
+    plain = PREFILL_STEPS if graph.name == "prefill" else DECODE_STEPS
+    has_cache = any(n.name == "kv_cache" for n in graph.inputs())
+    return plain + CONTEXT_STEPS[graph.name] if has_cache else plain

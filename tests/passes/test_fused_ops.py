@@ -24,7 +24,6 @@ def test_result_types_of_multi_result_ops():
     assert got == (F("T", 72), CACHE)
     assert infer_types("silu_mul", [F("T", 240)], {}) == (F("T", 120),)
     assert infer_types("concat", [F(72, 72), F(36, 72)], {"dim": 0}) == (F(108, 72),)
-    assert infer_types("linear_add", [F("T", 72), F(36, 72), F("T", 36)], {}) == (F("T", 36),)
 
 
 @pytest.mark.parametrize("op, types, attrs, words", [
@@ -33,7 +32,6 @@ def test_result_types_of_multi_result_ops():
     ("rope_kv_write", [F("T", 140), I64("T"), CACHE, I64("T")], ROPE_KV, "packed qkv"),
     ("rope_kv_write", [F("T", 144), I64("T"), CACHE], ROPE_KV, "takes 4..6 inputs"),
     ("concat", [F("T", 72), F("T", 72)], {"dim": 0}, "symbolic dim"),
-    ("linear_add", [F("T", 72), F(36, 72), F("T", 72)], {}, "linear_add residual"),
     ("add_rmsnorm", [F("T", 72), F("T", 36), F(72)], {"eps": 1e-5}, "operand types differ"),
 ])
 def test_type_rules_reject_mismatches(op, types, attrs, words):
