@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel
 
-from .artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, MANIFEST, REPORT_FILE, TOKENIZER_CONFIG_FILE,
-                              TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError, check_file_list, file_entries,
-                              is_artifact_manifest)
+from .artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST, REPORT_FILE,
+                              TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError, check_file_list,
+                              file_entries, is_artifact_manifest)
 
 
 def package_version(name: str) -> str | None:
@@ -90,17 +90,18 @@ def _replace(out: Path, staging: Path) -> None:
 
 def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
                    compile_info: dict[str, Any], report: dict[str, Any],
-                   weights: dict[str, torch.Tensor] | None = None) -> Path:
+                   weights: dict[str, torch.Tensor] | None = None, kernels: dict[str, str] | None = None) -> Path:
     """Write graphs, weights, tokenizer, report and a manifest hashing them all.
 
     `weights` (default: the model's) holds every tensor the graphs name, including those that
-    fold_weights computed."""
+    fold_weights computed. `kernels` (cuda target) maps kernel module names to their generated
+    source, written as kernels/<name>.py; the artifact then lists the triton backend too."""
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(out, "partial")
     staging.mkdir()
     try:
-        _write_files(staging, model, graphs, dtype, compile_info, report, weights)
+        _write_files(staging, model, graphs, dtype, compile_info, report, weights, kernels)
         check_target(out)          # again: the folder may have changed during the compile
         _replace(out, staging)
     except BaseException:
@@ -110,7 +111,12 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
 
 
 def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
-                 compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None) -> None:
+                 compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None,
+                 kernels: dict[str, str] | None) -> None:
+    if kernels:
+        (staging / KERNELS_DIR).mkdir()
+        for name, source in kernels.items():
+            (staging / KERNELS_DIR / f"{name}.py").write_text(source)
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
     save_file(_graph_weights(graphs, model.weights if weights is None else weights, dtype),
@@ -128,7 +134,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph], dt
         "model": model.config.to_dict(),
         "source": {"format": model.source_format, "files": model.source_files, "path": model.source_path},
         "compile": compile_info,
-        "backends": ["torch"],
+        "backends": ["torch", "triton"] if kernels else ["torch"],
         "entries": ENTRY_FILES,
         "files": files,
     }

@@ -9,6 +9,8 @@
     tokenizer_config.json  chat template, bos/eos tokens, add_bos_token
     report.json            what each pass did (hits, node counts, seconds), op counts per graph and
                            per decoder layer, seconds per compile stage
+    kernels/<name>.py      (cuda target only) the generated Triton kernel modules, one per distinct
+                           kernel, each listing the IR lines of the units it serves
 
 The folder is closed: the manifest lists exactly the files present (sub-folders walked, paths
 with `/`), each entry being `{"bytes": int, "sha256": 64 hex digits}`. `verify_files` refuses a
@@ -35,6 +37,7 @@ WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 REPORT_FILE = "report.json"
+KERNELS_DIR = "kernels"            # cuda target: the generated Triton kernel modules, kernels/<name>.py
 REQUIRED_FILES = (*ENTRY_FILES.values(), WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, REPORT_FILE)
 MANIFEST_SECTIONS = {"model": dict, "source": dict, "compile": dict, "versions": dict, "backends": list,
                      "files": dict}

@@ -29,10 +29,12 @@ from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names
 from llmc.passes.rewrite import PassContext
 
 from .artifact import check_target, write_artifact
+from .codegen import Lowering, lower
 
 Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
 STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
-          "writing artifact"]
+          "generating kernels", "writing artifact"]
+TARGETS = ("cpu", "cuda")      # cpu: IR for the torch backend; cuda: also the Triton kernels of every unit
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,11 @@ class CompileConfig:
     disabled_passes: tuple[str, ...] = ()
     stop_after: str | None = None
     dump_ir: Path | None = None
+    target: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ModelError(f"target {self.target!r} is unknown; choose one of {', '.join(TARGETS)}")
         if self.dtype not in USER_DTYPES:
             raise ModelError(f"dtype {self.dtype!r} is not supported; choose one of {', '.join(USER_DTYPES)}")
         check_pass_options(self.disabled_passes, self.stop_after)
@@ -145,8 +150,22 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     seconds["passes"] = sum(r.seconds for r in records)
     if not config.writes_artifact:
         return None
+    stage("generating kernels")
+    kernels = _generate_kernels(graphs, seconds) if config.target == "cuda" else None
     stage("writing artifact")
     report = _report(graphs, records, model.config.num_layers, seconds)
-    compile_info = {"dtype": config.dtype, "passes": [r.name for r in records if r.graph == "prefill"],
+    if kernels is not None:
+        report["kernels"] = {"modules": len(kernels.modules), "units": {e: len(p) for e, p in kernels.plan.items()}}
+    compile_info = {"dtype": config.dtype, "target": config.target,
+                    "passes": [r.name for r in records if r.graph == "prefill"],
                     "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after}
-    return write_artifact(Path(out), model, graphs, to_torch(ir_dtype), compile_info, report, weights)
+    return write_artifact(Path(out), model, graphs, to_torch(ir_dtype), compile_info, report, weights,
+                          kernels.modules if kernels is not None else None)
+
+
+def _generate_kernels(graphs: dict[str, Graph], seconds: dict[str, float]) -> Lowering:
+    """Every unit of both graphs lowered to a Triton kernel module (CodegenError names one that is not)."""
+    start = time.perf_counter()
+    lowering = lower(graphs)
+    seconds["codegen"] = time.perf_counter() - start
+    return lowering

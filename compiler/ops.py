@@ -21,9 +21,16 @@ FLOAT_DTYPES = ("f32", "f16", "bf16")
 INDEX_DTYPES = ("i64", "i32")
 
 
+OP_KINDS = ("leaf", "gemm", "elementwise", "rowwise", "attention", "data_movement")
+
+
 @dataclass(frozen=True)
 class OpDef:
-    """Signature of one op: input count range, required attributes, type rule, purity."""
+    """Signature of one op: input count range, required attributes, type rule, kind, purity.
+
+    `kind` is what fusion_grouping, codegen and graph export read: a gemm; an elementwise op;
+    a rowwise op (a reduction over each token's row); attention; data movement (gathers, cache
+    writes, concat/split); or a leaf (graph inputs and weights)."""
 
     name: str
     min_inputs: int
@@ -31,7 +38,11 @@ class OpDef:
     attrs: tuple[str, ...]
     infer: TypeRule
     doc: str
+    kind: str
     side_effects: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.kind in OP_KINDS, f"op {self.name} has unknown kind {self.kind!r}"
 
 
 def _expect(cond: bool, message: str) -> None:
@@ -223,36 +234,38 @@ def _rope_kv_write(ts, attrs):
 ATTN_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale")
 
 OPS: dict[str, OpDef] = {op.name: op for op in [
-    OpDef("input", 0, 0, (), _declared, "a graph input, fed at every call"),
-    OpDef("weight", 0, 0, (), _declared, "a model parameter, stored in weights.safetensors"),
-    OpDef("embedding", 2, 2, (), _embedding, "rows of the table w[V,D] at ids[T]"),
-    OpDef("rmsnorm", 2, 2, ("eps",), _rmsnorm, "x / sqrt(mean(x^2) + eps) * w, in fp32"),
-    OpDef("linear", 2, 3, (), _linear, "x @ w.T (+ b)"),
-    OpDef("add", 2, 2, (), _binary, "a + b"),
-    OpDef("mul", 2, 2, (), _binary, "a * b"),
-    OpDef("silu", 1, 1, (), _unary_float, "x * sigmoid(x)"),
-    OpDef("cast", 1, 1, ("dtype",), _cast, "convert element type"),
+    OpDef("input", 0, 0, (), _declared, "a graph input, fed at every call", kind="leaf"),
+    OpDef("weight", 0, 0, (), _declared, "a model parameter, stored in weights.safetensors", kind="leaf"),
+    OpDef("embedding", 2, 2, (), _embedding, "rows of the table w[V,D] at ids[T]", kind="data_movement"),
+    OpDef("rmsnorm", 2, 2, ("eps",), _rmsnorm, "x / sqrt(mean(x^2) + eps) * w, in fp32", kind="rowwise"),
+    OpDef("linear", 2, 3, (), _linear, "x @ w.T (+ b)", kind="gemm"),
+    OpDef("add", 2, 2, (), _binary, "a + b", kind="elementwise"),
+    OpDef("mul", 2, 2, (), _binary, "a * b", kind="elementwise"),
+    OpDef("silu", 1, 1, (), _unary_float, "x * sigmoid(x)", kind="elementwise"),
+    OpDef("cast", 1, 1, ("dtype",), _cast, "convert element type", kind="elementwise"),
     OpDef("rope", 2, 2, ("head_dim", "theta", "scaling"), _rope,
-          "rotary embedding (rotate-half layout) of every head of x at positions"),
+          "rotary embedding (rotate-half layout) of every head of x at positions", kind="rowwise"),
     OpDef("attention", 4, 4, ATTN_ATTRS, _attention,
-          "causal attention within each sequence of packed tokens, no cache"),
-    OpDef("index_select", 2, 2, (), _index_select, "rows of x at indices"),
+          "causal attention within each sequence of packed tokens, no cache", kind="attention"),
+    OpDef("index_select", 2, 2, (), _index_select, "rows of x at indices", kind="data_movement"),
     OpDef("kv_write", 4, 4, ("layer", "num_kv_heads", "head_dim"), _kv_write,
-          "store k, v of each token at its slot of the paged cache; returns the cache", side_effects=True),
+          "store k, v of each token at its slot of the paged cache; returns the cache", kind="data_movement",
+          side_effects=True),
     OpDef("paged_attention", 5, 5, ("layer",) + ATTN_ATTRS, _paged_attention,
-          "causal attention of packed query chunks over the paged cache (prefill and mixed steps)"),
+          "causal attention of packed query chunks over the paged cache (prefill and mixed steps)", kind="attention"),
     OpDef("paged_decode_attention", 4, 4, ("layer",) + ATTN_ATTRS, _paged_attention,
-          "attention of one query token per sequence over the paged cache"),
+          "attention of one query token per sequence over the paged cache", kind="attention"),
     # --- produced by passes
-    OpDef("concat", 1, 64, ("dim",), _concat, "operands joined along dim (weights, before fold_weights)"),
-    OpDef("split", 1, 1, ("sizes",), _split, "x cut along its last dim into parts of these widths"),
+    OpDef("concat", 1, 64, ("dim",), _concat, "operands joined along dim (weights, before fold_weights)",
+          kind="data_movement"),
+    OpDef("split", 1, 1, ("sizes",), _split, "x cut along its last dim into parts of these widths", kind="elementwise"),
     OpDef("add_rmsnorm", 3, 3, ("eps",), _add_rmsnorm,
-          "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm"),
+          "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm", kind="rowwise"),
     OpDef("silu_mul", 1, 2, (), _silu_mul,
-          "silu(gate) * up; with one input x [T, 2N], gate and up are its two halves"),
+          "silu(gate) * up; with one input x [T, 2N], gate and up are its two halves", kind="elementwise"),
     OpDef("rope_kv_write", 4, 6, ("layer", "num_heads", "num_kv_heads", "head_dim", "theta", "scaling"),
           _rope_kv_write, "rope q and k, store k and v at their slots; returns (roped q, cache)",
-          side_effects=True),
+          kind="data_movement", side_effects=True),
 ]}
 
 

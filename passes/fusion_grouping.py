@@ -14,23 +14,18 @@ from __future__ import annotations
 import networkx as nx
 
 from llmc.compiler.ir import Graph, Node
+from llmc.compiler.ops import OPS
 
 from .rewrite import PassContext, RewriteState, rewrite
 
-GEMM = ("linear",)
-ELEMENTWISE = ("add", "mul", "silu", "silu_mul", "cast", "split")
-ROWWISE = ("rmsnorm", "add_rmsnorm", "rope")
-ANCHORS = GEMM + ROWWISE
-# producer kind -> consumer kinds it may fuse into
+# producer kind -> consumer kinds it may fuse into (kinds are the ops' OpDef.kind)
 FUSABLE = {"gemm": ("elementwise",), "elementwise": ("elementwise", "rowwise"), "rowwise": ("elementwise",)}
+ANCHOR_KINDS = ("gemm", "rowwise")       # a group holds at most one of these
 
 
 def kind(op: str) -> str:
-    """gemm, elementwise, rowwise, or opaque (attention, cache writes, gathers: kernels of their own)."""
-    for name, ops in (("gemm", GEMM), ("elementwise", ELEMENTWISE), ("rowwise", ROWWISE)):
-        if op in ops:
-            return name
-    return "opaque"
+    """The op's kind, from its OpDef: gemm, elementwise, rowwise, attention, data_movement or leaf."""
+    return OPS[op].kind
 
 
 def dataflow(graph: Graph) -> nx.DiGraph:
@@ -53,7 +48,7 @@ def partition(graph: Graph) -> list[list[str]]:
     flow, nodes = dataflow(graph), graph.node_map()
     outputs = {v.node for v in graph.outputs}
     groups = nx.utils.UnionFind(flow.nodes)
-    anchors = {n: int(nodes[n].op in ANCHORS) for n in flow.nodes}  # per group root
+    anchors = {n: int(kind(nodes[n].op) in ANCHOR_KINDS) for n in flow.nodes}  # per group root
     for producer, consumer in flow.edges:  # edges in graph order of their producers
         a, b = groups[producer], groups[consumer]
         if a == b or not _fusable(nodes[producer], nodes[consumer], flow, outputs):

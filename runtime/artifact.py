@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from llmc.compiler.artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, MANIFEST, REPORT_FILE,  # noqa: F401
-                                           TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError,
-                                           read_manifest, verify_files)
+from llmc.compiler.artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,  # noqa: F401
+                                           REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
+                                           ArtifactError, read_manifest, verify_files)
 from llmc.compiler.ir import Graph, IRError, parse_graph
 from llmc.compiler.ops import verify
 from llmc.models.config import ModelConfig, ModelError, TokenizerFiles

@@ -20,12 +20,10 @@ import torch
 
 from llmc.compiler.codegen import Lowering, lower
 
-from .artifact import Artifact, ArtifactError
+from .artifact import KERNELS_DIR, Artifact, ArtifactError
 from .executor import Executor, KVCacheSpec
 from .slot_program import LaunchSpec, SlotProgram
 from .step_inputs import StepInputs
-
-KERNELS_DIR = "kernels"
 
 
 def _import_module(path: Path, name: str) -> ModuleType:

@@ -136,6 +136,7 @@ def bench_cmd(
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
     kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
+    backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -150,7 +151,8 @@ def bench_cmd(
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                                           max_batched_tokens=max_batched_tokens, kernels=kernels))
+                                           max_batched_tokens=max_batched_tokens, kernels=kernels,
+                                           backend=backend))
     requests = workload.requests(engine.artifact.config.vocab_size)
     result: dict = {"workload": asdict(workload)}
     with Progress(transient=True) as progress:

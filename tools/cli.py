@@ -28,6 +28,7 @@ from llmc.runtime.sampling_params import RequestError
 from .inspect import artifact_summary
 from .bench import bench_cmd
 from .bench_serve import bench_serve_cmd
+from .kernels_cmd import kernels_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
@@ -73,11 +74,14 @@ def compile_cmd(
                                            "pass: DIR/prefill/00_traced.ir, DIR/prefill/01_canonicalize.ir, ..."),
     stop_after: Optional[str] = typer.Option(None, "--stop-after", help="end the pipeline after this pass (a stop "
                                              "before insert_paged_attention writes only the --dump-ir files)"),
+    target: str = typer.Option("cpu", help="cpu (IR for the torch backend) or cuda (also a generated Triton kernel "
+                               "for every fusion group, in the artifact's kernels/)"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
 
-    config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir)
+    config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
+                           target=target)
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
@@ -107,13 +111,15 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the model's chat template"),
     system: Optional[str] = typer.Option(None, help="system message (chat mode)"),
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
+    backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
+                                "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact, EngineConfig(kernels=kernels))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -161,6 +167,8 @@ def serve(
     max_waiting: int = typer.Option(256, help="most requests waiting to be scheduled; more get 429"),
     grace_period: float = typer.Option(30.0, help="seconds running requests get to finish after SIGTERM"),
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
+    backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
+                                "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -170,7 +178,7 @@ def serve(
     from .default_artifact import default_artifact
 
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, kernels=kernels)
+                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
@@ -186,6 +194,7 @@ def serve(
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
+app.command("kernels")(user_errors(kernels_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 

@@ -25,8 +25,16 @@ from .templates import TEMPLATE_OPS, template_module_source
 from .units import KernelUnit, kernel_units
 
 LOWERED_OPS = POINTWISE_OPS + TEMPLATE_OPS
+# ops the default pipeline rewrites away before codegen; a graph that still has one is refused
+NOT_LOWERED = {
+    "attention": "attention without the KV cache; keep the insert_paged_attention pass",
+    "kv_write": "a KV cache write outside rope_kv_write; keep the fuse_rope_kv_write pass",
+    "rope": "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass",
+    "concat": "a concat the fold_weights pass computes at compile time; keep that pass",
+    "input": "a graph input, not an op", "weight": "a weight, not an op",
+}
 MAX_LISTED_UNITS = 6
-__all__ = ["CodegenError", "KernelUnit", "Lowering", "LOWERED_OPS", "kernel_units", "lower"]
+__all__ = ["CodegenError", "KernelUnit", "Lowering", "LOWERED_OPS", "NOT_LOWERED", "kernel_units", "lower"]
 
 _POINTWISE_HEADER = ["import torch", "import triton", "import triton.language as tl"]
 
@@ -43,6 +51,15 @@ class Lowering:
 
 def _types(graph: Graph) -> dict[Value, TensorType]:
     return {node.value(i): t for node in graph.nodes for i, t in enumerate(node.types)}
+
+
+def _refuse_unlowered_ops(graphs: dict[str, Graph]) -> None:
+    """The first op left that the pipeline should have rewritten away, named with its fix."""
+    for graph in graphs.values():
+        for node in graph.nodes:
+            if node.op in NOT_LOWERED and node.op not in ("input", "weight"):
+                raise CodegenError(f"the {graph.name} graph still has op {node.op!r} (%{node.name}), which codegen "
+                                   f"cannot lower: {NOT_LOWERED[node.op]}, or compile for --target cpu")
 
 
 def _body(unit: KernelUnit, types: dict[Value, TensorType]) -> tuple[str, str]:
@@ -68,6 +85,7 @@ def _header(name: str, units: list[KernelUnit]) -> str:
 
 def lower(graphs: dict[str, Graph]) -> Lowering:
     """Kernel modules for every unit of `graphs` (see module docstring); CodegenError if a unit has none."""
+    _refuse_unlowered_ops(graphs)
     bodies: dict[str, str] = {}                          # body text -> module name
     plan: dict[str, list[str]] = {}
     units = {entry: kernel_units(graph) for entry, graph in graphs.items()}

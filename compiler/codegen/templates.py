@@ -65,8 +65,13 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     linear, *epilogue = unit.nodes
     x, w, bias = _arg(unit, linear.inputs[0]), _arg(unit, linear.inputs[1]), \
         (_arg(unit, linear.inputs[2]) if len(linear.inputs) == 3 else "None")
-    activation, gated, residual, last = "none", False, "None", linear.value()
+    activation, gated, residual, last, split = "none", False, "None", linear.value(), None
     for node in epilogue:
+        if split is not None:
+            raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} after a split of a GEMM's output")
+        if node.op == "split" and node.inputs[0] == last:
+            split = node                     # the GEMM's columns, handed out as views: no extra pass
+            continue
         if node.op == "silu_mul" and len(node.inputs) == 1 and node.inputs[0] == last and not gated \
                 and activation == "none" and residual == "None":
             gated = True
@@ -78,13 +83,25 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
             raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} as an epilogue of the GEMM template "
                                "(it takes bias, then silu or gated silu_mul, then a residual add)")
         last = node.value()
-    if unit.outputs != (last,):
+    results = ["result"] if split is None else _split_views(unit, split)
+    if split is None and unit.outputs != (last,):
         raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
     n_out, k = types[linear.value()].shape[1], types[linear.inputs[1]].shape[1]
     call = (f"linear_triton({x}, {w}, {bias}, {residual}, activation={activation!r}, gated={gated}, "
             f"config=config_for({x}.shape[0]))")
     imports = ["from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
-    return _module(unit, imports, [], call, ["result"], _gemm_configs(n_out // 2 if gated else n_out, k, gated))
+    return _module(unit, imports, [], call, results, _gemm_configs(n_out // 2 if gated else n_out, k, gated))
+
+
+def _split_views(unit: KernelUnit, split: Node) -> list[str]:
+    """Column views of the GEMM result for the split's parts that the unit hands out."""
+    bounds, start = [], 0
+    for size in split.attrs["sizes"]:
+        bounds.append((start, start + size))
+        start += size
+    if any(v.node != split.name for v in unit.outputs):
+        raise CodegenError(f"{unit.label}: a GEMM group ending in a split may only be read through the split")
+    return [f"result[:, {bounds[v.index][0]}:{bounds[v.index][1]}]" for v in unit.outputs]
 
 
 def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
