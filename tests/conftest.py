@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: tiny_models, tolerances
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not __import__("torch").cuda.is_available():
+if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on CPU tensors; read when a kernel is decorated,
     # so it is set before any test imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,8 +52,6 @@ def tiny_family(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests where no CUDA device exists."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

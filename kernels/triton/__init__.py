@@ -1,3 +1,11 @@
-"""Hand-written Triton templates (GEMM with epilogue, RoPE + paged KV write, paged attention),
-each beside the torch `_ref` it must match. Codegen (compiler/codegen/) instantiates them for a
-fused group; the kernels run on a GPU, or on CPU tensors under `TRITON_INTERPRET=1`."""
+"""Hand-written Triton templates, each beside the torch `_ref` it must match; codegen
+(compiler/codegen/) instantiates them for a fused group. The kernels run on a GPU, or on CPU
+tensors under `TRITON_INTERPRET=1`.
+
+  gemm.py                      GEMM with a fused epilogue (bias, SiLU or gated SiLU*mul, residual)
+  rope_kv_write.py             RoPE of q and k fused with the paged K/V write
+  paged_decode_attention.py    one query per sequence, GQA, split-K over the context (flash-decoding)
+  paged_prefill_attention.py   variable-length causal attention of a mixed step, K/V via block tables
+  paged_kv.py                  the paged-cache contract and tile helpers both attention kernels share
+  gather.py                    row gather (embedding, index_select)
+"""
