@@ -32,6 +32,16 @@ def native_kernels_built():
         pass
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on busy shared cores OpenMP waits cost ~20x
+    (modules of tiny-model engine runs use it: `pytestmark = pytest.mark.usefixtures(...)`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory):
     """family name -> (transformers model, HF folder, compiled artifact path); built once each."""

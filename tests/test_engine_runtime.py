@@ -39,13 +39,7 @@ def block_bytes(engine: Engine) -> int:
     return engine.runner.kv_cache.element_size() * engine.runner.kv_cache[:, :, 0].numel()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and on busy shared cores OpenMP waits cost ~20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(artifact, batch, params=GREEDY, **config):

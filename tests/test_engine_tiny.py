@@ -18,13 +18,7 @@ PROMPT_LENS = (5, 1, 17)
 GREEDY_12 = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and on busy shared cores OpenMP waits cost ~20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def new_engine(artifact) -> Engine:

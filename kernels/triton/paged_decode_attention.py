@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from llmc.kernels.attention import paged_decode_attention_ref
-from llmc.kernels.triton.paged_kv import check_paged_inputs, kv_tile_offsets, online_softmax_step, qk_scale
+from llmc.kernels.triton.paged_kv import check_paged_inputs, load_kv_tile, online_softmax_step, qk_scale
 
 __all__ = ["paged_decode_attention_ref", "paged_decode_attention_triton", "decode_splits"]
 
@@ -81,10 +81,8 @@ def _decode_split_kernel(
     for tile_start in range(start, end, TILE):
         keys = tile_start + tl.arange(0, TILE)                                        # [TILE]
         key_mask = keys < end
-        offs = kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE)
-        kv_mask = key_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + offs, mask=kv_mask, other=0.0)                          # [TILE, D_PAD]
-        v = tl.load(v_head + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
+                            stride_offset, BLOCK_SIZE)
         m, l, acc = online_softmax_step(q, k, v, key_mask[None, :], m, l, acc, qk_scale)
 
     part = (seq * num_heads + heads) * num_splits + split                            # [BLOCK_G]

@@ -65,6 +65,16 @@ def kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offs
 
 
 @triton.jit
+def load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block, stride_offset,
+                 BLOCK_SIZE: tl.constexpr):
+    """K and V [TILE, D_PAD] of key positions `keys` [TILE] of one KV head; masked keys and padded
+    dims read as 0."""
+    offs = kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE)
+    kv_mask = key_mask[:, None] & d_mask[None, :]
+    return tl.load(k_head + offs, mask=kv_mask, other=0.0), tl.load(v_head + offs, mask=kv_mask, other=0.0)
+
+
+@triton.jit
 def online_softmax_step(q, k, v, visible, m, l, acc, qk_scale):
     """Fold one K/V tile into the running max `m` [M], sum `l` [M] and output `acc` [M, D_PAD].
 

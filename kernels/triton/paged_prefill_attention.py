@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from llmc.kernels.attention import paged_attention_ref
-from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, check_paged_inputs, kv_tile_offsets,
+from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, check_paged_inputs, load_kv_tile,
                                           online_softmax_step, qk_scale)
 
 __all__ = ["paged_attention_ref", "paged_prefill_attention_triton"]
@@ -90,10 +90,8 @@ def _prefill_kernel(
     for tile_start in range(0, end, TILE):
         keys = tile_start + tl.arange(0, TILE)                                        # [TILE]
         key_mask = keys < end
-        offs = kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE)
-        kv_mask = key_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_head + offs, mask=kv_mask, other=0.0)                          # [TILE, D_PAD]
-        v = tl.load(v_head + offs, mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
+                            stride_offset, BLOCK_SIZE)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])           # [BLOCK_M, TILE]
         m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, qk_scale)
 
