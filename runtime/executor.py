@@ -14,7 +14,6 @@ metadata and knows no backend's insides.
 from __future__ import annotations
 
 import os
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from llmc.compiler.ir import TensorType
 
 from .artifact import Artifact
 from .sampling_params import RequestError
+from .slot_program import LaunchTime, SlotProgram
 from .step_inputs import StepInputs
 
 BACKENDS = ("auto", "torch", "triton")
@@ -50,17 +50,29 @@ class KVCacheSpec:
                            dtype=self.dtype, device=device)
 
 
-class Executor(ABC):
+class Executor:
+    """The base of both backends: a backend's __init__ builds `programs`, one per entry graph."""
+
     backend: str = ""
 
     def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec):
         self.artifact = artifact
         self.device = device
         self.kv_cache = kv.allocate(device)
+        self.programs: dict[str, SlotProgram] = {}     # entry -> its graph's launches (set by the backend)
 
-    @abstractmethod
+    @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
         """Logits [S, vocab] (fp32, on the device) of the last computed token of each sequence."""
+        (logits,) = self.programs[entry](step.feeds(self.kv_cache))
+        return logits.float()
+
+    @torch.inference_mode()
+    def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
+        """`run`, and the wall time of each launch (the device synchronised after each)."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        (logits,), timings = self.programs[entry].timed(step.feeds(self.kv_cache), sync)
+        return logits.float(), timings
 
     @torch.inference_mode()
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from .artifact import Artifact
 from .executor import Executor, KVCacheSpec, resolve_backend
+from .slot_program import LaunchTime
 from .step_inputs import StepBuffers, StepInputs, build_step_inputs  # noqa: F401  (re-exported)
 from .torch_executor import TorchExecutor
 from .triton_executor import TritonExecutor
@@ -54,6 +55,11 @@ class ModelRunner:
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
         """Logits [S, vocab] (fp32, on the host) of the last computed token of each sequence."""
         return self.executor.run(entry, self.buffers.load(step)).cpu()
+
+    def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
+        """`run`, and each launch's wall time (for profiles; slower than `run`)."""
+        logits, timings = self.executor.run_timed(entry, self.buffers.load(step))
+        return logits.cpu(), timings
 
 
 def allocate_kv_cache(cache_type, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import time
+
 import torch
 
 from llmc.compiler.ir import Graph, Value
@@ -24,18 +26,30 @@ class MissingInputError(KeyError):
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """One launch: its function, attributes, the values it reads and the values it returns."""
+    """One launch: its function, attributes, the values it reads and the values it returns, and
+    (for profiles) a label and the kind of op it computes."""
 
     fn: Launch
     attrs: dict[str, Any]
     reads: tuple[Value, ...]
     writes: tuple[Value, ...]
+    label: str = ""
+    kind: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchTime:
+    label: str
+    kind: str
+    seconds: float
 
 
 @dataclass(frozen=True)
 class _Step:
     fn: Launch
     attrs: dict[str, Any]
+    label: str
+    kind: str
     args: tuple[int, ...]       # slots read
     outs: tuple[int, ...]       # slots written, one per result
     free: tuple[int, ...]       # slots whose last reader is this step (or that nobody reads)
@@ -63,10 +77,11 @@ class SlotProgram:
         for i, spec in enumerate(launches):
             reads, outs = tuple(slot[v] for v in spec.reads), tuple(slot[v] for v in spec.writes)
             dying = tuple(s for s in sorted(set(reads) | set(outs)) if last_use.get(s) == i and s not in keep)
-            steps.append(_Step(spec.fn, spec.attrs, reads, outs, dying))
+            steps.append(_Step(spec.fn, spec.attrs, spec.label, spec.kind, reads, outs, dying))
         return steps
 
-    def _run(self, feeds: dict[str, torch.Tensor], free: bool) -> list[Any]:
+    def _run(self, feeds: dict[str, torch.Tensor], free: bool,
+             timings: list[LaunchTime] | None = None, sync: Callable[[], None] = lambda: None) -> list[Any]:
         env: list[Any] = [None] * len(self._slots)
         for s, t in self._constants.items():
             env[s] = t
@@ -75,7 +90,11 @@ class SlotProgram:
                 raise MissingInputError(f"graph {self.graph.name} needs input {name!r}")
             env[s] = feeds[name]
         for step in self._steps:
+            start = time.perf_counter() if timings is not None else 0.0
             result = step.fn([env[s] for s in step.args], step.attrs)
+            if timings is not None:
+                sync()
+                timings.append(LaunchTime(step.label, step.kind, time.perf_counter() - start))
             if len(step.outs) == 1 and not isinstance(result, tuple):
                 env[step.outs[0]] = result
             else:
@@ -89,6 +108,13 @@ class SlotProgram:
     def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         env = self._run(feeds, free=True)
         return [env[s] for s in self._outputs]
+
+    def timed(self, feeds: dict[str, torch.Tensor],
+              sync: Callable[[], None] = lambda: None) -> tuple[list[torch.Tensor], list[LaunchTime]]:
+        """The outputs, and each launch's wall time (after `sync`, which waits for a device)."""
+        timings: list[LaunchTime] = []
+        env = self._run(feeds, free=True, timings=timings, sync=sync)
+        return [env[s] for s in self._outputs], timings
 
     def values(self, feeds: dict[str, torch.Tensor]) -> dict[Value, torch.Tensor]:
         """Every value the graph computes (for debugging: nothing is freed)."""

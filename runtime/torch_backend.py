@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from llmc.compiler.ir import Graph
+from llmc.compiler.ops import OPS
 from llmc.kernels.torch_ops import OP_IMPLS, OpImpl
 
 from .slot_program import LaunchSpec, MissingInputError, SlotProgram  # noqa: F401  (re-exported)
@@ -21,7 +22,8 @@ class TorchProgram(SlotProgram):
     each op to its torch function: the refs (OP_IMPLS) unless a faster table is given."""
 
     def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], impls: dict[str, OpImpl] = OP_IMPLS):
-        launches = [LaunchSpec(impls[n.op], n.attrs, n.inputs, tuple(n.value(i) for i in range(len(n.types))))
+        launches = [LaunchSpec(impls[n.op], n.attrs, n.inputs, tuple(n.value(i) for i in range(len(n.types))),
+                               n.op, OPS[n.op].kind)
                     for n in graph.nodes if n.op not in ("input", "weight")]
         super().__init__(graph, weights, launches)
         self.input_names = [n.name for n in graph.inputs()]

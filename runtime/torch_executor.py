@@ -14,7 +14,6 @@ from llmc.kernels.torch_ops import OP_IMPLS
 
 from .artifact import Artifact
 from .executor import Executor, KVCacheSpec
-from .step_inputs import StepInputs
 from .torch_backend import TorchProgram
 
 
@@ -29,8 +28,3 @@ class TorchExecutor(Executor):
             impls, self.kernels = dict(OP_IMPLS), "reference"
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
         self.programs = {entry: TorchProgram(g, weights, impls) for entry, g in artifact.graphs.items()}
-
-    @torch.inference_mode()
-    def run(self, entry: str, step: StepInputs) -> torch.Tensor:
-        (logits,) = self.programs[entry](step.feeds(self.kv_cache))
-        return logits.float()

@@ -19,11 +19,11 @@ from types import ModuleType
 import torch
 
 from llmc.compiler.codegen import Lowering, lower
+from llmc.compiler.ops import OPS
 
 from .artifact import KERNELS_DIR, Artifact, ArtifactError
 from .executor import Executor, KVCacheSpec
 from .slot_program import LaunchSpec, SlotProgram
-from .step_inputs import StepInputs
 
 
 def _import_module(path: Path, name: str) -> ModuleType:
@@ -68,11 +68,7 @@ class TritonExecutor(Executor):
         self.lowering = lowering
         self.programs = {
             entry: SlotProgram(graph, weights, [
-                LaunchSpec(_launch(launchers[module]), {}, unit.inputs, unit.outputs)
+                LaunchSpec(_launch(launchers[module]), {}, unit.inputs, unit.outputs, module,
+                           OPS[unit.nodes[0].op].kind)
                 for unit, module in zip(lowering.units[entry], lowering.plan[entry])])
             for entry, graph in artifact.graphs.items()}
-
-    @torch.inference_mode()
-    def run(self, entry: str, step: StepInputs) -> torch.Tensor:
-        (logits,) = self.programs[entry](step.feeds(self.kv_cache))
-        return logits.float()

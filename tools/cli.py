@@ -29,6 +29,7 @@ from .inspect import artifact_summary
 from .bench import bench_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
+from .profile_steps import profile_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
@@ -195,6 +196,7 @@ app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
+app.command("profile")(user_errors(profile_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 

@@ -1,0 +1,54 @@
+"""`llmc profile`: the bytes and FLOPs it divides by agree with the model's config, counted another
+way, and the command reports every part of a step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from llmc.models.config import expected_weights
+from llmc.runtime.artifact import load_artifact
+from llmc.runtime.memory_plan import kv_bytes_per_token
+from llmc.tools.profile_steps import decode_bytes, prefill_flops
+
+from test_bad_inputs import assert_process_error, run_llmc
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_tied", "qwen2"])
+def test_decode_bytes_are_every_parameter_once_but_the_embedding_table(tiny_family, family):
+    art = load_artifact(tiny_family(family)[2])
+    cfg, context = art.config, 40
+    params = sum(math.prod(s) for s in expected_weights(cfg).values())
+    table = cfg.vocab_size * cfg.hidden_size
+    read = params - (0 if cfg.tie_word_embeddings else table) + cfg.hidden_size   # a tied table is the LM head
+    assert decode_bytes(art.graphs["decode"], art, context) == 4 * read + context * kv_bytes_per_token(cfg, "float32")
+
+
+def test_prefill_flops_are_every_gemm_over_every_token_but_the_lm_head_and_causal_attention(tiny_family):
+    art = load_artifact(tiny_family("llama_gqa")[2])
+    cfg, tokens = art.config, 50
+    layer = dict(expected_weights(cfg))
+    gemm = sum(math.prod(s) for name, s in layer.items() if name.startswith("layers.") and len(s) == 2)
+    attention = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * sum(range(1, tokens + 1))
+    want = 2 * tokens * gemm + 2 * cfg.vocab_size * cfg.hidden_size + attention
+    assert prefill_flops(art.graphs["prefill"], art, tokens) == want
+
+
+def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_family, tmp_path):
+    out = tmp_path / "profile.json"
+    proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--prompt-len", 64, "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "of the read bandwidth" in proc.stdout and "of the matmul peak" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
+    for step in (result["decode"], result["prefill"]):
+        parts = step["by_category"]
+        assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
+        assert sum(parts.values()) == pytest.approx(step["seconds"])
+
+
+def test_a_profile_longer_than_the_context_is_one_sentence(tiny_family):
+    assert_process_error(run_llmc("profile", tiny_family("llama_hd32")[2], "--prompt-len", 100_000),
+                         "100000 tokens", "--prompt-len")

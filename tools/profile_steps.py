@@ -1,0 +1,208 @@
+"""`llmc profile ART`: where a step's time goes, against the machine's own floors measured in the
+same run.
+
+Floors: the read bandwidth (best of several `torch.sum` passes over 512 MiB) and the matmul peak
+in the artifact's dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a
+[512, 2048] x [2048, 2048] product).
+Batch-1 decode: one sequence decodes `--decode-tokens` tokens after a short prompt; each step's
+time splits into GEMM/GEMV, attention, the other kernels (by the IR op kind of each launch) and
+Python/dispatch (the rest of the step: metadata, the runner, sampling). The bytes one decode step
+must read are every weight it multiplies by (the embedding table only for its one row) plus the
+sequence's K/V; bytes / step time, against the bandwidth, is how near the step is to memory speed.
+Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x tokens x every GEMM weight plus
+causal attention's 2 x 2 x heads x head_dim x tokens (tokens + 1) / 2 per layer; FLOP/s against
+the matmul peak is how near it is to compute speed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import typer
+
+from llmc.compiler.ir import Graph
+from llmc.kernels.linear import PackedLinear, packable
+from llmc.runtime.artifact import Artifact
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.memory_plan import kv_bytes_per_token
+from llmc.runtime.sampling_params import RequestError, SamplingParams
+from llmc.runtime.scheduler import Chunk
+from llmc.runtime.sequence import Sequence
+from llmc.runtime.step_inputs import build_step_inputs
+
+CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
+PROMPT_FOR_DECODE = 16
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    seconds: float                     # mean wall time of one step
+    by_category: dict[str, float]      # mean seconds per step: GEMM/GEMV, attention, other kernels, python/dispatch
+
+
+def best_of(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth(mib: int = 512) -> float:
+    """Bytes per second one full read of a large fp32 tensor reaches (torch.sum, all threads)."""
+    x = torch.ones(mib * 2**20 // 4)
+    return x.numel() * 4 / best_of(lambda: x.sum(), 5)
+
+
+def matmul_peak(dtype: torch.dtype, m: int = 512, n: int = 2048, k: int = 2048) -> float:
+    """FLOP/s of the fastest large GEMM on this CPU in `dtype`: torch.mm, F.linear, or the
+    oneDNN-packed linear that llmc's native kernels use (where it exists)."""
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    wt = w.t().contiguous()
+    candidates = [lambda: torch.mm(x, wt), lambda: torch.nn.functional.linear(x, w)]
+    if packable(w):
+        packed = PackedLinear(w)
+        candidates.append(lambda: packed(x))
+    return max(2 * m * n * k / best_of(fn, 5) for fn in candidates)
+
+
+def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
+    """Bytes one batch-1 decode step must read: the weights its ops take (one embedding row) and the
+    K/V of `context` cached tokens."""
+    weights, total = artifact.weights, 0
+    for node in graph.nodes:
+        for v in node.inputs:
+            if not v.node.startswith("w."):
+                continue
+            w = weights[v.node[2:]]
+            total += w[0].numel() * w.element_size() if node.op == "embedding" else w.numel() * w.element_size()
+    cache_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    kv_dtype = cache_dtype[next(iter(weights.values())).dtype]
+    return total + context * kv_bytes_per_token(artifact.config, kv_dtype)
+
+
+def prefill_flops(graph: Graph, artifact: Artifact, tokens: int) -> int:
+    """FLOPs of one sequence's prefill: each GEMM over its rows (every token, or after the logits
+    gather one row per sequence) plus causal attention."""
+    cfg = artifact.config
+    gemm = sum((tokens if n.type.shape[0] == "T" else 1) * artifact.weights[n.inputs[1].node[2:]].numel()
+               for n in graph.nodes if n.op == "linear")
+    attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) // 2
+    return 2 * gemm + attention
+
+
+def _profile_steps(engine: Engine, steps: list[tuple[str, list[Chunk]]], on_step=None) -> StepProfile:
+    """Run `steps` through the runner with per-launch timing; sample greedily after each."""
+    totals = {name: 0.0 for name in (*CATEGORIES.values(), "other kernels", "python/dispatch")}
+    wall = 0.0
+    for entry, chunks in steps:
+        start = time.perf_counter()
+        logits, launches = engine.runner.run_timed(entry, build_step_inputs(chunks, engine.blocks))
+        for c in chunks:
+            c.seq.num_computed = c.end
+        if on_step:
+            on_step(int(logits[-1].argmax()))
+        elapsed = time.perf_counter() - start
+        kernels = 0.0
+        for launch in launches:
+            totals[CATEGORIES.get(launch.kind, "other kernels")] += launch.seconds
+            kernels += launch.seconds
+        totals["python/dispatch"] += elapsed - kernels
+        wall += elapsed
+    return StepProfile(wall / len(steps), {k: v / len(steps) for k, v in totals.items()})
+
+
+def profile_decode(engine: Engine, tokens: int, seed: int = 0) -> tuple[StepProfile, int]:
+    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read."""
+    g = torch.Generator().manual_seed(seed)
+    seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
+                   SamplingParams(max_tokens=tokens + 1))
+    engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    engine.blocks.append(seq.seq_id, seq.num_tokens + tokens + 1)
+    _profile_steps(engine, [("prefill", [Chunk(seq, 0, seq.num_tokens)])], seq.output_ids.append)
+    profiles = []
+    for _ in range(tokens):           # each step computes the sequence's newest token
+        chunk = Chunk(seq, seq.num_tokens - 1, seq.num_tokens)
+        profiles.append(_profile_steps(engine, [("decode", [chunk])], seq.output_ids.append))
+    engine.blocks.free(seq.seq_id)
+    mean = StepProfile(sum(p.seconds for p in profiles) / tokens,
+                       {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category})
+    return mean, PROMPT_FOR_DECODE + tokens // 2
+
+
+def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
+    g = torch.Generator().manual_seed(seed)
+    seq = Sequence(1, torch.randint(3, engine.artifact.config.vocab_size, (tokens,), generator=g).tolist(),
+                   SamplingParams(max_tokens=1))
+    engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
+    chunk = lambda: [Chunk(seq, 0, seq.num_tokens)]  # noqa: E731
+    _profile_steps(engine, [("prefill", chunk())])                 # warm-up: the same blocks again
+    profile = _profile_steps(engine, [("prefill", chunk())])
+    engine.blocks.free(seq.seq_id)
+    return profile
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _split(step: dict) -> str:
+    return " | ".join(f"{name} {100 * t / step['seconds']:.0f}%" for name, t in step["by_category"].items())
+
+
+def format_profile(r: dict) -> str:
+    d, p = r["decode"], r["prefill"]
+    return "\n".join([
+        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels",
+        f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB), "
+        f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s ({r['dtype']} 512x2048x2048, best GEMM path)",
+        f"batch-1 decode, {r['decode_tokens']} tokens: {1000 * d['seconds']:.1f} ms/token = "
+        f"{1 / d['seconds']:.1f} tok/s; {_split(d)}",
+        f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
+        f"{100 * d['bytes'] / d['seconds'] / r['bandwidth']:.0f}% of the read bandwidth",
+        f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
+        f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
+        f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
+    ])
+
+
+def profile_cmd(
+    artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
+    decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode profile"),
+    prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
+    kernels: str = typer.Option("auto", help="CPU kernels: native, reference (torch refs) or auto"),
+    backend: str = typer.Option("torch", help="torch or triton (generated kernels: a GPU, or TRITON_INTERPRET=1)"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
+) -> None:
+    """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
+    if decode_tokens < 1 or prompt_len < 1:
+        raise RequestError("--decode-tokens and --prompt-len must be at least 1")
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
+    if max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1) > engine.max_sequence_tokens:
+        raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1)} tokens of "
+                           f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
+    art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
+    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+              "kernels": engine.kernels, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
+              "bandwidth": read_bandwidth(), "matmul_peak": matmul_peak(dtype)}
+    decode, context = profile_decode(engine, decode_tokens)
+    result["decode"] = {**decode.__dict__, "bytes": decode_bytes(art.graphs["decode"], art, context)}
+    prefill = profile_prefill(engine, prompt_len)
+    result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
+    typer.echo(format_profile(result))
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2))
