@@ -6,12 +6,14 @@ in the artifact's dtype (the best of torch.mm, F.linear and the oneDNN-packed li
 [512, 2048] x [2048, 2048] product).
 Batch-1 decode: one sequence decodes `--decode-tokens` tokens after a short prompt; each step's
 time splits into GEMM/GEMV, attention, the other kernels (by the IR op kind of each launch) and
-Python/dispatch (the rest of the step: metadata, the runner, sampling). The bytes one decode step
-must read are every weight it multiplies by (the embedding table only for its one row) plus the
-sequence's K/V; bytes / step time, against the bandwidth, is how near the step is to memory speed.
-Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x tokens x every GEMM weight plus
-causal attention's 2 x 2 x heads x head_dim x tokens (tokens + 1) / 2 per layer; FLOP/s against
-the matmul peak is how near it is to compute speed.
+Python/dispatch (the rest of the step: its metadata, the runner, the greedy pick; a serving
+engine's scheduler and sampler are not in it). The bytes one decode step must read are every
+weight it multiplies by (the embedding table only for its one row) plus the sequence's K/V;
+bytes / step time, against the bandwidth, is how near the step is to memory speed.
+Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x rows x every GEMM weight (rows:
+every token, or one after the logits gather) plus causal attention's
+2 x 2 x heads x head_dim x tokens (tokens + 1) / 2 per layer; FLOP/s against the matmul peak is
+how near it is to compute speed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import typer
 from llmc.compiler.ir import Graph
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
-from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.engine import Engine, EngineConfig, kv_cache_dtype
 from llmc.runtime.memory_plan import kv_bytes_per_token
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
@@ -84,9 +86,7 @@ def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
                 continue
             w = weights[v.node[2:]]
             total += w[0].numel() * w.element_size() if node.op == "embedding" else w.numel() * w.element_size()
-    cache_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    kv_dtype = cache_dtype[next(iter(weights.values())).dtype]
-    return total + context * kv_bytes_per_token(artifact.config, kv_dtype)
+    return total + context * kv_bytes_per_token(artifact.config, kv_cache_dtype(artifact))
 
 
 def prefill_flops(graph: Graph, artifact: Artifact, tokens: int) -> int:
@@ -99,25 +99,20 @@ def prefill_flops(graph: Graph, artifact: Artifact, tokens: int) -> int:
     return 2 * gemm + attention
 
 
-def _profile_steps(engine: Engine, steps: list[tuple[str, list[Chunk]]], on_step=None) -> StepProfile:
-    """Run `steps` through the runner with per-launch timing; sample greedily after each."""
+def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None) -> StepProfile:
+    """One step through the runner with per-launch timing, then a greedy pick for `on_token`."""
     totals = {name: 0.0 for name in (*CATEGORIES.values(), "other kernels", "python/dispatch")}
-    wall = 0.0
-    for entry, chunks in steps:
-        start = time.perf_counter()
-        logits, launches = engine.runner.run_timed(entry, build_step_inputs(chunks, engine.blocks))
-        for c in chunks:
-            c.seq.num_computed = c.end
-        if on_step:
-            on_step(int(logits[-1].argmax()))
-        elapsed = time.perf_counter() - start
-        kernels = 0.0
-        for launch in launches:
-            totals[CATEGORIES.get(launch.kind, "other kernels")] += launch.seconds
-            kernels += launch.seconds
-        totals["python/dispatch"] += elapsed - kernels
-        wall += elapsed
-    return StepProfile(wall / len(steps), {k: v / len(steps) for k, v in totals.items()})
+    start = time.perf_counter()
+    logits, launches = engine.runner.run_timed(entry, build_step_inputs(chunks, engine.blocks))
+    for c in chunks:
+        c.seq.num_computed = c.end
+    if on_token:
+        on_token(int(logits[-1].argmax()))
+    elapsed = time.perf_counter() - start
+    for launch in launches:
+        totals[CATEGORIES.get(launch.kind, "other kernels")] += launch.seconds
+    totals["python/dispatch"] = elapsed - sum(launch.seconds for launch in launches)
+    return StepProfile(elapsed, totals)
 
 
 def profile_decode(engine: Engine, tokens: int, seed: int = 0) -> tuple[StepProfile, int]:
@@ -127,11 +122,11 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0) -> tuple[StepProf
                    SamplingParams(max_tokens=tokens + 1))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
     engine.blocks.append(seq.seq_id, seq.num_tokens + tokens + 1)
-    _profile_steps(engine, [("prefill", [Chunk(seq, 0, seq.num_tokens)])], seq.output_ids.append)
+    _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     profiles = []
     for _ in range(tokens):           # each step computes the sequence's newest token
         chunk = Chunk(seq, seq.num_tokens - 1, seq.num_tokens)
-        profiles.append(_profile_steps(engine, [("decode", [chunk])], seq.output_ids.append))
+        profiles.append(_profile_step(engine, "decode", [chunk], seq.output_ids.append))
     engine.blocks.free(seq.seq_id)
     mean = StepProfile(sum(p.seconds for p in profiles) / tokens,
                        {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category})
@@ -143,9 +138,8 @@ def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
     seq = Sequence(1, torch.randint(3, engine.artifact.config.vocab_size, (tokens,), generator=g).tolist(),
                    SamplingParams(max_tokens=1))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    chunk = lambda: [Chunk(seq, 0, seq.num_tokens)]  # noqa: E731
-    _profile_steps(engine, [("prefill", chunk())])                 # warm-up: the same blocks again
-    profile = _profile_steps(engine, [("prefill", chunk())])
+    _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)])      # warm-up, then the same again
+    profile = _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)])
     engine.blocks.free(seq.seq_id)
     return profile
 
