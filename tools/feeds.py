@@ -95,7 +95,7 @@ class BlockLayout:
 def garbage_cache(graph: Graph, layout: BlockLayout, seed: int = 0) -> torch.Tensor:
     """A cache of the layout the graph's `kv_cache` input declares, full of random values."""
     cache = allocate_kv_cache(graph.node_map()["kv_cache"].type, layout.num_blocks, layout.block_size)
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(seed)
     return torch.randn(cache.shape, generator=g).mul_(3.0).to(cache.dtype)
 
 
