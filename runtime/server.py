@@ -152,9 +152,10 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
         _check_auth(request, config)
         body = parse_request(CompletionRequest, await request.body())
         _check_model(body.model, config)
-        prompts = [_tokens(engine, p) for p in prompt_list(body)]
+        given = prompt_list(body)
+        prompts = [_tokens(engine, p) for p in given]
         prefixes = [engine.tokenizer.decode(ids) if isinstance(p, list) else p
-                    for p, ids in zip(prompt_list(body), prompts)] if body.echo else [""] * len(prompts)
+                    for p, ids in zip(given, prompts)] if body.echo else [""] * len(prompts)
         params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16,
                                  completion_logprobs(body))
         reply = Reply(False, config.model_name, engine.tokenizer, body.include_usage)

@@ -12,10 +12,10 @@ from typing import Optional
 
 import typer
 
+from llmc.compiler.artifact_format import KERNELS_DIR
 from llmc.compiler.codegen import lower
 from llmc.runtime.artifact import ArtifactError, load_artifact
 from llmc.runtime.sampling_params import RequestError
-from llmc.runtime.triton_executor import KERNELS_DIR
 
 
 def kernels_cmd(
