@@ -22,7 +22,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-DTYPES = ("f32", "f16", "bf16", "i64", "i32", "u8", "bool")
+# i8: signed 8-bit codes (int8 weights, the int8 KV cache); u4x2: two unsigned 4-bit codes per
+# byte (packed int4 weights; a u4x2 shape counts bytes, so [N, K/2] holds N rows of K codes).
+DTYPES = ("f32", "f16", "bf16", "i64", "i32", "i8", "u8", "u4x2", "bool")
 
 Dim = int | str
 

@@ -87,6 +87,46 @@ def _linear(ts, attrs):
     return (TensorType(x.dtype, (x.shape[0], w.shape[0])),)
 
 
+def _quantized_weight(ts, attrs) -> tuple:
+    """(N, K) of a quantized weight: codes, scales[, mins] at the front of `ts` (kernels/quant.py)."""
+    bits, group = attrs["bits"], attrs["group_size"]
+    _expect(bits in (8, 4), f"bits must be 8 or 4, got {bits!r}")
+    codes, scales = ts[0], ts[1]
+    _expect(codes.dtype == ("i8" if bits == 8 else "u4x2") and len(codes.shape) == 2,
+            f"{bits}-bit codes must be {'i8' if bits == 8 else 'u4x2'}[N,{'K' if bits == 8 else 'K/2'}], got {codes}")
+    n, k = codes.shape[0], codes.shape[1] * (1 if bits == 8 else 2)
+    _expect(isinstance(group, int) and group > 0 and isinstance(k, int) and k % group == 0,
+            f"group_size={group!r} does not divide the {k} input features")
+    _expect(bits == 8 or group % 32 == 0, f"int4 group_size={group} is not a multiple of 32")
+    _expect(scales == TensorType("f16", (n, k // group)), f"scales must be f16[{n},{k // group}], got {scales}")
+    if bits == 4:
+        _expect(ts[2] == scales, f"int4 mins must be f16[{n},{k // group}], got {ts[2]}")
+    return n, k
+
+
+def _qlinear(ts, attrs):
+    x, weight = ts[0], ts[1:]
+    _float(x, "qlinear input")
+    n, k = _quantized_weight(weight, attrs)
+    parts = 3 if attrs["bits"] == 4 else 2
+    _expect(len(weight) in (parts, parts + 1), f"{attrs['bits']}-bit qlinear takes x, codes, scales"
+            f"{', mins' if parts == 3 else ''} and an optional bias, got {len(ts)} inputs")
+    _expect(len(x.shape) == 2 and x.shape[1] == k, f"qlinear input {x} does not have the weight's {k} features")
+    if len(weight) > parts:
+        _expect(weight[parts].shape == (n,), f"qlinear bias {weight[parts]} does not match {n} outputs")
+    return (TensorType(x.dtype, (x.shape[0], n)),)
+
+
+def _qembedding(ts, attrs):
+    ids = ts[-1]
+    n, k = _quantized_weight(ts[:-1], attrs)
+    _expect(len(ts) == (4 if attrs["bits"] == 4 else 3), f"{attrs['bits']}-bit qembedding takes codes, scales"
+            f"{', mins' if attrs['bits'] == 4 else ''} and ids, got {len(ts)} inputs")
+    _index(ids, "embedding ids")
+    _expect(attrs["dtype"] in FLOAT_DTYPES, f"qembedding dtype must be a float type, got {attrs['dtype']!r}")
+    return (TensorType(attrs["dtype"], (ids.shape[0], k)),)
+
+
 def _binary(ts, attrs):
     _same(ts[0], ts[1], "elementwise op")
     _float(ts[0], "elementwise operand")
@@ -127,10 +167,16 @@ def _attention(ts, attrs):
     return (q,)
 
 
+KV_SCALE_BYTES = 4      # an i8 cache row: head_dim codes, then its fp32 scale (kernels/quant.py)
+
+
 def _check_cache(cache: TensorType, attrs) -> None:
     _expect(len(cache.shape) == 6 and cache.shape[1] == 2, f"kv cache must be [L,2,NB,KVH,BS,D], got {cache}")
-    _expect(cache.shape[3] == attrs["num_kv_heads"] and cache.shape[5] == attrs["head_dim"],
-            f"kv cache {cache} does not match num_kv_heads={attrs['num_kv_heads']}, head_dim={attrs['head_dim']}")
+    _expect(cache.dtype in FLOAT_DTYPES or cache.dtype == "i8", f"kv cache must be float or i8, got {cache}")
+    row = attrs["head_dim"] + (KV_SCALE_BYTES if cache.dtype == "i8" else 0)
+    _expect(cache.shape[3] == attrs["num_kv_heads"] and cache.shape[5] == row,
+            f"kv cache {cache} does not match num_kv_heads={attrs['num_kv_heads']}, head_dim={attrs['head_dim']}"
+            + (" (+4 scale bytes per i8 row)" if cache.dtype == "i8" else ""))
     layers = cache.shape[0]
     _expect(not isinstance(layers, int) or 0 <= attrs["layer"] < layers,
             f"layer {attrs['layer']} is outside a kv cache of {layers} layers")
@@ -263,6 +309,10 @@ OPS: dict[str, OpDef] = {op.name: op for op in [
           "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm", kind="rowwise"),
     OpDef("silu_mul", 1, 2, (), _silu_mul,
           "silu(gate) * up; with one input x [T, 2N], gate and up are its two halves", kind="elementwise"),
+    OpDef("qlinear", 3, 5, ("bits", "group_size"), _qlinear,
+          "x @ dequant(w).T (+ b): int8 or int4 weight codes with per-group scales (kernels/quant.py)", kind="gemm"),
+    OpDef("qembedding", 3, 4, ("bits", "group_size", "dtype"), _qembedding,
+          "dequantized rows of a quantized table at ids", kind="data_movement"),
     OpDef("rope_kv_write", 4, 6, ("layer", "num_heads", "num_kv_heads", "head_dim", "theta", "scaling"),
           _rope_kv_write, "rope q and k, store k and v at their slots; returns (roped q, cache)",
           kind="data_movement", side_effects=True),

@@ -3,7 +3,9 @@
 Layouts (tokens of all sequences flattened, heads packed per token):
   q            [T, H * D]         k, v   [T, KVH * D]     (H a multiple of KVH: grouped queries)
   kv_cache     [L, 2, NB, KVH, BS, D]   (layer, key/value, block, head, offset in block, dim):
-               head-major blocks, so gathering a sequence's blocks per head yields [L, D] rows
+               head-major blocks, so gathering a sequence's blocks per head yields [L, D] rows;
+               an int8 cache is i8 [L, 2, NB, KVH, BS, D + 4], each row D codes and its fp32
+               scale (kernels/quant.py): written quantized, read as code * scale
   slot_mapping [T] int: block * BS + offset where token t's K/V go; negative = padding, skipped
   block_tables [S, MB] int: the blocks of each sequence, in order (padding entries unused)
   seq_lens     [S] int: tokens of each sequence in the cache after this step's writes
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .quant import dequantize_kv_rows, is_int8_cache, quantize_kv_rows
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -47,12 +51,14 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start
 def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor, layer: int) -> torch.Tensor:
     """Store each token's K and V at its slot of `layer`, in place; returns the cache."""
-    kv_heads, block_size, head_dim = kv_cache.shape[3:]
+    kv_heads, block_size = kv_cache.shape[3:5]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
     for which, x in ((0, k), (1, v)):
-        kv_cache[layer, which][blocks, :, offsets] = x.view(-1, kv_heads, head_dim)[valid].to(kv_cache.dtype)
+        rows = x.view(x.shape[0], kv_heads, -1)[valid]                          # [n, KVH, D]
+        rows = quantize_kv_rows(rows) if is_int8_cache(kv_cache) else rows.to(kv_cache.dtype)
+        kv_cache[layer, which][blocks, :, offsets] = rows
     return kv_cache
 
 
@@ -85,12 +91,14 @@ def _gather_context(kv_cache: torch.Tensor, layer: int, tables: torch.Tensor, dt
     One index per (sequence, head, block) into the cache viewed as [NB*KVH, BS, D] lands the
     rows of each head's context next to each other: no copy beyond the gather itself.
     """
-    kv_heads, block_size, head_dim = kv_cache.shape[3:]
+    kv_heads, block_size, row = kv_cache.shape[3:]
     heads = torch.arange(kv_heads, device=tables.device)[None, :, None]
     index = tables.long()[:, None, :] * kv_heads + heads                      # [B, KVH, MB]
-    shape = (tables.shape[0], kv_heads, tables.shape[1] * block_size, head_dim)
+    shape = (tables.shape[0], kv_heads, tables.shape[1] * block_size, row)
     k, v = (torch.index_select(kv_cache[layer, which].flatten(0, 1), 0, index.flatten()).view(shape)
             for which in (0, 1))
+    if is_int8_cache(kv_cache):
+        return dequantize_kv_rows(k, dtype), dequantize_kv_rows(v, dtype)
     return k.to(dtype), v.to(dtype)
 
 

@@ -18,6 +18,7 @@ from llmc.compiler.dtypes import to_torch
 from .activation import silu_mul_ref
 from .attention import attention_ref, kv_write_ref, paged_attention_ref, paged_decode_attention_ref
 from .rmsnorm import add_rmsnorm_ref, rmsnorm_ref
+from .quant import qembedding_ref, qlinear_ref, split_qlinear_inputs
 from .rope import rope_ref
 from .rope_kv_write import rope_kv_write_ref
 
@@ -43,4 +44,7 @@ OP_IMPLS: dict[str, OpImpl] = {
     "add_rmsnorm": lambda x, a: add_rmsnorm_ref(*x, a["eps"]),
     "silu_mul": lambda x, a: silu_mul_ref(*x),
     "rope_kv_write": lambda x, a: rope_kv_write_ref(*x, **{k: a[k] for k in ROPE_KV_ATTRS}),
+    "qlinear": lambda x, a: qlinear_ref(*split_qlinear_inputs(x, a["bits"]), bits=a["bits"]),
+    "qembedding": lambda x, a: qembedding_ref(*x[:-1], *([None] if a["bits"] == 8 else []), x[-1], bits=a["bits"],
+                                              dtype=to_torch(a["dtype"])),
 }

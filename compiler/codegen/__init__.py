@@ -31,6 +31,8 @@ NOT_LOWERED = {
     "kv_write": "a KV cache write outside rope_kv_write; keep the fuse_rope_kv_write pass",
     "rope": "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass",
     "concat": "a concat the fold_weights pass computes at compile time; keep that pass",
+    "qlinear": "a GEMM on int8/int4 weights; the cuda target has no dequantizing GEMM template yet",
+    "qembedding": "an embedding of int8/int4 rows; the cuda target has no dequantizing gather yet",
     "input": "a graph input, not an op", "weight": "a weight, not an op",
 }
 MAX_LISTED_UNITS = 6
