@@ -1,0 +1,294 @@
+// GEMV and small-batch GEMM on the CPU: out = x @ w.T (+ bias) over row-major weights of f32, bf16,
+// int8 or int4, each weight dequantized in registers and every product accumulated in fp32.
+//
+// Contract (the meaning of kernels/gemv.py's gemv_ref: F.linear for float weights, kernels/quant.py's
+// qlinear_ref for quantized ones):
+//   x      [T, K] f32 or bf16, rows contiguous (any row stride); widened to fp32
+//   weight f32 / bf16 [N, K] (x's dtype), or int8 codes i8 [N, K] with f16 scales [N, K/G]
+//          (w = scale * code, G a multiple of 16), or int4 codes u8 [N, K/2] (blocks of 32 codes,
+//          byte b holding code b low and code b + 16 high) with f16 scales and mins [N, K/G]
+//          (w = scale * code + min, G a multiple of 32); all contiguous, as the artifact stores them
+//   bias   [N] (x's dtype) or an undefined tensor; added in fp32
+//   -> out [T, N] in x's dtype, rounded once from the fp32 sum.
+// Float weights take any K; quantized ones K a multiple of G.
+//
+// How: output rows are split into contiguous ranges, one per ATen (OpenMP) thread, so every core
+// streams its own part of the weight. Each pass takes R rows and up to 4 tokens: R row streams are
+// read (and prefetched) once, dequantized in registers, and multiplied into R x TT fp32
+// accumulators, one 16-lane vector each; tokens beyond 4 reuse the R rows from L1.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "vec16.h"
+#ifdef __x86_64__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using llmc_cpu::load16;
+using llmc_cpu::splat;
+using llmc_cpu::Vec16;
+
+typedef int8_t Int8x16 __attribute__((vector_size(16)));
+typedef uint8_t Uint8x16 __attribute__((vector_size(16)));
+
+constexpr int kMaxTokens = 4;          // tokens per pass
+constexpr int64_t kPrefetch = 1024;    // bytes ahead in each row stream
+
+// a * b + c in one rounding (the build is ISO C++, so the compiler does not contract on its own)
+inline Vec16 fma16(Vec16 a, Vec16 b, Vec16 c) {
+#ifdef __AVX512F__
+  return _mm512_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float half_to_float(c10::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// 16 bytes to 16 floats through 32-bit integers (vpmovsxbd / vpmovzxbd + vcvtdq2ps); GCC turns the
+// plain vector-extension conversion of signed bytes into scalar code, so AVX-512 says it directly.
+inline Vec16 to_float(Int8x16 v) {
+#ifdef __AVX512F__
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(reinterpret_cast<__m128i>(v)));
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, llmc_cpu::Int16), Vec16);
+#endif
+}
+
+inline Vec16 to_float(Uint8x16 v) {
+#ifdef __AVX512F__
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(reinterpret_cast<__m128i>(v)));
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, llmc_cpu::Int16), Vec16);
+#endif
+}
+
+// 16 bf16 to fp32 in one zero-extension (vec16.h's load16 takes two halves on GCC 12)
+inline Vec16 load_weights16(const float* p) { return load16(p); }
+inline Vec16 load_weights16(const c10::BFloat16* p) {
+#ifdef __AVX512F__
+  __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<Vec16>(bits);
+#else
+  return load16(p);
+#endif
+}
+
+// A weight format: kStep inputs per step (kStep / 16 vectors), groups of `group` inputs sharing a
+// scale and min, and `load` giving the dequantized vectors of one row at input k.
+template <typename T>
+struct FloatRows {
+  static constexpr int kStep = 16;
+  const T* w;
+  int64_t k_dim, group;
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
+  static int64_t offset(int64_t k) { return k * static_cast<int64_t>(sizeof(T)); }
+  void params(int64_t, int64_t, float& s, float& m) const { s = 1.f, m = 0.f; }
+  void load(const char* row, int64_t k, float, float, Vec16* v) const { v[0] = load_weights16(reinterpret_cast<const T*>(row) + k); }
+  float at(int64_t n, int64_t k) const { return static_cast<float>(w[n * k_dim + k]); }
+};
+
+struct Int8Rows {
+  static constexpr int kStep = 16;
+  const int8_t* codes;
+  const c10::Half* scales;
+  int64_t k_dim, group, groups;      // groups = K / G
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(codes + n * k_dim); }
+  static int64_t offset(int64_t k) { return k; }
+  void params(int64_t n, int64_t g, float& s, float& m) const {
+    s = half_to_float(scales[n * groups + g]), m = 0.f;
+  }
+  void load(const char* row, int64_t k, float s, float, Vec16* v) const {
+    Int8x16 raw;
+    std::memcpy(&raw, row + k, sizeof(raw));
+    v[0] = to_float(raw) * s;
+  }
+  float at(int64_t, int64_t) const { return 0.f; }        // no tail: K is a multiple of G
+};
+
+struct Int4Rows {
+  static constexpr int kStep = 32;
+  const uint8_t* codes;
+  const c10::Half* scales;
+  const c10::Half* mins;
+  int64_t k_dim, group, groups;
+  const char* row(int64_t n) const { return reinterpret_cast<const char*>(codes + n * (k_dim / 2)); }
+  static int64_t offset(int64_t k) { return k / 2; }
+  void params(int64_t n, int64_t g, float& s, float& m) const {
+    const int64_t i = n * groups + g;
+    s = half_to_float(scales[i]), m = half_to_float(mins[i]);
+  }
+  void load(const char* row, int64_t k, float s, float m, Vec16* v) const {
+    Uint8x16 raw;
+    std::memcpy(&raw, row + k / 2, sizeof(raw));               // 32 codes: inputs k..k+15 low, k+16..k+31 high
+    const Vec16 scale = splat(s), min = splat(m);
+    v[0] = fma16(to_float(raw & 0xF), scale, min);
+    v[1] = fma16(to_float(raw >> 4), scale, min);
+  }
+  float at(int64_t, int64_t) const { return 0.f; }
+};
+
+// Rows n0..n0+R-1 times tokens x[0..TT-1] ([TT, K] fp32, row stride K) -> sums[t * R + r].
+template <int R, int TT, typename W>
+void tile(const W& w, int64_t n0, const float* x, float* sums) {
+  constexpr int V = W::kStep / 16;
+  const int64_t k_dim = w.k_dim, k_main = k_dim - k_dim % W::kStep;
+  const char* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w.row(n0 + r);
+  Vec16 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = Vec16{};
+  for (int64_t g = 0, g0 = 0; g0 < k_main; ++g, g0 += w.group) {
+    float s[R], m[R];
+    for (int r = 0; r < R; ++r) w.params(n0 + r, g, s[r], m[r]);
+    const int64_t g_end = std::min(g0 + w.group, k_main);
+    for (int64_t k = g0; k < g_end; k += W::kStep) {
+      Vec16 wv[R][V];
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(rows[r] + W::offset(k) + kPrefetch);
+        w.load(rows[r], k, s[r], m[r], wv[r]);
+      }
+      for (int t = 0; t < TT; ++t)
+        for (int v = 0; v < V; ++v) {
+          const Vec16 xv = load16(x + t * k_dim + k + 16 * v);
+          for (int r = 0; r < R; ++r) acc[r][t] = fma16(wv[r][v], xv, acc[r][t]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) {
+      float sum = llmc_cpu::hsum(acc[r][t]);
+      for (int64_t k = k_main; k < k_dim; ++k) sum += w.at(n0 + r, k) * x[t * k_dim + k];   // float K tail
+      sums[t * R + r] = sum;
+    }
+}
+
+// Rows n0..n0+R-1 for all T tokens, written (with bias) into out [T, N].
+template <int R, typename W, typename Out>
+void row_block(const W& w, int64_t n0, const float* x, int64_t tokens, const Out* bias, Out* out, int64_t n_dim) {
+  float sums[kMaxTokens * R];
+  for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
+    const int64_t tt = std::min<int64_t>(kMaxTokens, tokens - t0);
+    const float* xt = x + t0 * w.k_dim;
+    switch (tt) {
+      case 4: tile<R, 4>(w, n0, xt, sums); break;
+      case 3: tile<R, 3>(w, n0, xt, sums); break;
+      case 2: tile<R, 2>(w, n0, xt, sums); break;
+      default: tile<R, 1>(w, n0, xt, sums); break;
+    }
+    for (int64_t t = 0; t < tt; ++t)
+      for (int r = 0; r < R; ++r) {
+        const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
+        out[(t0 + t) * n_dim + n0 + r] = static_cast<Out>(sums[t * R + r] + b);
+      }
+  }
+}
+
+template <typename W, typename Out>
+void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) {
+  constexpr int R = 4;
+  const int64_t tokens = x.size(0);
+  const float* xf = x.const_data_ptr<float>();
+  const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
+  Out* o = out.data_ptr<Out>();
+  const int64_t blocks = (n_dim + R - 1) / R;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * R;
+      if (n0 + R <= n_dim) {
+        row_block<R>(w, n0, xf, tokens, b, o, n_dim);
+      } else {
+        for (int64_t n = n0; n < n_dim; ++n) row_block<1>(w, n, xf, tokens, b, o, n_dim);
+      }
+    }
+  });
+}
+
+void check_x(const at::Tensor& x, int64_t k_dim, const at::Tensor& bias, int64_t n_dim) {
+  TORCH_CHECK(k_dim > 0 && x.dim() == 2 && x.size(1) == k_dim, "x must be [T, ", k_dim, "], not ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be f32 or bf16, not ",
+              x.scalar_type());
+  if (bias.defined())
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
+                    bias.scalar_type() == x.scalar_type(),
+                "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
+}
+
+// Runs `w` over x widened to fp32; the output in x's dtype.
+template <typename W>
+at::Tensor launch(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor& bias) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    gemv_rows<W, float>(w, n_dim, xf, bias, out);
+  else
+    gemv_rows<W, c10::BFloat16>(w, n_dim, xf, bias, out);
+  return out;
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias_opt) {
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [N, K] tensor");
+  const int64_t n_dim = weight.size(0), k_dim = weight.size(1);
+  check_x(x, k_dim, bias, n_dim);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight ", weight.scalar_type(), " is not x's dtype ",
+              x.scalar_type());
+  if (weight.scalar_type() == at::kFloat)
+    return launch(FloatRows<float>{weight.const_data_ptr<float>(), k_dim, k_dim}, n_dim, x, bias);
+  return launch(FloatRows<c10::BFloat16>{weight.const_data_ptr<c10::BFloat16>(), k_dim, k_dim}, n_dim, x, bias);
+}
+
+void check_groups(const at::Tensor& t, int64_t n_dim, int64_t groups, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 2 && t.size(0) == n_dim &&
+                  t.size(1) == groups,
+              what, " must be contiguous f16 [", n_dim, ", ", groups, "], not ", t.scalar_type(), " ", t.sizes());
+}
+
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins_opt, const std::optional<at::Tensor>& bias_opt, int64_t bits,
+                 int64_t group) {
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, not ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              "codes must be contiguous ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K/2]");
+  const int64_t n_dim = codes.size(0), k_dim = codes.size(1) * (bits == 8 ? 1 : 2);
+  TORCH_CHECK(group > 0 && k_dim % group == 0 && group % (bits == 8 ? 16 : 32) == 0, "group size ", group,
+              " must divide K=", k_dim, " and be a multiple of ", bits == 8 ? 16 : 32);
+  check_x(x, k_dim, bias, n_dim);
+  check_groups(scales, n_dim, k_dim / group, "scales");
+  if (bits == 8)
+    return launch(Int8Rows{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<c10::Half>(), k_dim, group,
+                           k_dim / group},
+                  n_dim, x, bias);
+  TORCH_CHECK(mins_opt.has_value(), "int4 weights need mins");
+  check_groups(*mins_opt, n_dim, k_dim / group, "mins");
+  return launch(Int4Rows{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(),
+                         mins_opt->const_data_ptr<c10::Half>(), k_dim, group, k_dim / group},
+                n_dim, x, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmc, m) {
+  m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("qgemv(Tensor x, Tensor codes, Tensor scales, Tensor? mins, Tensor? bias, int bits, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmc, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("qgemv", &qgemv);
+}

@@ -1,0 +1,130 @@
+"""GEMV and small-batch GEMM for decode on the CPU, over weights prepared once when an executor is built.
+
+Contract: x [T, K] f32 or bf16; a weight [N, K] in one of four formats (`GemvWeight`):
+  f32 / bf16  the weight itself, in x's dtype                     meaning: F.linear
+  int8        codes i8 [N, K], scales f16 [N, K/G] (G % 16 == 0)  meaning: kernels/quant.py's qlinear_ref
+  int4        codes u4x2 [N, K/2], scales and mins f16 [N, K/G]   meaning: qlinear_ref
+              (G % 32 == 0)
+bias [N] in x's dtype or None; returns [T, N] in x's dtype: products accumulated in fp32, bias added
+in fp32, rounded once. `gemv_ref` is the meaning (and the fallback).
+
+Layout: a weight stays as the artifact stores it, row-major [N, K]. Read a few whole rows per pass,
+a row-major matrix streams front to back, which is all that batch-1 decode needs to run at the
+memory bandwidth, so preparing a weight copies nothing: one resident copy per weight, shared with
+anything else that reads it (a tied embedding). What preparing decides, once, is the format, the
+group size and that the native kernel takes the weight at all.
+
+Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossover):
+  T <= GEMV_MAX_TOKENS  kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
+                        registers, both cores streaming their own half of the rows
+  larger T, float       oneDNN's GEMM on the weight reordered for that call (a transient copy,
+                        freed after it; the resident weight stays the only one)
+  larger T, quantized   the same native kernel: each R-row block stays in L1 while every token
+                        passes over it, so the weight is still read from memory once
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .quant import qlinear_ref
+
+GEMV_MAX_TOKENS = 16
+FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True, eq=False)
+class GemvWeight:
+    """One GEMM weight as the native kernels take it. `weight` is the f32/bf16 [N, K] weight or the
+    int8 / int4 codes; scales (and int4 mins) f16 [N, K/G]. The tensors are the artifact's own."""
+
+    format: str                        # "f32", "bf16", "int8" or "int4"
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
+    group_size: int = 0                # quantized only
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (2 if self.format == "int4" else 1)
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}.get(self.format, 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one pass over the weight reads (codes, scales and mins)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.mins) if t is not None)
+
+
+def gemv_ref(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one."""
+    if w.bits:
+        return qlinear_ref(x, w.weight, w.scales, w.mins, bias, bits=w.bits)
+    return F.linear(x, w.weight, bias)
+
+
+def _native_layout(t: torch.Tensor | None) -> bool:
+    return t is None or (t.device.type == "cpu" and t.is_contiguous())
+
+
+def prepare_linear_weight(weight: torch.Tensor) -> GemvWeight | None:
+    """A float [N, K] weight for the native kernels, or None where they do not take it."""
+    if weight.dim() != 2 or weight.dtype not in FLOAT_FORMATS or not _native_layout(weight) or not weight.numel():
+        return None
+    return GemvWeight(FLOAT_FORMATS[weight.dtype], weight)
+
+
+def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, *, bits: int,
+                           group_size: int) -> GemvWeight | None:
+    """A quantized weight (kernels/quant.py's layout) for the native kernels, or None where they do not take it."""
+    step = 16 if bits == 8 else 32
+    if group_size % step or scales.dtype != torch.float16 or not all(map(_native_layout, (codes, scales, mins))):
+        return None
+    if bits == 4 and (mins is None or mins.dtype != torch.float16):
+        return None
+    return GemvWeight("int8" if bits == 8 else "int4", codes, scales, mins, group_size)
+
+
+def gemv_fits(x: torch.Tensor, w: GemvWeight) -> bool:
+    """Whether `gemv_cpu` takes x for this weight (else run gemv_ref)."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in FLOAT_FORMATS or x.shape[1] != w.in_features:
+        return False
+    return bool(w.bits) or FLOAT_FORMATS[x.dtype] == w.format
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher: gemv_ref's meaning through kernels/cpu/gemv.cpp (oneDNN for float weights above
+    GEMV_MAX_TOKENS tokens)."""
+    if not gemv_fits(x, w):
+        raise ValueError(f"the native GEMV takes f32/bf16 x [T, {w.in_features}] on the CPU "
+                         f"({w.format} weights need x {w.format if not w.bits else 'f32 or bf16'}); "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (w.out_features,)):
+        raise ValueError(f"bias must be [{w.out_features}] in x's dtype {x.dtype}, got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if w.bits:
+        return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, None if bias is None else bias.contiguous(), w.bits,
+                                    w.group_size)
+    if x.shape[0] > GEMV_MAX_TOKENS and onednn_available():
+        return _onednn_linear(x, w.weight, bias)
+    return torch.ops.llmc.gemv(x, w.weight, None if bias is None else bias.contiguous())
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's packed CPU GEMM."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -1,0 +1,135 @@
+"""GEMV benchmark: `python -m llmc.tools.bench_gemv [--tokens 1,2,4,8,16,32,64]`.
+
+At SmolLM2-135M's GEMM shapes (hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocab 49152), batch 1:
+per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32) the time of one call of the
+native kernel (kernels/gemv.py), the bytes it must read (codes, scales, mins; x is noise), the GB/s
+that makes and its fraction of the read bandwidth measured in the same run (tools/profile_steps.py's
+floor); oneDNN's packed GEMM (kernels/linear.py) at f32 and bf16 is the peer. Each weight is
+copied until the copies fill 256 MiB and the calls cycle through them, so every call reads from
+memory, not from the 32 MiB-class caches, as a decode step does.
+Then the crossover: one layer's four GEMMs at several token counts, native against oneDNN packed
+and oneDNN with the per-call reorder (the path above GEMV_MAX_TOKENS).
+A benchmark, not a test: the numbers depend on the machine; read them as ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+from llmc.kernels.gemv import GemvWeight, _onednn_linear, gemv_cpu, prepare_linear_weight, prepare_qlinear_weight
+from llmc.kernels.linear import PackedLinear
+from llmc.kernels.native import load_native_kernels
+from llmc.kernels.quant import quantize_int4, quantize_int8
+from llmc.tools.profile_steps import cpu_name, read_bandwidth
+
+HIDDEN, MLP, VOCAB = 576, 1536, 49152
+SHAPES = {"q/o": (HIDDEN, HIDDEN), "qkv": (HIDDEN + 2 * 192, HIDDEN), "gate_up": (2 * MLP, HIDDEN),
+          "down": (HIDDEN, MLP), "lm_head": (VOCAB, HIDDEN)}
+FORMATS = ("f32", "bf16", "int8", "int8-g32", "int4-g32")
+COLD_BYTES = 256 * 2**20
+
+
+def prepare(w: torch.Tensor, fmt: str) -> GemvWeight:
+    """`w` [N, K] fp32 in `fmt` as the native kernel takes it."""
+    if fmt in ("f32", "bf16"):
+        return prepare_linear_weight(w.to(torch.float32 if fmt == "f32" else torch.bfloat16))
+    group = int(fmt.split("-g")[1]) if "-g" in fmt else w.shape[1]
+    if fmt.startswith("int8"):
+        return prepare_qlinear_weight(*quantize_int8(w, group), None, bits=8, group_size=group)
+    return prepare_qlinear_weight(*quantize_int4(w, group), bits=4, group_size=group)
+
+
+def copies(w: GemvWeight) -> list[GemvWeight]:
+    """Copies of `w` filling COLD_BYTES (at least 2), so cycling through them misses the caches."""
+    count = max(2, -(-COLD_BYTES // w.nbytes))
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    return [GemvWeight(w.format, w.weight.clone(), clone(w.scales), clone(w.mins), w.group_size) for _ in range(count)]
+
+
+def seconds_per_call(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+    """Best over `rounds` of the mean time of one call, cycling through `calls` (one warm-up round)."""
+    best = float("inf")
+    for i in range(rounds + 1):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        if i:
+            best = min(best, (time.perf_counter() - start) / len(calls))
+    return best
+
+
+def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k) * 0.05
+        for fmt in FORMATS:
+            ws = copies(prepare(w, fmt))
+            xdtype = torch.float32 if fmt == "f32" else dtype if fmt != "bf16" else torch.bfloat16
+            x = torch.randn(tokens, k).to(xdtype)
+            s = seconds_per_call([lambda w=w: gemv_cpu(x, w) for w in ws])
+            rows.append(_row(shape_name, fmt, "native", s, ws[0].nbytes, bandwidth))
+            del ws
+        for fmt, fdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+            w_f = w.to(fdtype)
+            packed = [PackedLinear(w_f.clone()) for _ in range(max(2, -(-COLD_BYTES // (w_f.numel() * w_f.element_size()))))]
+            x = torch.randn(tokens, k).to(fdtype)
+            s = seconds_per_call([lambda p=p: p(x) for p in packed])
+            rows.append(_row(shape_name, fmt, "oneDNN packed", s, w_f.numel() * w_f.element_size(), bandwidth))
+            del packed
+    return rows
+
+
+def _row(shape: str, fmt: str, path: str, seconds: float, nbytes: int, bandwidth: float) -> str:
+    rate = nbytes / seconds
+    return (f"{shape:<9}{fmt:<10}{path:<15}{1e6 * seconds:>9.1f}{nbytes / 1e6:>9.2f}{rate / 1e9:>8.1f}"
+            f"{100 * rate / bandwidth:>7.0f}%")
+
+
+def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
+    """One layer's four GEMMs (warm: they fit the L3 cache) at each token count: native, oneDNN
+    packed (a resident second copy), oneDNN with a per-call reorder (no second copy)."""
+    layer = [SHAPES[s] for s in ("qkv", "q/o", "gate_up", "down")]
+    weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in layer]
+    native = [prepare_linear_weight(w) for w in weights]
+    packed = [PackedLinear(w) for w in weights]
+    rows = []
+    for t in token_counts:
+        xs = [torch.randn(t, w.shape[1]).to(dtype) for w in weights]
+        ours = seconds_per_call([lambda: [torch.ops.llmc.gemv(x, w.weight, None) for x, w in zip(xs, native)]], 20)
+        peer = seconds_per_call([lambda: [p(x) for p, x in zip(packed, xs)]], 20)
+        reorder = seconds_per_call([lambda: [_onednn_linear(x, w, None) for x, w in zip(xs, weights)]], 20)
+        rows.append(f"T={t:<5}{1e3 * ours:>10.3f}{1e3 * peer:>10.3f}{1e3 * reorder:>10.3f}{peer / ours:>9.2f}x"
+                    f"{reorder / ours:>9.2f}x")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts of the crossover table")
+    parser.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="x's dtype for the quantized formats")
+    parser.add_argument("--skip-crossover", action="store_true")
+    args = parser.parse_args(argv)
+    load_native_kernels()
+    torch.manual_seed(0)
+    bandwidth = read_bandwidth()
+    print(f"{cpu_name()} | torch threads {torch.get_num_threads()} | read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(torch.sum over 512 MiB, this run) | batch 1, cold weights, quantized x {args.x_dtype}")
+    print(f"{'GEMM':<9}{'format':<10}{'path':<15}{'us/call':>9}{'MB':>9}{'GB/s':>8}{'of bw':>8}")
+    for row in format_rows(1, getattr(torch, args.x_dtype), bandwidth):
+        print(row)
+    if args.skip_crossover:
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"\none layer's GEMMs (qkv, o, gate_up, down), {str(dtype)[6:]}, ms per layer: native | oneDNN packed | "
+              f"oneDNN reorder per call | packed/native | reorder/native")
+        for row in crossover_rows([int(t) for t in args.tokens.split(",")], dtype):
+            print(row)
+
+
+if __name__ == "__main__":
+    main()
