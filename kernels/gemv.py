@@ -94,9 +94,11 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
     return GemvWeight("int8" if bits == 8 else "int4", codes, scales, mins, group_size)
 
 
-def gemv_fits(x: torch.Tensor, w: GemvWeight) -> bool:
-    """Whether `gemv_cpu` takes x for this weight (else run gemv_ref)."""
+def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> bool:
+    """Whether `gemv_cpu` takes x (and bias) for this weight (else run gemv_ref)."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in FLOAT_FORMATS or x.shape[1] != w.in_features:
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (w.out_features,) or bias.device.type != "cpu"):
         return False
     return bool(w.bits) or FLOAT_FORMATS[x.dtype] == w.format
 
@@ -110,13 +112,12 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
 def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher: gemv_ref's meaning through kernels/cpu/gemv.cpp (oneDNN for float weights above
     GEMV_MAX_TOKENS tokens)."""
-    if not gemv_fits(x, w):
-        raise ValueError(f"the native GEMV takes f32/bf16 x [T, {w.in_features}] on the CPU "
-                         f"({w.format} weights need x {w.format if not w.bits else 'f32 or bf16'}); "
-                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (w.out_features,)):
-        raise ValueError(f"bias must be [{w.out_features}] in x's dtype {x.dtype}, got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
+    if not gemv_fits(x, w, bias):
+        got = f"x {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if bias is None else f", bias {bias.dtype} "
+                                                                f"{tuple(bias.shape)}")
+        raise ValueError(f"the native GEMV over a {w.format} [{w.out_features}, {w.in_features}] weight takes x "
+                         f"[T, {w.in_features}] ({'f32 or bf16' if w.bits else w.format}) on the CPU and a bias "
+                         f"[{w.out_features}] in x's dtype; got {got}")
     if w.bits:
         return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, None if bias is None else bias.contiguous(), w.bits,
                                     w.group_size)

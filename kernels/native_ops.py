@@ -1,19 +1,31 @@
 """The torch backend's op table with llmc's native CPU kernels (kernels/cpu/*.cpp) in place of
-the torch refs for the ops that dominate a step: paged attention, RoPE + KV write, RMSNorm and
-SiLU-and-multiply; GEMMs run on weights packed once into oneDNN's layout (kernels/linear.py).
-Every entry checks, per call, that its kernel takes the inputs (dtype, block size, head_dim)
-and runs the op's torch ref where it does not, so any artifact runs.
+the torch refs for the ops that dominate a step: GEMMs (linear, qlinear), paged attention, RoPE +
+KV write, RMSNorm and SiLU-and-multiply. Every entry checks, per call, that its kernel takes the
+inputs (dtype, block size, head_dim) and runs the op's torch ref where it does not, so any
+artifact runs.
+
+The GEMMs take their weights as `prepare_weights` left them when the executor was built: a
+linear's weight or a qlinear's codes become a kernels/gemv.py `GemvWeight` over the same tensors
+(one resident copy per weight). A GEMM given a plain tensor runs its ref.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from llmc.compiler.ir import Graph
 
 from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
-from .linear import PackedLinear, packable
+from .gemv import GemvWeight, gemv_cpu, gemv_fits, prepare_linear_weight, prepare_qlinear_weight
 from .native import NativeBuildError, load_native_kernels
+from .quant import qlinear_ref, split_qlinear_inputs
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
 from .rope_kv_write import native_rope_kv_write_fits, rope_kv_write_cpu
@@ -23,18 +35,18 @@ from .torch_ops import OP_IMPLS, OpImpl
 def native_op_impls() -> dict[str, OpImpl]:
     """A fresh op table (its RoPE tables are its own); load_native_kernels() must have run."""
     rope_tables: dict[str, RopeTables] = {}
-    packed: dict[int, PackedLinear] = {}         # by id() of a weight; the entry holds the weight
 
     def linear(x, a):
-        weight = x[1]
-        entry = packed.get(id(weight))
-        if entry is None or entry.weight is not weight:
-            if not packable(weight):
-                return OP_IMPLS["linear"](x, a)
-            entry = packed[id(weight)] = PackedLinear(weight)
-        if x[0].dtype != weight.dtype:
-            return OP_IMPLS["linear"](x, a)
-        return entry(*x[:1], *x[2:])
+        weight, bias = x[1], (x[2] if len(x) > 2 else None)
+        if isinstance(weight, GemvWeight) and gemv_fits(x[0], weight, bias):
+            return gemv_cpu(x[0], weight, bias)
+        return F.linear(x[0], _plain(weight), bias)
+
+    def qlinear(x, a):
+        x0, codes, scales, mins, bias = split_qlinear_inputs(x, a["bits"])
+        if isinstance(codes, GemvWeight) and gemv_fits(x0, codes, bias):
+            return gemv_cpu(x0, codes, bias)
+        return qlinear_ref(x0, _plain(codes), scales, mins, bias, bits=a["bits"])
 
     def tables_for(a: dict) -> RopeTables:
         key = json.dumps([a["head_dim"], a["theta"], a["scaling"]], sort_keys=True)
@@ -70,9 +82,66 @@ def native_op_impls() -> dict[str, OpImpl]:
     def silu_mul(x, a):
         return silu_mul_cpu(*x) if native_silu_mul_fits(*x) else OP_IMPLS["silu_mul"](x, a)
 
-    return {**OP_IMPLS, "linear": linear, "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
+    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": lambda x, a: F.embedding(x[1], _plain(x[0])),
+            "qembedding": lambda x, a: OP_IMPLS["qembedding"]([_plain(x[0]), *x[1:]], a), "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
             "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
             "silu_mul": silu_mul}
+
+
+def _plain(t: Any) -> torch.Tensor:
+    """The tensor under a prepared weight (a tied embedding's table lookup reads it as it is)."""
+    return t.weight if isinstance(t, GemvWeight) else t
+
+
+# (op, input position) of the reads a prepared weight serves: the GEMM's weight, and the table
+# lookups of a tied embedding, which unwrap it
+GEMM_WEIGHT_READS = {"linear": {("linear", 1), ("embedding", 0)}, "qlinear": {("qlinear", 1), ("qembedding", 0)}}
+
+
+def _gemm_weights(graphs: Iterable[Graph]) -> dict[str, tuple | None]:
+    """Weight name -> (op, names of its weight operands, bits, group size) for every weight a GEMM
+    multiplies by; None where it cannot be prepared: two different GEMMs over it, or another op
+    (other than a tied embedding's lookup) reading it."""
+    reads: dict[str, set[tuple[str, int]]] = defaultdict(set)
+    uses: dict[str, set[tuple]] = defaultdict(set)
+    for graph in graphs:
+        for node in graph.nodes:
+            for i, v in enumerate(node.inputs):
+                if v.node.startswith("w."):
+                    reads[v.node[2:]].add((node.op, i))
+            if node.op in GEMM_WEIGHT_READS and node.inputs[1].node.startswith("w."):
+                operands = tuple(v.node[2:] if v.node.startswith("w.") else None for v in node.inputs[1:])
+                uses[node.inputs[1].node[2:]].add((node.op, operands, node.attrs.get("bits"),
+                                                   node.attrs.get("group_size")))
+    return {name: next(iter(u)) if len(u) == 1 and reads[name] <= GEMM_WEIGHT_READS[next(iter(u))[0]] else None
+            for name, u in uses.items()}
+
+
+def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """`weights` as the native table's GEMMs take them, decided once for all of an executor's graphs.
+
+    The weight each `linear` multiplies by, and each `qlinear`'s codes (with its scales, mins, bits
+    and group size), becomes a GemvWeight over the same tensors; nothing is copied, so the result
+    holds exactly the storage `weights` holds. A weight that another op reads too (other than a
+    tied embedding's lookup), or one the kernels do not take, stays a plain tensor (its GEMM runs
+    the ref). The reference table takes plain tensors only: give it `weights` itself.
+    """
+    prepared = dict(weights)
+    for name, use in _gemm_weights(graphs).items():
+        if use is None:
+            continue
+        op, operands, bits, group = use
+        if op == "linear":
+            gemv_weight = prepare_linear_weight(weights[name])
+        elif operands[1] is None or (bits == 4 and operands[2] is None):
+            continue                       # scales or mins computed, not stored: not a layout to prepare
+        else:
+            gemv_weight = prepare_qlinear_weight(weights[name], weights[operands[1]],
+                                                 weights[operands[2]] if bits == 4 else None,
+                                                 bits=bits, group_size=group)
+        if gemv_weight is not None:
+            prepared[name] = gemv_weight
+    return prepared
 
 
 KERNEL_CHOICES = ("auto", "native", "reference")

@@ -2,14 +2,15 @@
 
 It is the CPU runtime and the numeric reference of the triton executor. On the CPU the op table
 is the native one (kernels/native_ops.py) or the torch refs, as `kernels` asks; on another device
-the refs run there (the native kernels are CPU code). Weights move to the device once.
+the refs run there (the native kernels are CPU code). Weights move to the device once; with the
+native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weights lays them out, once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llmc.kernels.native_ops import choose_op_impls
+from llmc.kernels.native_ops import choose_op_impls, prepare_weights
 from llmc.kernels.torch_ops import OP_IMPLS
 
 from .artifact import Artifact
@@ -27,4 +28,6 @@ class TorchExecutor(Executor):
         else:
             impls, self.kernels = dict(OP_IMPLS), "reference"
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
+        if self.kernels == "native":        # the GEMMs' weight layouts, decided once for both graphs
+            weights = prepare_weights(artifact.graphs.values(), weights)
         self.programs = {entry: TorchProgram(g, weights, impls) for entry, g in artifact.graphs.items()}
