@@ -25,7 +25,7 @@ Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the cross
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,25 +39,26 @@ FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 @dataclass(frozen=True, eq=False)
 class GemvWeight:
     """One GEMM weight as the native kernels take it. `weight` is the f32/bf16 [N, K] weight or the
-    int8 / int4 codes; scales (and int4 mins) f16 [N, K/G]. The tensors are the artifact's own."""
+    int8 / int4 codes; scales (and int4 mins) f16 [N, K/G]. The tensors are the artifact's own.
+    The facts a call checks (x dtypes it takes, N, K) are worked out here, once."""
 
     format: str                        # "f32", "bf16", "int8" or "int4"
     weight: torch.Tensor
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
+    bits: int = field(init=False)      # 8 or 4; 0 for float weights
+    out_features: int = field(init=False)
+    in_features: int = field(init=False)
+    x_dtypes: tuple[torch.dtype, ...] = field(init=False)
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1] * (2 if self.format == "int4" else 1)
-
-    @property
-    def bits(self) -> int:
-        return {"int8": 8, "int4": 4}.get(self.format, 0)
+    def __post_init__(self):
+        bits = {"int8": 8, "int4": 4}.get(self.format, 0)
+        x_dtypes = tuple(FLOAT_FORMATS) if bits else (self.weight.dtype,)
+        facts = dict(bits=bits, out_features=self.weight.shape[0], x_dtypes=x_dtypes,
+                     in_features=self.weight.shape[1] * (2 if bits == 4 else 1))
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
 
     @property
     def nbytes(self) -> int:
@@ -95,18 +96,10 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
 
 
 def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> bool:
-    """Whether `gemv_cpu` takes x (and bias) for this weight (else run gemv_ref)."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in FLOAT_FORMATS or x.shape[1] != w.in_features:
-        return False
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (w.out_features,) or bias.device.type != "cpu"):
-        return False
-    return bool(w.bits) or FLOAT_FORMATS[x.dtype] == w.format
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    """Whether `gemv_cpu` takes x (and bias) for this weight (else run gemv_ref). Cheap: it runs per call."""
+    return (x.dtype in w.x_dtypes and x.is_cpu and x.dim() == 2 and x.shape[1] == w.in_features
+            and (bias is None or (bias.dtype == x.dtype and bias.is_cpu and bias.is_contiguous()
+                                  and bias.shape == (w.out_features,))))
 
 
 def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,16 +109,24 @@ def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
         got = f"x {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if bias is None else f", bias {bias.dtype} "
                                                                 f"{tuple(bias.shape)}")
         raise ValueError(f"the native GEMV over a {w.format} [{w.out_features}, {w.in_features}] weight takes x "
-                         f"[T, {w.in_features}] ({'f32 or bf16' if w.bits else w.format}) on the CPU and a bias "
-                         f"[{w.out_features}] in x's dtype; got {got}")
+                         f"[T, {w.in_features}] ({'f32 or bf16' if w.bits else w.format}) on the CPU and a "
+                         f"contiguous bias [{w.out_features}] in x's dtype; got {got}")
+    return run_gemv(x, w, bias)
+
+
+def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gemv_cpu` for inputs that `gemv_fits` has passed (the op table checks once, then runs this)."""
     if w.bits:
-        return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, None if bias is None else bias.contiguous(), w.bits,
-                                    w.group_size)
-    if x.shape[0] > GEMV_MAX_TOKENS and onednn_available():
+        return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)
+    if x.shape[0] > GEMV_MAX_TOKENS:
         return _onednn_linear(x, w.weight, bias)
-    return torch.ops.llmc.gemv(x, w.weight, None if bias is None else bias.contiguous())
+    return torch.ops.llmc.gemv(x, w.weight, bias)
 
 
-def onednn_available() -> bool:
-    """Whether this torch build has oneDNN's packed CPU GEMM."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy); F.linear
+    where this torch build has no oneDNN."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return F.linear(x, w, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

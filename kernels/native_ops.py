@@ -23,7 +23,7 @@ from llmc.compiler.ir import Graph
 
 from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
-from .gemv import GemvWeight, gemv_cpu, gemv_fits, prepare_linear_weight, prepare_qlinear_weight
+from .gemv import GemvWeight, gemv_fits, prepare_linear_weight, prepare_qlinear_weight, run_gemv
 from .native import NativeBuildError, load_native_kernels
 from .quant import qlinear_ref, split_qlinear_inputs
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
@@ -38,14 +38,14 @@ def native_op_impls() -> dict[str, OpImpl]:
 
     def linear(x, a):
         weight, bias = x[1], (x[2] if len(x) > 2 else None)
-        if isinstance(weight, GemvWeight) and gemv_fits(x[0], weight, bias):
-            return gemv_cpu(x[0], weight, bias)
+        if type(weight) is GemvWeight and gemv_fits(x[0], weight, bias):
+            return run_gemv(x[0], weight, bias)
         return F.linear(x[0], _plain(weight), bias)
 
     def qlinear(x, a):
         x0, codes, scales, mins, bias = split_qlinear_inputs(x, a["bits"])
-        if isinstance(codes, GemvWeight) and gemv_fits(x0, codes, bias):
-            return gemv_cpu(x0, codes, bias)
+        if type(codes) is GemvWeight and gemv_fits(x0, codes, bias):
+            return run_gemv(x0, codes, bias)
         return qlinear_ref(x0, _plain(codes), scales, mins, bias, bits=a["bits"])
 
     def tables_for(a: dict) -> RopeTables:
