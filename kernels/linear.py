@@ -1,4 +1,7 @@
-"""GEMM on weights packed once for oneDNN.
+"""GEMM on weights packed once for oneDNN: the peer that benchmarks measure llmc's GEMV against
+(tools/bench_gemv.py, tools/bench_kernels.py) and a candidate for the matmul peak of `llmc profile`.
+The native op table does not keep packed copies (a second resident copy of every weight): its
+GEMMs run kernels/gemv.py, which reorders for oneDNN per call above its token threshold.
 
 Contract: x [T, K], w [N, K], optional bias [N], one float dtype (f32 or bf16); returns
 x @ w.T + bias [T, N], as `linear` (F.linear) computes it.
