@@ -15,7 +15,8 @@
 // How: output rows are split into contiguous ranges, one per ATen (OpenMP) thread, so every core
 // streams its own part of the weight. Each pass takes R rows and up to 4 tokens: R row streams are
 // read (and prefetched) once, dequantized in registers, and multiplied into R x TT fp32
-// accumulators, one 16-lane vector each; tokens beyond 4 reuse the R rows from L1.
+// accumulators, one 16-lane vector each; tokens beyond 4 reuse the R rows from L1 (quantized rows
+// dequantized once into an fp32 buffer there, so more tokens cost no more dequantization).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "vec16.h"
 #ifdef __x86_64__
@@ -92,6 +94,7 @@ inline Vec16 load_weights16(const c10::BFloat16* p) {
 template <typename T>
 struct FloatRows {
   static constexpr int kStep = 16;
+  static constexpr bool kFloat = true;
   const T* w;
   int64_t k_dim, group;
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
@@ -103,6 +106,7 @@ struct FloatRows {
 
 struct Int8Rows {
   static constexpr int kStep = 16;
+  static constexpr bool kFloat = false;
   const int8_t* codes;
   const c10::Half* scales;
   int64_t k_dim, group, groups;      // groups = K / G
@@ -121,6 +125,7 @@ struct Int8Rows {
 
 struct Int4Rows {
   static constexpr int kStep = 32;
+  static constexpr bool kFloat = false;
   const uint8_t* codes;
   const c10::Half* scales;
   const c10::Half* mins;
@@ -176,9 +181,11 @@ void tile(const W& w, int64_t n0, const float* x, float* sums) {
     }
 }
 
-// Rows n0..n0+R-1 for all T tokens, written (with bias) into out [T, N].
+// Weight rows n0..n0+R-1 for all T tokens, written (with bias) into output rows n_out..n_out+R-1 of
+// out [T, N].
 template <int R, typename W, typename Out>
-void row_block(const W& w, int64_t n0, const float* x, int64_t tokens, const Out* bias, Out* out, int64_t n_dim) {
+void row_block(const W& w, int64_t n0, int64_t n_out, const float* x, int64_t tokens, const Out* bias, Out* out,
+               int64_t n_dim) {
   float sums[kMaxTokens * R];
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
     const int64_t tt = std::min<int64_t>(kMaxTokens, tokens - t0);
@@ -191,10 +198,31 @@ void row_block(const W& w, int64_t n0, const float* x, int64_t tokens, const Out
     }
     for (int64_t t = 0; t < tt; ++t)
       for (int r = 0; r < R; ++r) {
-        const float b = bias ? static_cast<float>(bias[n0 + r]) : 0.f;
-        out[(t0 + t) * n_dim + n0 + r] = static_cast<Out>(sums[t * R + r] + b);
+        const float b = bias ? static_cast<float>(bias[n_out + r]) : 0.f;
+        out[(t0 + t) * n_dim + n_out + r] = static_cast<Out>(sums[t * R + r] + b);
       }
   }
+}
+
+// Quantized rows for more tokens than one pass takes: dequantize the R rows once into `rows`
+// (R x K fp32, in L1/L2), then run the float kernel over them for every token.
+template <int R, typename W, typename Out>
+void dequantized_row_block(const W& w, int64_t n0, const float* x, int64_t tokens, const Out* bias, Out* out,
+                           int64_t n_dim, float* rows) {
+  const int64_t k_dim = w.k_dim;
+  for (int r = 0; r < R; ++r) {
+    const char* row = w.row(n0 + r);
+    for (int64_t g = 0, g0 = 0; g0 < k_dim; ++g, g0 += w.group) {
+      float s, m;
+      w.params(n0 + r, g, s, m);
+      for (int64_t k = g0; k < g0 + w.group; k += W::kStep) {
+        Vec16 v[W::kStep / 16];
+        w.load(row, k, s, m, v);
+        for (int i = 0; i < W::kStep / 16; ++i) llmc_cpu::store16(rows + r * k_dim + k + 16 * i, v[i]);
+      }
+    }
+  }
+  row_block<R>(FloatRows<float>{rows, k_dim, k_dim}, 0, n0, x, tokens, bias, out, n_dim);
 }
 
 template <typename W, typename Out>
@@ -205,13 +233,17 @@ void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor&
   const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
   Out* o = out.data_ptr<Out>();
   const int64_t blocks = (n_dim + R - 1) / R;
+  const bool dequantize_once = !W::kFloat && tokens > kMaxTokens;
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(dequantize_once ? R * w.k_dim : 0);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * R;
-      if (n0 + R <= n_dim) {
-        row_block<R>(w, n0, xf, tokens, b, o, n_dim);
+      if (n0 + R > n_dim) {
+        for (int64_t n = n0; n < n_dim; ++n) row_block<1>(w, n, n, xf, tokens, b, o, n_dim);
+      } else if (dequantize_once) {
+        dequantized_row_block<R>(w, n0, xf, tokens, b, o, n_dim, rows.data());
       } else {
-        for (int64_t n = n0; n < n_dim; ++n) row_block<1>(w, n, xf, tokens, b, o, n_dim);
+        row_block<R>(w, n0, n0, xf, tokens, b, o, n_dim);
       }
     }
   });
