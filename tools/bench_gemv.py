@@ -50,7 +50,7 @@ def copies(w: GemvWeight) -> list[GemvWeight]:
     return [GemvWeight(w.format, w.weight.clone(), clone(w.scales), clone(w.mins), w.group_size) for _ in range(count)]
 
 
-def seconds_per_call(calls: list[Callable[[], object]], rounds: int = 5) -> float:
+def seconds_per_call(calls: list[Callable[[], object]], rounds: int = 12) -> float:
     """Best over `rounds` of the mean time of one call, cycling through `calls` (one warm-up round)."""
     best = float("inf")
     for i in range(rounds + 1):
