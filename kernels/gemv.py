@@ -14,13 +14,14 @@ memory bandwidth, so preparing a weight copies nothing: one resident copy per we
 anything else that reads it (a tied embedding). What preparing decides, once, is the format, the
 group size and that the native kernel takes the weight at all.
 
-Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossover):
+Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossover: on the
+2-core EPYC the native kernel beats oneDNN-with-a-reorder up to about 128 tokens, f32 and bf16):
   T <= GEMV_MAX_TOKENS  kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
-                        registers, both cores streaming their own half of the rows
-  larger T, float       oneDNN's GEMM on the weight reordered for that call (a transient copy,
-                        freed after it; the resident weight stays the only one)
-  larger T, quantized   the same native kernel: each R-row block stays in L1 while every token
-                        passes over it, so the weight is still read from memory once
+                        registers (above 4 tokens each R-row block is dequantized once into an
+                        L1 buffer), both cores streaming their own half of the rows
+  larger T              oneDNN's GEMM on the weight reordered for that call, a quantized weight
+                        first dequantized to fp32 (transient copies, freed after the call; the
+                        resident weight stays the only one)
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .quant import qlinear_ref
+from .quant import dequantize_weight, qlinear_ref
 
-GEMV_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = 128
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -116,11 +117,14 @@ def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
 
 def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`gemv_cpu` for inputs that `gemv_fits` has passed (the op table checks once, then runs this)."""
-    if w.bits:
-        return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)
-    if x.shape[0] > GEMV_MAX_TOKENS:
-        return _onednn_linear(x, w.weight, bias)
-    return torch.ops.llmc.gemv(x, w.weight, bias)
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        if w.bits:
+            return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)
+        return torch.ops.llmc.gemv(x, w.weight, bias)
+    if w.bits:                           # fp32 dequantization, fp32 GEMM: qlinear_ref's rounding
+        weight = dequantize_weight(w.weight, w.scales, w.mins, w.bits)
+        return _onednn_linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+    return _onednn_linear(x, w.weight, bias)
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The native GEMV (kernels/cpu/gemv.cpp via kernels/gemv.py) against its refs, and the seam that
 prepares GEMM weights once (kernels/native_ops.py's prepare_weights).
 
-Every weight format (f32, bf16, int8 per channel and per 32, int4 per 32/64/128) at T = 1, 3, 8 and
-37 tokens (above GEMV_MAX_TOKENS), odd N, K not a power of two (and for float weights K not a
+Every weight format (f32, bf16, int8 per channel and per 32, int4 per 32/64/128) at T = 1, 3, 8, 37
+and GEMV_MAX_TOKENS + 3 (the oneDNN path), odd N, K not a power of two (and for float weights K not a
 multiple of 16), f32 and bf16 x, with and without bias. The refs themselves against float64 math
 on the dequantized weight.
 """
@@ -26,7 +26,7 @@ from llmc.kernels.quant import dequantize_weight, quantize_int4, quantize_int8
 from llmc.runtime.torch_backend import TorchProgram
 from tolerances import tolerance
 
-TOKENS = [1, 3, 8, 37]
+TOKENS = [1, 3, 8, 37, GEMV_MAX_TOKENS + 3]
 XDTYPES = [torch.float32, torch.bfloat16]
 # (format, N, K, G): odd N, K not a power of two, every group size the formats take
 QUANT_CASES = [("int8", 97, 576, 576), ("int8", 33, 96, 32), ("int8", 5, 48, 16), ("int4", 97, 576, 32),
@@ -172,7 +172,9 @@ def test_native_program_on_prepared_weights_gives_the_ref_logits(tokens):
     (want,) = TorchProgram(graph, weights)(feeds)
     torch.testing.assert_close(got, want, **tolerance(torch.float32, 160, want.abs().max().item()))
     ran = {e.name for e in prof.events()}
-    assert "llmc::qgemv" in ran and ("llmc::gemv" in ran) == (tokens <= GEMV_MAX_TOKENS)
+    native = tokens <= GEMV_MAX_TOKENS
+    assert ("llmc::qgemv" in ran) == ("llmc::gemv" in ran) == native
+    assert ("mkldnn::_linear_pointwise" in ran) == (not native)
 
 
 def test_an_unprepared_weight_runs_the_ref():
