@@ -89,8 +89,28 @@ inline Vec16 load_weights16(const c10::BFloat16* p) {
 #endif
 }
 
+// The fp32 values of `count` (<= 16 used) f16 scales or mins at p, lanes past `count` zero.
+inline Vec16 load_halves(const c10::Half* p, int64_t count) {
+#ifdef __AVX512F__
+  if (count >= 16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+  float values[16] = {};
+  for (int64_t i = 0; i < std::min<int64_t>(count, 16); ++i) values[i] = half_to_float(p[i]);
+  return load16(values);
+}
+
+// Lane i of v in every lane.
+inline Vec16 lane(Vec16 v, int64_t i) {
+#ifdef __AVX512F__
+  return _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(i)), v);
+#else
+  return splat(v[i]);
+#endif
+}
+
 // A weight format: kStep inputs per step (kStep / 16 vectors), groups of `group` inputs sharing a
-// scale and min, and `load` giving the dequantized vectors of one row at input k.
+// scale and min; `params16` gives the scales and mins of 16 groups of a row from group g, and
+// `load` the dequantized vectors of one row at input k (scale and min broadcast).
 template <typename T>
 struct FloatRows {
   static constexpr int kStep = 16;
@@ -99,8 +119,8 @@ struct FloatRows {
   int64_t k_dim, group;
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
   static int64_t offset(int64_t k) { return k * static_cast<int64_t>(sizeof(T)); }
-  void params(int64_t, int64_t, float& s, float& m) const { s = 1.f, m = 0.f; }
-  void load(const char* row, int64_t k, float, float, Vec16* v) const { v[0] = load_weights16(reinterpret_cast<const T*>(row) + k); }
+  void params16(int64_t, int64_t, Vec16& s, Vec16& m) const { s = splat(1.f), m = Vec16{}; }
+  void load(const char* row, int64_t k, Vec16, Vec16, Vec16* v) const { v[0] = load_weights16(reinterpret_cast<const T*>(row) + k); }
   float at(int64_t n, int64_t k) const { return static_cast<float>(w[n * k_dim + k]); }
 };
 
@@ -112,10 +132,10 @@ struct Int8Rows {
   int64_t k_dim, group, groups;      // groups = K / G
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(codes + n * k_dim); }
   static int64_t offset(int64_t k) { return k; }
-  void params(int64_t n, int64_t g, float& s, float& m) const {
-    s = half_to_float(scales[n * groups + g]), m = 0.f;
+  void params16(int64_t n, int64_t g, Vec16& s, Vec16& m) const {
+    s = load_halves(scales + n * groups + g, groups - g), m = Vec16{};
   }
-  void load(const char* row, int64_t k, float s, float, Vec16* v) const {
+  void load(const char* row, int64_t k, Vec16 s, Vec16, Vec16* v) const {
     Int8x16 raw;
     std::memcpy(&raw, row + k, sizeof(raw));
     v[0] = to_float(raw) * s;
@@ -132,16 +152,15 @@ struct Int4Rows {
   int64_t k_dim, group, groups;
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(codes + n * (k_dim / 2)); }
   static int64_t offset(int64_t k) { return k / 2; }
-  void params(int64_t n, int64_t g, float& s, float& m) const {
+  void params16(int64_t n, int64_t g, Vec16& s, Vec16& m) const {
     const int64_t i = n * groups + g;
-    s = half_to_float(scales[i]), m = half_to_float(mins[i]);
+    s = load_halves(scales + i, groups - g), m = load_halves(mins + i, groups - g);
   }
-  void load(const char* row, int64_t k, float s, float m, Vec16* v) const {
+  void load(const char* row, int64_t k, Vec16 s, Vec16 m, Vec16* v) const {
     Uint8x16 raw;
     std::memcpy(&raw, row + k / 2, sizeof(raw));               // 32 codes: inputs k..k+15 low, k+16..k+31 high
-    const Vec16 scale = splat(s), min = splat(m);
-    v[0] = fma16(to_float(raw & 0xF), scale, min);
-    v[1] = fma16(to_float(raw >> 4), scale, min);
+    v[0] = fma16(to_float(raw & 0xF), s, m);
+    v[1] = fma16(to_float(raw >> 4), s, m);
   }
   float at(int64_t, int64_t) const { return 0.f; }
 };
@@ -156,9 +175,12 @@ void tile(const W& w, int64_t n0, const X* x, float* sums) {
   Vec16 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = Vec16{};
+  Vec16 s16[R], m16[R];
   for (int64_t g = 0, g0 = 0; g0 < k_main; ++g, g0 += w.group) {
-    float s[R], m[R];
-    for (int r = 0; r < R; ++r) w.params(n0 + r, g, s[r], m[r]);
+    if (g % 16 == 0)
+      for (int r = 0; r < R; ++r) w.params16(n0 + r, g, s16[r], m16[r]);
+    Vec16 s[R], m[R];
+    for (int r = 0; r < R; ++r) s[r] = lane(s16[r], g % 16), m[r] = lane(m16[r], g % 16);
     const int64_t g_end = std::min(g0 + w.group, k_main);
     for (int64_t k = g0; k < g_end; k += W::kStep) {
       Vec16 wv[R][V];
@@ -252,9 +274,10 @@ void dequantized_row_block(const W& w, int64_t n0, const X* x, int64_t tokens, c
   const int64_t k_dim = w.k_dim;
   for (int r = 0; r < R; ++r) {
     const char* row = w.row(n0 + r);
+    Vec16 s16, m16;
     for (int64_t g = 0, g0 = 0; g0 < k_dim; ++g, g0 += w.group) {
-      float s, m;
-      w.params(n0 + r, g, s, m);
+      if (g % 16 == 0) w.params16(n0 + r, g, s16, m16);
+      const Vec16 s = lane(s16, g % 16), m = lane(m16, g % 16);
       for (int64_t k = g0; k < g0 + w.group; k += W::kStep) {
         Vec16 v[W::kStep / 16];
         w.load(row, k, s, m, v);
