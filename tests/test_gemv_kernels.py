@@ -102,18 +102,19 @@ def test_quantized_ref_is_float64_math_on_the_dequantized_weight(fmt, n, k, grou
 
 
 def test_dequantization_reads_each_nibble_and_group():
-    """One weight per code and group, so a swapped nibble or an off-by-one group changes the result."""
+    """Every input alone, through both int4 paths, gives its dequantized weight exactly: a swapped
+    nibble or an off-by-one group changes the result."""
     n, k, group = 3, 128, 32
     codes = torch.arange(n * k).remainder(16).to(torch.uint8).view(n, k)
     from llmc.kernels.quant import pack_int4
     scales = torch.arange(1, n * k // group + 1, dtype=torch.float16).view(n, k // group) / 8
     mins = -scales * 3
     w = prepare_qlinear_weight(pack_int4(codes), scales, mins, bits=4, group_size=group)
-    x = torch.eye(k)[:8]                                                 # picks single inputs 0..7
     want = (codes.float() * scales.float().repeat_interleave(group, 1) + mins.float().repeat_interleave(group, 1))
-    torch.testing.assert_close(gemv_cpu(x, w), want[:, :8].T.contiguous(), rtol=0, atol=0)
-    x = torch.eye(k)[16:24]                                              # the high nibbles of block 0
-    torch.testing.assert_close(gemv_cpu(x, w), want[:, 16:24].T.contiguous(), rtol=0, atol=0)
+    for rows in (4, 8):                  # x rows picking single inputs, 4 (nibble order) or 8 at a time
+        for first in range(0, k, rows):
+            x = torch.eye(k)[first:first + rows]
+            torch.testing.assert_close(gemv_cpu(x, w), want[:, first:first + rows].T.contiguous(), rtol=0, atol=0)
 
 
 def test_launcher_names_what_does_not_fit():

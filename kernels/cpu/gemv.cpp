@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -203,6 +204,78 @@ void tile(const W& w, int64_t n0, const X* x, float* sums) {
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLMC_INT4_NIBBLE_ORDER 1
+// int4 for up to 4 tokens, in nibble order: 64 bytes of codes (4 blocks, 128 inputs) load as 16
+// dwords, and nibble j of every dword is one vector of 16 codes, by shift and mask alone (no
+// byte-widening shuffles, which cap the plain order's rate). x is permuted once per call into the
+// same order (`nibble_input`); the K % 128 inputs left over run in the plain order.
+constexpr int64_t kChunk = 128;
+
+// The input (within its chunk) that lane i of nibble vector j holds: byte 4i + j/2, low or high nibble.
+inline int64_t nibble_input(int64_t j, int64_t i) {
+  const int64_t byte = 4 * i + (j >> 1);
+  return (byte / 16) * 32 + byte % 16 + 16 * (j & 1);
+}
+
+// x [T, K] fp32 -> xp [T, K]: each whole chunk of 128 inputs in nibble order, the rest as it is.
+void nibble_order(const float* x, int64_t tokens, int64_t k_dim, float* xp) {
+  const int64_t k_chunks = k_dim - k_dim % kChunk;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* src = x + t * k_dim;
+    float* dst = xp + t * k_dim;
+    for (int64_t c = 0; c < k_chunks; c += kChunk)
+      for (int64_t j = 0; j < 8; ++j)
+        for (int64_t i = 0; i < 16; ++i) dst[c + 16 * j + i] = src[c + nibble_input(j, i)];
+    std::memcpy(dst + k_chunks, src + k_chunks, (k_dim - k_chunks) * sizeof(float));
+  }
+}
+
+// The scales (or mins) of the 1, 2 or 4 groups of a chunk, as lanes: lane i is in block i / 4.
+inline Vec16 chunk_params(const c10::Half* p, int64_t groups_in_chunk, __m512i lane_group) {
+  const __m128i halves = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << groups_in_chunk) - 1), p);
+  return _mm512_permutexvar_ps(lane_group, _mm512_cvtph_ps(_mm256_castsi128_si256(halves)));
+}
+
+template <int R, int TT>
+void tile_nibbles(const Int4Rows& w, int64_t n0, const float* xp, float* sums) {
+  const int64_t k_dim = w.k_dim, k_chunks = k_dim - k_dim % kChunk, blocks_per_group = w.group / 32;
+  const int64_t groups_in_chunk = kChunk / w.group > 0 ? kChunk / w.group : 1;
+  const llmc_cpu::Int16 block_of_lane = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+  const __m512i lane_group = reinterpret_cast<__m512i>(block_of_lane / static_cast<int32_t>(blocks_per_group));
+  Vec16 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = Vec16{};
+  for (int64_t c = 0; c < k_chunks; c += kChunk) {
+    for (int r = 0; r < R; ++r) {
+      const char* row = w.row(n0 + r) + c / 2;
+      __builtin_prefetch(row + kPrefetch);
+      llmc_cpu::Uint16 raw;
+      std::memcpy(&raw, row, sizeof(raw));
+      const int64_t gi = (n0 + r) * w.groups + c / w.group;
+      const Vec16 s = chunk_params(w.scales + gi, groups_in_chunk, lane_group);
+      const Vec16 m = chunk_params(w.mins + gi, groups_in_chunk, lane_group);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const llmc_cpu::Int16 code = __builtin_convertvector((raw >> (4 * j)) & 15u, llmc_cpu::Int16);
+        const Vec16 wv = fma16(__builtin_convertvector(code, Vec16), s, m);
+        for (int t = 0; t < TT; ++t) acc[r][t] = fma16(wv, load16(xp + t * k_dim + c + 16 * j), acc[r][t]);
+      }
+    }
+  }
+  for (int64_t k = k_chunks; k < k_dim; k += Int4Rows::kStep)      // the blocks past the last chunk
+    for (int r = 0; r < R; ++r) {
+      const int64_t gi = (n0 + r) * w.groups + k / w.group;
+      Vec16 v[2];
+      w.load(w.row(n0 + r), k, splat(half_to_float(w.scales[gi])), splat(half_to_float(w.mins[gi])), v);
+      for (int t = 0; t < TT; ++t)
+        acc[r][t] = fma16(v[1], load16(xp + t * k_dim + k + 16), fma16(v[0], load16(xp + t * k_dim + k), acc[r][t]));
+    }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) sums[t * R + r] = llmc_cpu::hsum(acc[r][t]);
+}
+#endif
+
 #ifdef __AVX512BF16__
 // bf16 rows read as pairs for vdpbf16ps: each instruction adds 32 products (bf16 x bf16, exact in
 // fp32) into 16 fp32 lanes, twice the multiply rate of widening to fp32 and one FMA per lane.
@@ -245,13 +318,23 @@ void tile(const DotBf16Rows& w, int64_t n0, const c10::BFloat16* x, float* sums)
 
 // Weight rows n0..n0+R-1 for all T tokens, written (with bias) into output rows n_out..n_out+R-1 of
 // out [T, N].
-template <int R, typename W, typename X, typename Out>
+template <int R, bool Nibbles = false, typename W, typename X, typename Out>
 void row_block(const W& w, int64_t n0, int64_t n_out, const X* x, int64_t tokens, const Out* bias, Out* out,
                int64_t n_dim) {
   float sums[kMaxTokens * R];
   for (int64_t t0 = 0; t0 < tokens; t0 += kMaxTokens) {
     const int64_t tt = std::min<int64_t>(kMaxTokens, tokens - t0);
     const X* xt = x + t0 * w.k_dim;
+#ifdef LLMC_INT4_NIBBLE_ORDER
+    if constexpr (Nibbles) {
+      switch (tt) {
+        case 4: tile_nibbles<R, 4>(w, n0, xt, sums); break;
+        case 3: tile_nibbles<R, 3>(w, n0, xt, sums); break;
+        case 2: tile_nibbles<R, 2>(w, n0, xt, sums); break;
+        default: tile_nibbles<R, 1>(w, n0, xt, sums); break;
+      }
+    } else
+#endif
     switch (tt) {
       case 4: tile<R, 4>(w, n0, xt, sums); break;
       case 3: tile<R, 3>(w, n0, xt, sums); break;
@@ -297,6 +380,17 @@ void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor&
   Out* o = out.data_ptr<Out>();
   const int64_t blocks = (n_dim + R - 1) / R;
   const bool dequantize_once = !W::kFloat && tokens > kMaxTokens;
+  const X* xp = xf;                   // x in the order the rows' kernel reads it
+#ifdef LLMC_INT4_NIBBLE_ORDER
+  at::Tensor nibble_x;
+  if constexpr (std::is_same_v<W, Int4Rows> && std::is_same_v<X, float>) {
+    if (!dequantize_once) {
+      nibble_x = at::empty_like(x);
+      nibble_order(xf, tokens, w.k_dim, nibble_x.data_ptr<float>());
+      xp = nibble_x.const_data_ptr<float>();
+    }
+  }
+#endif
   at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> rows(dequantize_once ? R * w.k_dim : 0);
     for (int64_t i = begin; i < end; ++i) {
@@ -311,6 +405,12 @@ void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor&
           continue;
         }
       }
+#ifdef LLMC_INT4_NIBBLE_ORDER
+      if constexpr (std::is_same_v<W, Int4Rows> && std::is_same_v<X, float>) {
+        row_block<R, true>(w, n0, n0, xp, tokens, b, o, n_dim);
+        continue;
+      }
+#endif
       row_block<R>(w, n0, n0, xf, tokens, b, o, n_dim);
     }
   });
