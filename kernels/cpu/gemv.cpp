@@ -13,10 +13,11 @@
 // Float weights take any K; quantized ones K a multiple of G.
 //
 // How: output rows are split into contiguous ranges, one per ATen (OpenMP) thread, so every core
-// streams its own part of the weight. Each pass takes R rows and up to 4 tokens: R row streams are
-// read (and prefetched) once, dequantized in registers, and multiplied into R x TT fp32
-// accumulators, one 16-lane vector each; tokens beyond 4 reuse the R rows from L1 (quantized rows
-// dequantized once into an fp32 buffer there, so more tokens cost no more dequantization).
+// streams its own part of the weight. Each pass takes R rows (for one token the format's kRows,
+// else 4) and up to 4 tokens: R row streams are read (and prefetched) once, dequantized in
+// registers, and multiplied into R x TT fp32 accumulators, one 16-lane vector each; tokens beyond
+// 4 reuse the R rows from L1 (quantized rows dequantized once into an fp32 buffer there, so more
+// tokens cost no more dequantization).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -151,6 +152,7 @@ void tile_nibbles(const Int4Rows& w, int64_t n0, const float* xp, float* sums) {
 // fp32) into 16 fp32 lanes, twice the multiply rate of widening to fp32 and one FMA per lane.
 struct DotBf16Rows {
   static constexpr int kStep = 32;
+  static constexpr int kRows = 4;          // measured: 8 rows of pair products stream no faster
   static constexpr bool kFloat = true;
   const c10::BFloat16* w;
   int64_t k_dim, group;
@@ -241,9 +243,8 @@ void dequantized_row_block(const W& w, int64_t n0, const X* x, int64_t tokens, c
   row_block<R>(FloatRows<float>{rows, k_dim, k_dim}, 0, n0, x, tokens, bias, out, n_dim);
 }
 
-template <typename W, typename X, typename Out>
-void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) {
-  constexpr int R = 4;
+template <int R, typename W, typename X, typename Out>
+void gemv_rows_of(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) {
   const int64_t tokens = x.size(0);
   const X* xf = x.const_data_ptr<X>();
   const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
@@ -284,6 +285,16 @@ void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor&
       row_block<R>(w, n0, n0, xf, tokens, b, o, n_dim);
     }
   });
+}
+
+// One token: W::kRows rows per pass (more row streams in flight); more tokens: 4 rows x 4 tokens,
+// which keeps the 16 accumulators in registers.
+template <typename W, typename X, typename Out>
+void gemv_rows(const W& w, int64_t n_dim, const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) {
+  if (x.size(0) == 1 && W::kRows == 8)
+    gemv_rows_of<8, W, X, Out>(w, n_dim, x, bias, out);
+  else
+    gemv_rows_of<4, W, X, Out>(w, n_dim, x, bias, out);
 }
 
 void check_x(const at::Tensor& x, int64_t k_dim, const at::Tensor& bias, int64_t n_dim) {

@@ -90,12 +90,13 @@ inline Vec16 lane(Vec16 v, int64_t i) {
 #endif
 }
 
-// A weight format: kStep inputs per step (kStep / 16 vectors), groups of `group` inputs sharing a
+// A weight format: kRows rows per pass for one token, kStep inputs per step (kStep / 16 vectors), groups of `group` inputs sharing a
 // scale and min; `params16` gives the scales and mins of 16 groups of a row from group g, and
 // `load` the dequantized vectors of one row at input k (scale and min broadcast).
 template <typename T>
 struct FloatRows {
   static constexpr int kStep = 16;
+  static constexpr int kRows = 8;          // rows per pass for one token (8 streams beat 4 for f32)
   static constexpr bool kFloat = true;
   const T* w;
   int64_t k_dim, group;
@@ -108,6 +109,7 @@ struct FloatRows {
 
 struct Int8Rows {
   static constexpr int kStep = 16;
+  static constexpr int kRows = 8;          // (and for int8)
   static constexpr bool kFloat = false;
   const int8_t* codes;
   const c10::Half* scales;
@@ -127,6 +129,7 @@ struct Int8Rows {
 
 struct Int4Rows {
   static constexpr int kStep = 32;
+  static constexpr int kRows = 4;          // 8 rows of nibble-order codes, scales and mins spill registers
   static constexpr bool kFloat = false;
   const uint8_t* codes;
   const c10::Half* scales;
