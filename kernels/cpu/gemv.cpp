@@ -14,10 +14,11 @@
 //
 // How: output rows are split into contiguous ranges, one per ATen (OpenMP) thread, so every core
 // streams its own part of the weight. Each pass takes R rows (for one token the format's kRows,
-// else 4) and up to 4 tokens: R row streams are read (and prefetched) once, dequantized in
-// registers, and multiplied into R x TT fp32 accumulators, one 16-lane vector each; tokens beyond
-// 4 reuse the R rows from L1 (quantized rows dequantized once into an fp32 buffer there, so more
-// tokens cost no more dequantization).
+// else 4) and up to 4 tokens: R row streams are read once, dequantized in registers, and
+// multiplied into R x TT fp32 accumulators, one 16-lane vector each; tokens beyond 4 reuse the R
+// rows from L1 (quantized rows dequantized once into an fp32 buffer there, so more tokens cost no
+// more dequantization). Each row stream prefetches the same place R rows on, in the next pass:
+// rows are short (576 inputs), and a hardware prefetcher sees a new row only once it starts.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,7 +36,6 @@ namespace {
 using namespace llmc_gemv;
 
 constexpr int kMaxTokens = 4;          // tokens per pass
-constexpr int64_t kPrefetch = 1024;    // bytes ahead in each row stream
 
 // Rows n0..n0+R-1 times tokens x[0..TT-1] ([TT, K], row stride K) -> sums[t * R + r].
 template <int R, int TT, typename W, typename X>
@@ -44,6 +44,7 @@ void tile(const W& w, int64_t n0, const X* x, float* sums) {
   const int64_t k_dim = w.k_dim, k_main = k_dim - k_dim % W::kStep;
   const char* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = w.row(n0 + r);
+  const int64_t ahead = R * W::offset(k_dim);     // prefetch: the same place in the next pass's rows
   Vec16 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = Vec16{};
@@ -57,7 +58,7 @@ void tile(const W& w, int64_t n0, const X* x, float* sums) {
     for (int64_t k = g0; k < g_end; k += W::kStep) {
       Vec16 wv[R][V];
       for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(rows[r] + W::offset(k) + kPrefetch);
+        __builtin_prefetch(rows[r] + W::offset(k) + ahead);
         w.load(rows[r], k, s[r], m[r], wv[r]);
       }
       for (int t = 0; t < TT; ++t)
@@ -120,7 +121,7 @@ void tile_nibbles(const Int4Rows& w, int64_t n0, const float* xp, float* sums) {
   for (int64_t c = 0; c < k_chunks; c += kChunk) {
     for (int r = 0; r < R; ++r) {
       const char* row = w.row(n0 + r) + c / 2;
-      __builtin_prefetch(row + kPrefetch);
+      __builtin_prefetch(row + R * (k_dim / 2));        // the next pass's rows
       llmc_cpu::Uint16 raw;
       std::memcpy(&raw, row, sizeof(raw));
       const int64_t gi = (n0 + r) * w.groups + c / w.group;
@@ -171,7 +172,7 @@ void tile(const DotBf16Rows& w, int64_t n0, const c10::BFloat16* x, float* sums)
   for (int64_t k = 0; k < k_main; k += DotBf16Rows::kStep) {
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(reinterpret_cast<const char*>(rows[r] + k) + kPrefetch);
+      __builtin_prefetch(rows[r] + k + R * k_dim);       // the next pass's rows
       wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(rows[r] + k));
     }
     for (int t = 0; t < TT; ++t) {
