@@ -18,7 +18,9 @@ Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the cross
 2-core EPYC the native kernel beats oneDNN-with-a-reorder up to about 128 tokens, f32 and bf16):
   T <= GEMV_MAX_TOKENS  kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
                         registers (above 4 tokens each R-row block is dequantized once into an
-                        L1 buffer), both cores streaming their own half of the rows
+                        L1 buffer), both cores streaming their own half of the rows; bf16 by
+                        AVX512-BF16 pair products where the CPU has them, int4 in nibble order
+                        (gemv.cpp says how)
   larger T              oneDNN's GEMM on the weight reordered for that call, a quantized weight
                         first dequantized to fp32 (transient copies, freed after the call; the
                         resident weight stays the only one)
@@ -104,8 +106,7 @@ def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) 
 
 
 def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher: gemv_ref's meaning through kernels/cpu/gemv.cpp (oneDNN for float weights above
-    GEMV_MAX_TOKENS tokens)."""
+    """Launcher: gemv_ref's meaning through kernels/cpu/gemv.cpp, or oneDNN above GEMV_MAX_TOKENS tokens."""
     if not gemv_fits(x, w, bias):
         got = f"x {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if bias is None else f", bias {bias.dtype} "
                                                                 f"{tuple(bias.shape)}")
@@ -123,11 +124,11 @@ def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
         return torch.ops.llmc.gemv(x, w.weight, bias)
     if w.bits:                           # fp32 dequantization, fp32 GEMM: qlinear_ref's rounding
         weight = dequantize_weight(w.weight, w.scales, w.mins, w.bits)
-        return _onednn_linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
-    return _onednn_linear(x, w.weight, bias)
+        return onednn_linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+    return onednn_linear(x, w.weight, bias)
 
 
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy); F.linear
     where this torch build has no oneDNN."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):

@@ -83,7 +83,8 @@ def native_op_impls() -> dict[str, OpImpl]:
         return silu_mul_cpu(*x) if native_silu_mul_fits(*x) else OP_IMPLS["silu_mul"](x, a)
 
     return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": lambda x, a: F.embedding(x[1], _plain(x[0])),
-            "qembedding": lambda x, a: OP_IMPLS["qembedding"]([_plain(x[0]), *x[1:]], a), "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
+            "qembedding": lambda x, a: OP_IMPLS["qembedding"]([_plain(x[0]), *x[1:]], a),
+            "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
             "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
             "silu_mul": silu_mul}
 

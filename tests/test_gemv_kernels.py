@@ -155,8 +155,8 @@ def tiny_graph_weights():
     g = torch.Generator().manual_seed(0)
     emb = quantize_int4(torch.randn(97, 96, generator=g), 32)
     up = quantize_int8(torch.randn(160, 96, generator=g) * 0.1)
-    return {"emb.codes": emb[0], "emb.scales": emb[1], "emb.mins": emb[2], "up.codes": up[0],
-            "up.scales": up[1], "up.bias": torch.randn(160, generator=g), "down": torch.randn(96, 160, generator=g) * 0.1}
+    return {"emb.codes": emb[0], "emb.scales": emb[1], "emb.mins": emb[2], "up.codes": up[0], "up.scales": up[1],
+            "up.bias": torch.randn(160, generator=g), "down": torch.randn(96, 160, generator=g) * 0.1}
 
 
 @pytest.mark.parametrize("tokens", [1, 5, GEMV_MAX_TOKENS + 4])

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from llmc.kernels.gemv import GemvWeight, _onednn_linear, gemv_cpu, prepare_linear_weight, prepare_qlinear_weight
+from llmc.kernels.gemv import GemvWeight, gemv_cpu, onednn_linear, prepare_linear_weight, prepare_qlinear_weight
 from llmc.kernels.linear import PackedLinear
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_int4, quantize_int8
@@ -76,7 +76,8 @@ def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
             del ws
         for fmt, fdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             w_f = w.to(fdtype)
-            packed = [PackedLinear(w_f.clone()) for _ in range(max(2, -(-COLD_BYTES // (w_f.numel() * w_f.element_size()))))]
+            count = max(2, -(-COLD_BYTES // (w_f.numel() * w_f.element_size())))
+            packed = [PackedLinear(w_f.clone()) for _ in range(count)]
             x = torch.randn(tokens, k).to(fdtype)
             s = seconds_per_call([lambda p=p: p(x) for p in packed])
             rows.append(_row(shape_name, fmt, "oneDNN packed", s, w_f.numel() * w_f.element_size(), bandwidth))
@@ -108,7 +109,7 @@ def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
         xs = [torch.randn(t, w.shape[1]).to(dtype) for w in weights]
         ours = seconds_per_call([lambda: [torch.ops.llmc.gemv(x, w.weight, None) for x, w in zip(xs, native)]], 20)
         peer = seconds_per_call([lambda: [p(x) for p, x in zip(packed, xs)]], 20)
-        reorder = seconds_per_call([lambda: [_onednn_linear(x, w, None) for x, w in zip(xs, weights)]], 20)
+        reorder = seconds_per_call([lambda: [onednn_linear(x, w, None) for x, w in zip(xs, weights)]], 20)
         rows.append(f"T={t:<5}{1e3 * ours:>10.3f}{1e3 * peer:>10.3f}{1e3 * reorder:>10.3f}{peer / ours:>9.2f}x"
                     f"{reorder / ours:>9.2f}x")
     return rows

@@ -90,9 +90,10 @@ inline Vec16 lane(Vec16 v, int64_t i) {
 #endif
 }
 
-// A weight format: kRows rows per pass for one token, kStep inputs per step (kStep / 16 vectors), groups of `group` inputs sharing a
-// scale and min; `params16` gives the scales and mins of 16 groups of a row from group g, and
-// `load` the dequantized vectors of one row at input k (scale and min broadcast).
+// A weight format: kRows rows per pass for one token, kStep inputs per step (kStep / 16 vectors),
+// groups of `group` inputs sharing a scale and min; `params16` gives the scales and mins of 16
+// groups of a row from group g, and `load` the dequantized vectors of one row at input k (given
+// its group's scale and min broadcast).
 template <typename T>
 struct FloatRows {
   static constexpr int kStep = 16;
@@ -103,7 +104,9 @@ struct FloatRows {
   const char* row(int64_t n) const { return reinterpret_cast<const char*>(w + n * k_dim); }
   static int64_t offset(int64_t k) { return k * static_cast<int64_t>(sizeof(T)); }
   void params16(int64_t, int64_t, Vec16& s, Vec16& m) const { s = splat(1.f), m = Vec16{}; }
-  void load(const char* row, int64_t k, Vec16, Vec16, Vec16* v) const { v[0] = load_weights16(reinterpret_cast<const T*>(row) + k); }
+  void load(const char* row, int64_t k, Vec16, Vec16, Vec16* v) const {
+    v[0] = load_weights16(reinterpret_cast<const T*>(row) + k);
+  }
   float at(int64_t n, int64_t k) const { return static_cast<float>(w[n * k_dim + k]); }
 };
 
