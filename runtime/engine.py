@@ -75,7 +75,7 @@ class EngineStats:
 def kv_cache_dtype(artifact: Artifact) -> str:
     """The KV cache element type of the compiled graphs, as a user dtype name."""
     ir_dtype = artifact.graphs["prefill"].node_map()["kv_cache"].type.dtype
-    return {ir: user for user, ir in USER_DTYPES.items()}[ir_dtype]
+    return {ir: user for user, ir in USER_DTYPES.items()}.get(ir_dtype, "int8" if ir_dtype == "i8" else ir_dtype)
 
 
 class Engine:

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
 
 from llmc.compiler.ir import IRError
+from llmc.compiler.quant_recipe import QuantRecipeError
 from llmc.kernels.native import NativeBuildError
 from llmc.models.config import ModelError
 from llmc.passes.pipeline import PassError
@@ -33,7 +34,7 @@ from .profile_steps import profile_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
-USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError)
+USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError, QuantRecipeError)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="llmc: compile a Llama-family model into an artifact, then run it.")
@@ -77,12 +78,18 @@ def compile_cmd(
                                              "before insert_paged_attention writes only the --dump-ir files)"),
     target: str = typer.Option("cpu", help="cpu (IR for the torch backend) or cuda (also a generated Triton kernel "
                                "for every fusion group, in the artifact's kernels/)"),
+    quant: str = typer.Option("none", help="GEMM weights: none, int8 (per output channel) or int4[-g32|-g64|-g128] "
+                              "(scale and min per group; int4 = int4-g32); a GGUF's Q8_0/Q4_0/Q4_1 blocks are kept"),
+    kv_dtype: str = typer.Option("auto", help="KV cache: auto (the compute dtype) or int8 (a scale per token and head)"),
+    quant_embeddings: bool = typer.Option(False, "--quant-embeddings", help="quantize the token embedding and LM "
+                                          "head too"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
+    from llmc.compiler.quant_recipe import QuantRecipe
 
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
-                           target=target)
+                           target=target, quant=QuantRecipe.parse(quant, kv_dtype, quant_embeddings))
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
