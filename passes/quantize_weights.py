@@ -25,14 +25,15 @@ from .rewrite import PassContext, PassError, RewriteState, rewrite
 EMBEDDING_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 
 
-def _check_shape(name: str, n: int, k: int, recipe: QuantRecipe) -> None:
-    group = recipe.group_size or k
-    if k % group:
-        raise PassError(f"--quant {recipe.weights}: its group of {group} does not divide the {k} input features of "
-                        f"{name}; choose a group size that divides {k} (e.g. --quant int4-g32)")
+def _check_shape(name: str, k: int, recipe: QuantRecipe) -> None:
     if recipe.bits == 4 and k % INT4_BLOCK:
         raise PassError(f"--quant {recipe.weights} cannot take {name}: int4 needs input features in multiples of "
                         f"{INT4_BLOCK}, it has {k}; use --quant int8")
+    group = recipe.group_size or k
+    if k % group:
+        fits = [f"int4-g{g}" for g in (32, 64, 128) if k % g == 0]
+        raise PassError(f"--quant {recipe.weights}: its group of {group} does not divide the {k} input features of "
+                        f"{name}; choose --quant {' or '.join(fits)}")
 
 
 def _make(name: str, n: int, k: int, recipe: QuantRecipe, ctx: PassContext) -> QuantizedWeight | None:
@@ -41,7 +42,7 @@ def _make(name: str, n: int, k: int, recipe: QuantRecipe, ctx: PassContext) -> Q
     if kept is not None and kept.bits == recipe.bits:
         ctx.records.setdefault("quantize_weights", {})[name] = f"kept {kept.source}"
         return kept
-    _check_shape(name, n, k, recipe)
+    _check_shape(name, k, recipe)
     how = f"requantized from {kept.source}" if kept is not None else "quantized"
     ctx.records.setdefault("quantize_weights", {})[name] = f"{how} to {recipe.weights}"
     if ctx.weights is None:
