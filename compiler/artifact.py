@@ -37,7 +37,7 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def _graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights the graphs reference, each in the element type its weight node declares (the
     compute dtype for float weights; quantized codes stay integers), contiguous and unshared."""
     declared = {n.name[2:]: n.type.dtype for g in graphs.values() for n in g.weights()}
@@ -120,7 +120,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
             (staging / KERNELS_DIR / f"{name}.py").write_text(source)
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
-    save_file(_graph_weights(graphs, model.weights if weights is None else weights),
+    save_file(graph_weights(graphs, model.weights if weights is None else weights),
               str(staging / WEIGHTS_FILE))
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(model.tokenizer.config_dict(), indent=2))

@@ -23,7 +23,7 @@ from typing import Callable
 from llmc.compiler.dtypes import USER_DTYPES
 from llmc.compiler.frontend import ENTRIES, trace
 from llmc.compiler.ir import Graph, print_graph
-from llmc.models.config import ModelError
+from llmc.models.config import LoadedModel, ModelError
 from llmc.models.loader import load_model
 from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names, required_after, run_pipeline
 from llmc.passes.rewrite import PassContext
@@ -33,6 +33,7 @@ from .quant_recipe import QuantRecipe
 from .codegen import Lowering, lower
 
 Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
+Assess = Callable[[LoadedModel, dict[str, Graph], dict], dict]
 STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
           "generating kernels", "writing artifact"]
 TARGETS = ("cpu", "cuda")      # cpu: IR for the torch backend; cuda: also the Triton kernels of every unit
@@ -122,11 +123,13 @@ def _report(graphs: dict[str, Graph], records: list, num_layers: int, seconds: d
 
 
 def compile_model(source: str | Path | None, out: str | Path, config: CompileConfig = CompileConfig(),
-                  progress: Progress = lambda stage, done, total: None) -> Path | None:
+                  progress: Progress = lambda stage, done, total: None, assess: Assess | None = None) -> Path | None:
     """Compile `source` (HF folder, .gguf, or None for the embedded default) into `out`.
 
     Returns the artifact path, or None when `config` stops before a pass the runtime needs (then
-    only the IR dumps are written)."""
+    only the IR dumps are written). `assess(model, graphs, weights)`, when given, measures the
+    compiled graphs (e.g. tools/quality.py against an unquantized compile); its result goes into
+    report.json as "quality"."""
     if config.writes_artifact:
         check_target(Path(out))     # before minutes of work, not after
     seconds, start = {}, time.perf_counter()
@@ -159,6 +162,8 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     kernels = _generate_kernels(graphs, seconds) if config.target == "cuda" else None
     stage("writing artifact")
     report = _report(graphs, records, model.config.num_layers, seconds) | pass_records
+    if assess is not None:
+        report["quality"] = assess(model, graphs, weights)
     if kernels is not None:
         report["kernels"] = {"modules": len(kernels.modules), "units": {e: len(p) for e, p in kernels.plan.items()}}
     compile_info = {"dtype": config.dtype, "target": config.target,

@@ -31,9 +31,11 @@ from .bench import bench_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
 from .profile_steps import profile_cmd
+from .quality import eval_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
+QUALITY_WINDOW = 512          # tokens per sequence when measuring quality (each window a fresh prompt)
 USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError, QuantRecipeError)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
@@ -83,6 +85,9 @@ def compile_cmd(
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (the compute dtype) or int8 (a scale per token and head)"),
     quant_embeddings: bool = typer.Option(False, "--quant-embeddings", help="quantize the token embedding and LM "
                                           "head too"),
+    quality: bool = typer.Option(False, "--quality", help="measure perplexity, KL and top-1 agreement against the "
+                                 "unquantized compile on a held text; stored in report.json, shown by inspect"),
+    quality_tokens: int = typer.Option(1024, help="tokens of held text --quality reads"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
@@ -99,7 +104,11 @@ def compile_cmd(
         def show(stage: str, done: int, total: int) -> None:
             bar.update(task, description=stage, completed=done, total=total)
 
-        path = compile_model(model, out, config, progress=show)
+        assess = None
+        if quality:
+            from llmc.tools.quality import compile_assessment
+            assess = compile_assessment(config, quality_tokens, QUALITY_WINDOW)
+        path = compile_model(model, out, config, progress=show, assess=assess)
     if path is None:
         console.print(f"stopped after {stop_after}: wrote the IR to {dump_ir}; no artifact, since the graphs "
                       "are not yet lowered for the runtime", highlight=False)
@@ -204,6 +213,7 @@ app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))
+app.command("eval")(user_errors(eval_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 
