@@ -91,3 +91,18 @@ def test_quality_inspect_and_eval(tiny_family, tmp_path):
     moved = json.loads(run_llmc("eval", out, "--against", float_art, "--tokens", "300", "--json").stdout)
     assert moved["perplexity"] == pytest.approx(report["perplexity"], rel=1e-5)
     assert moved["mean_kl"] == pytest.approx(report["mean_kl"], rel=1e-4)
+
+
+def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
+    _, folder, _ = tiny_family(FAMILY)
+    proc = run_llmc("bench-quant", folder, "--recipes", "none,int4+kv8", "--decode-tokens", "2", "--num-requests",
+                    "2", "--prompt-len", "8:40", "--output-len", "4", "--work-dir", tmp_path, "--json", tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    plain, quant = result["recipes"]["none"], result["recipes"]["int4+kv8"]
+    assert quant["stored_weight_bytes"] < plain["stored_weight_bytes"]
+    assert quant["decode_bytes"] < plain["decode_bytes"] and result["bandwidth"] > 0
+    rows = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
+    assert rows == ["none", "int4+kv8"]
+    bad = run_llmc("bench-quant", folder, "--recipes", "int8+kv4", "--work-dir", tmp_path)
+    assert_process_error(bad, "recipe 'int8+kv4'", "WEIGHTS+kv8")

@@ -28,6 +28,7 @@ from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
 from .bench import bench_cmd
+from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
 from .profile_steps import profile_cmd
@@ -214,6 +215,7 @@ app.command("bench-serve")(user_errors(bench_serve_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))
 app.command("eval")(user_errors(eval_cmd))
+app.command("bench-quant")(user_errors(bench_quant_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 
