@@ -5,6 +5,8 @@
       of 32, 64 or 128 inputs (int4 = int4-g32). Round to nearest. Formats: kernels/quant.py.
   --kv-dtype auto | int8     auto: the compute dtype; int8: codes + one fp32 scale per token per KV head
   --quant-embeddings         also the token embedding and the LM head (else they stay in the compute dtype)
+  --requantize               round every weight from its float values, even where the source file's own
+                             blocks already are of the recipe's width (a GGUF's Q8_0/Q4_0/Q4_1, kept by default)
 
 The byte formulas here are the ones `llmc plan`, `llmc inspect` and the engine's KV sizing share.
 """
@@ -32,23 +34,26 @@ class QuantRecipe:
     group_size: int | None = None
     kv_dtype: str = "auto"
     embeddings: bool = False
+    requantize: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise QuantRecipeError(f"--kv-dtype {self.kv_dtype!r} is unknown; choose one of {', '.join(KV_DTYPES)}")
-        if self.embeddings and not self.bits:
-            raise QuantRecipeError("--quant-embeddings needs a weight recipe; add --quant int8 or --quant int4")
+        for flag, on in (("--quant-embeddings", self.embeddings), ("--requantize", self.requantize)):
+            if on and not self.bits:
+                raise QuantRecipeError(f"{flag} needs a weight recipe; add --quant int8 or --quant int4")
 
     @classmethod
-    def parse(cls, quant: str = "none", kv_dtype: str = "auto", embeddings: bool = False) -> "QuantRecipe":
+    def parse(cls, quant: str = "none", kv_dtype: str = "auto", embeddings: bool = False,
+              requantize: bool = False) -> "QuantRecipe":
         if quant not in WEIGHT_RECIPES:
             raise QuantRecipeError(f"--quant {quant!r} is unknown; choose one of {', '.join(WEIGHT_RECIPES)}")
         if quant == "none":
-            return cls(0, None, kv_dtype, embeddings)
+            return cls(0, None, kv_dtype, embeddings, requantize)
         if quant == "int8":
-            return cls(8, None, kv_dtype, embeddings)
+            return cls(8, None, kv_dtype, embeddings, requantize)
         group = _INT4.fullmatch(quant).group(1)
-        return cls(4, int(group) if group else 32, kv_dtype, embeddings)
+        return cls(4, int(group) if group else 32, kv_dtype, embeddings, requantize)
 
     @property
     def weights(self) -> str:

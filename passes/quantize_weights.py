@@ -7,7 +7,8 @@ Produces: `qlinear(x, %w.W.codes, %w.W.scales[, %w.W.mins][, b], bits, group_siz
   channel, or int4 asymmetric per group of 32/64/128, round to nearest (kernels/quant.py). A weight
   the source file already stores in a format of the recipe's width (`ctx.quantized`: GGUF Q8_0 for
   int8, Q4_0/Q4_1 for int4; merged QKV and gate/up stacks of them too) keeps the file's codes and
-  scales bit for bit. `ctx.records["quantize_weights"]` says, per weight, which way it went.
+  scales bit for bit (unless the recipe says requantize). `ctx.records["quantize_weights"]` says,
+  per weight, which way it went.
 Requires: fold_weights (so merged weights quantize as one). Preserves: numerics within the
   quantization step of each weight (not exactly: this is the pass that trades accuracy for bytes).
 Off unless `ctx.options["quant"]` is a QuantRecipe with bits.
@@ -39,7 +40,7 @@ def _check_shape(name: str, k: int, recipe: QuantRecipe) -> None:
 def _make(name: str, n: int, k: int, recipe: QuantRecipe, ctx: PassContext) -> QuantizedWeight | None:
     """The quantized weight `name` stands for: the file's blocks when they fit the recipe, else RTN."""
     kept = ctx.quantized.get(name)
-    if kept is not None and kept.bits == recipe.bits:
+    if kept is not None and kept.bits == recipe.bits and not recipe.requantize:
         ctx.records.setdefault("quantize_weights", {})[name] = f"kept {kept.source}"
         return kept
     _check_shape(name, k, recipe)

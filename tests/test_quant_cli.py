@@ -105,4 +105,4 @@ def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
     rows = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
     assert rows == ["none", "int4+kv8"]
     bad = run_llmc("bench-quant", folder, "--recipes", "int8+kv4", "--work-dir", tmp_path)
-    assert_process_error(bad, "recipe 'int8+kv4'", "WEIGHTS+kv8")
+    assert_process_error(bad, "recipe 'int8+kv4'", "WEIGHTS[+kv8][+rtn]")

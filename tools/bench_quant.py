@@ -5,7 +5,8 @@ backend and native kernels: batch-1 decode (ms/token, tok/s), the bytes one deco
 (weights + KV, tools/profile_steps.py's `decode_bytes`), the GB/s that is, and its fraction of a
 memory-read bandwidth measured in the same run (the floor: the best of a measurement before and
 after the recipes); and the default `llmc bench` workload's output tok/s. A recipe is WEIGHTS
-(none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache.
+(none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
+round from the float values even where a GGUF's own blocks fit (`--requantize`).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ from llmc.runtime.sampling_params import RequestError
 from .bench import Workload, parse_range, run_llmc
 from .profile_steps import cpu_name, decode_bytes, profile_decode, read_bandwidth
 
-DEFAULT_RECIPES = "none,int8,int4,int8+kv8"
+DEFAULT_RECIPES = "none,int8,int4,int4+rtn,int8+kv8"
 
 
 def parse_recipe(text: str) -> QuantRecipe:
-    weights, _, kv = text.partition("+")
-    if kv not in ("", "kv8"):
-        raise RequestError(f"recipe {text!r} has an unknown suffix {kv!r}; write WEIGHTS or WEIGHTS+kv8")
-    return QuantRecipe.parse(weights, "int8" if kv else "auto")
+    weights, *suffixes = text.split("+")
+    if unknown := [s for s in suffixes if s not in ("kv8", "rtn")]:
+        raise RequestError(f"recipe {text!r} has an unknown suffix {unknown[0]!r}; write WEIGHTS[+kv8][+rtn]")
+    return QuantRecipe.parse(weights, "int8" if "kv8" in suffixes else "auto", requantize="rtn" in suffixes)
 
 
 def compiled(model: Optional[str], recipe: str, dtype: str, work_dir: Path) -> Path:
@@ -70,7 +71,7 @@ def format_table(result: dict) -> str:
 
 def bench_quant_cmd(
     model: Optional[str] = typer.Argument(None, help="HF folder or .gguf; omit for the embedded SmolLM2-135M-Instruct"),
-    recipes: str = typer.Option(DEFAULT_RECIPES, help="comma-separated recipes: WEIGHTS[+kv8]"),
+    recipes: str = typer.Option(DEFAULT_RECIPES, help="comma-separated recipes: WEIGHTS[+kv8][+rtn]"),
     dtype: str = typer.Option("float32", help="compute dtype: float32 or bfloat16"),
     decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode measurement"),
     num_requests: int = typer.Option(64, help="requests in the `llmc bench` workload (its default)"),

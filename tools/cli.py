@@ -86,6 +86,8 @@ def compile_cmd(
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (the compute dtype) or int8 (a scale per token and head)"),
     quant_embeddings: bool = typer.Option(False, "--quant-embeddings", help="quantize the token embedding and LM "
                                           "head too"),
+    requantize: bool = typer.Option(False, "--requantize", help="round every weight from its float values, even "
+                                    "where a GGUF's own Q8_0/Q4_0/Q4_1 blocks fit the recipe (kept by default)"),
     quality: bool = typer.Option(False, "--quality", help="measure perplexity, KL and top-1 agreement against the "
                                  "unquantized compile on a held text; stored in report.json, shown by inspect"),
     quality_tokens: int = typer.Option(1024, help="tokens of held text --quality reads"),
@@ -94,8 +96,9 @@ def compile_cmd(
     from llmc.compiler.driver import CompileConfig, compile_model
     from llmc.compiler.quant_recipe import QuantRecipe
 
+    recipe = QuantRecipe.parse(quant, kv_dtype, quant_embeddings, requantize)
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
-                           target=target, quant=QuantRecipe.parse(quant, kv_dtype, quant_embeddings))
+                           target=target, quant=recipe)
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),

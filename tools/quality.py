@@ -3,7 +3,8 @@ download: the English text of Python's own `pydoc_data.topics` (the help topics)
 
 Both models read the same tokens in windows of `window` tokens (each window a fresh sequence,
 one prefill step with logits at every position, so an int8 KV cache is written and read as in
-serving). Reported, as llama.cpp's `perplexity --kl-divergence` does:
+serving), through the torch reference kernels: the report measures what the recipe does to the
+numbers, not how two kernels order their sums (so weights kept bit for bit score exactly 0). Reported, as llama.cpp's `perplexity --kl-divergence` does:
   perplexity       exp(mean negative log-likelihood of each next token), both models
   mean KL          mean over positions of KL(P_reference || P_quantized)
   top-1 agreement  fraction of positions where both models' most likely next token is the same
@@ -74,7 +75,7 @@ def held_tokens(encode, count: int) -> list[int]:
 class WindowScorer:
     """A prefill graph bound to its weights, giving logits [T, V] (fp32) at every token of a window."""
 
-    def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "auto"):
+    def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "reference"):
         impls, _ = choose_op_impls(kernels)
         self.graph = prefill
         self.program = TorchProgram(prefill, weights, impls)
