@@ -153,3 +153,34 @@ def test_device_and_graph_options_are_checked(artifact):
             resolve_backend("torch", artifact, "cuda")
         runner = ModelRunner(artifact, NUM_BLOCKS, BLOCK_SIZE, "torch", "reference", cuda_graphs=True)
         assert not runner.cuda_graphs and runner.graph_report is None
+
+
+def test_triton_kernels_take_the_padded_step_and_leave_live_blocks_alone(tiny_family, tmp_path):
+    """The generated Triton kernels (in the interpreter here) on a decode step padded from 3 to 4
+    rows, NaN in the scratch block: live logits match the torch backend's unpadded step."""
+    from llmc.compiler.driver import CompileConfig, compile_model
+
+    cuda = load_artifact(compile_model(tiny_family("llama_gqa")[1], tmp_path / "cuda", CompileConfig(target="cuda")))
+    eager, blocks, seqs = _prefilled_runner(cuda, "torch")
+    padded, _, padded_seqs = _prefilled_runner(cuda, "triton")
+    padded.executor.capture_decode_graphs(max_num_seqs=4, max_blocks=4, stand_in=True)
+    padded.kv_cache[:, :, padded.executor.scratch_block] = float("nan")
+    tol = tolerance(torch.float32, cuda.config.intermediate_size, scale=4.0)
+    torch.testing.assert_close(_decode(padded, blocks, padded_seqs, 11), _decode(eager, blocks, seqs, 11), **tol)
+    live = list(range(NUM_BLOCKS))
+    torch.testing.assert_close(padded.kv_cache[:, :, live], eager.kv_cache[:, :, live], **tol)
+
+
+def test_cuda_graphs_flag_on_a_cpu_says_it_does_nothing(tiny_family):
+    from typer.testing import CliRunner
+
+    from llmc.tools.cli import app
+
+    artifact = tiny_family("llama_gqa")[2]
+    result = CliRunner().invoke(app, ["generate", str(artifact), "hi", "--max-tokens", "2", "--no-chat",
+                                      "--cuda-graphs"])
+    assert result.exit_code == 0, result.output
+    assert "--cuda-graphs does nothing here: without a CUDA GPU there is nothing to capture" in result.stderr
+    quiet = CliRunner().invoke(app, ["generate", str(artifact), "hi", "--max-tokens", "2", "--no-chat",
+                                     "--no-cuda-graphs"])
+    assert quiet.exit_code == 0 and "cuda-graphs" not in quiet.stderr
