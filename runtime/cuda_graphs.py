@@ -129,9 +129,12 @@ class DecodeGraphs:
     def capture(self) -> CaptureReport:
         """Warm every size up, then capture them largest first into one pool."""
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0] if self.cuda else 0
         for batch in self.batch_sizes:
             self.run(self._load(batch))                       # compile every kernel for this shape
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()                          # so the warm-up's blocks are not counted
+        free_before = torch.cuda.mem_get_info(self.device)[0] if self.cuda else 0
         pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for batch in reversed(self.batch_sizes):
             inputs = self._load(batch)
