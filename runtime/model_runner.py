@@ -47,6 +47,7 @@ class ModelRunner:
         kv = KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size)
         self.executor = make_executor(self.backend, artifact, self.device, kv, kernels)
         self.buffers = StepBuffers(self.device)
+        self.graph_error: str | None = None
         self.graph_report = self._capture(cuda_graphs, max_num_seqs, num_blocks, block_size)
 
     def _capture(self, wanted: bool | None, max_num_seqs: int, num_blocks: int,
@@ -61,7 +62,13 @@ class ModelRunner:
             return None
         context = self.artifact.config.max_position_embeddings
         max_blocks = min(num_blocks, -(-context // block_size))
-        report = self.executor.capture_decode_graphs(max_num_seqs, max_blocks)
+        try:
+            report = self.executor.capture_decode_graphs(max_num_seqs, max_blocks)
+        except RuntimeError as exc:     # a kernel that cannot be captured: serve eagerly, and say why
+            self.executor.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"
+            log.warning("capturing CUDA graphs of the decode step failed (%s); every step runs eagerly",
+                        self.graph_error)
+            return None
         log.info("%s", report.describe())
         return report
 

@@ -89,3 +89,37 @@ def test_the_whole_check_runs_on_a_cpu_with_torch_standing_in(tiny_family, tmp_p
     met = {name: ok for name, _, ok in targets(result)}
     assert met["fp16 greedy tokens identical to torch"] is True
     assert met["CUDA graphs cut batch-1 decode >= 3x"] is None       # nothing to capture on a CPU
+
+
+def test_targets_and_table_from_a_gpu_shaped_result():
+    """Known numbers in, known verdicts out: graphs 4x at batch 1, 1.5x the floor, 12x transformers."""
+    from llmc.tools.gpu_check_table import format_table
+
+    ms = lambda x: x / 1000  # noqa: E731
+    dtype = lambda diverge: {  # noqa: E731
+        "logits": {"max_abs_diff": 0.01, "tolerance": 0.1, "finite": True, "scale": 5.0},
+        "greedy": [{"prompt": 0, "identical": True, "tokens": 32},
+                   {"prompt": 1, "identical": False, "step": 9, "gap": 0.01, "resolution": 0.03}] if diverge
+        else [{"prompt": p, "identical": True, "tokens": 32} for p in range(3)],
+        "decode": {"1": {"eager": ms(8.0), "graphs": ms(2.0)}, "64": {"eager": ms(9.0), "graphs": ms(4.5)}},
+        "floor": {"bytes": 270_000_000, "seconds": ms(4.0 / 3)},
+        "capture": {"batch_sizes": [1, 2, 4], "seconds": 3.5, "bytes": 2**29}, "graph_error": None,
+        "kernels": [{"label": "template_linear_1234", "kind": "gemm", "launches": 120, "seconds": 1e-3,
+                     "bytes": 200_000_000}]}
+    result = {"env": {"device": "cuda", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6",
+                      "transformers": "5.17", "date": "2026-12-01", "backend": "triton", "copy_bandwidth": 4e12},
+              "dtypes": {"bfloat16": dtype(True), "float16": dtype(False)},
+              "bench": {"default": {"llmc": {"output_tok_s": 12000.0, "ttft_s": {"p50": 0.1, "p99": 0.2},
+                                             "tpot_s": {"p50": 0.01, "p99": 0.02}},
+                                    "baselines": {"hf_static": {"output_tok_s": 1000.0},
+                                                  "hf_continuous": {"error": "RuntimeError: no"}}}}}
+    met = {name: (measured, ok) for name, measured, ok in targets(result)}
+    assert met["fp16 greedy tokens identical to torch"][1] is True
+    assert met["CUDA graphs cut batch-1 decode >= 3x"] == ("4.00x", True)
+    assert met["batch-1 decode within 2x of the bytes floor"] == ("1.50x the floor", True)
+    assert met["default workload >= 10x transformers"] == ("12.0x", True)
+    table = format_table(result)
+    for text in ("NVIDIA H200", "first at step 9 (prompt 1): logit gap 0.01, below the resolution 0.03",
+                 "bf16 capture: 3 batch sizes in 3.5 s, 0.50 GiB", "template_linear_1234", "200", "5%",
+                 "unavailable: RuntimeError: no", "12.0x"):
+        assert text in table, text

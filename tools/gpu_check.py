@@ -120,7 +120,8 @@ def check_dtype(args: argparse.Namespace, folder: Path, dtype: str, kernels: boo
     runner = lambda backend, graphs: ModelRunner(  # noqa: E731
         artifact, blocks, measure.BLOCK_SIZE, backend, "reference", args.device, graphs, max(max(args.batches), 4))
     reference, candidate = runner("torch", False), runner(args.backend, None)
-    out = {"graphs": candidate.cuda_graphs}
+    out = {"graphs": candidate.cuda_graphs, "graph_error": candidate.graph_error,
+           "capture": candidate.graph_report.__dict__ if candidate.graph_report else None}
     out["logits"] = measure.compare_logits(candidate, reference, prompts, 8, blocks)
     out["logits"]["tolerance"] = logits_tolerance(dtype, out["logits"]["scale"])
     got, _ = measure.greedy(candidate, prompts, args.greedy_tokens, blocks)

@@ -95,6 +95,13 @@ def _decode(result: dict) -> list[str]:
                                                                       for b in batches))
         speed = [graph_speedup(d["decode"], b) for b in batches]
         lines.append(f"  {SHORT[dtype] + ' speedup':<14}" + "".join(f"{f'{s:.2f}x' if s else '-':>11}" for s in speed))
+    for dtype, d in result["dtypes"].items():
+        if d.get("capture"):
+            c = d["capture"]
+            lines.append(f"  {SHORT[dtype]} capture: {len(c['batch_sizes'])} batch sizes in {c['seconds']:.1f} s, "
+                         f"{c['bytes'] / 2**30:.2f} GiB")
+        if d.get("graph_error"):
+            lines.append(f"  {SHORT[dtype]} capture FAILED: {d['graph_error'][:100]}")
     return lines
 
 
