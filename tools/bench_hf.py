@@ -71,7 +71,10 @@ def run_hf_static(model, requests, on_batch) -> dict:
     return {"seconds": elapsed, "output_tokens": useful, "output_tok_s": useful / elapsed}
 
 
-def run_hf_continuous(model, requests, on_done) -> dict:
+STALL_SECONDS = 300.0     # the continuous-batching manager gave no result this long: give up on it
+
+
+def run_hf_continuous(model, requests, on_done, stall_seconds: float = STALL_SECONDS) -> dict:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(r.max_tokens for r in requests), do_sample=False,
@@ -80,12 +83,17 @@ def run_hf_continuous(model, requests, on_done) -> dict:
     with model.continuous_batching_context_manager(generation_config=config, block=True) as manager:
         for r in requests:
             manager.add_request(r.prompt_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
+        last = time.perf_counter()
         while finished < len(requests):
             result = manager.get_result(timeout=1)
             if result is None:
                 if not manager.is_running():
                     raise RuntimeError("transformers' continuous-batching thread stopped before finishing")
+                if time.perf_counter() - last > stall_seconds:
+                    raise RuntimeError(f"transformers' continuous-batching manager gave no result for "
+                                       f"{stall_seconds:.0f} s")
                 continue
+            last = time.perf_counter()
             if result.is_finished():
                 produced += len(result.generated_tokens)
                 finished += 1

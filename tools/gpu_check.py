@@ -180,6 +180,8 @@ def _free(device: str) -> None:
 
 
 def run_check(args: argparse.Namespace) -> dict:
+    """Every measurement; with --json the file is rewritten after each part, so a run cut short
+    by a time limit still leaves what it measured."""
     device = torch.device(args.device)
     args.work = args.work or Path(tempfile.mkdtemp(prefix="llmc-gpu-check-"))
     result = {"env": environment(args, device), "dtypes": {}, "bench": {}}
@@ -189,11 +191,20 @@ def run_check(args: argparse.Namespace) -> dict:
     for i, dtype in enumerate(args.dtypes):
         print(f"checking {dtype} ...", file=sys.stderr)
         result["dtypes"][dtype] = check_dtype(args, folder, dtype, kernels=i == 0)
+        _checkpoint(args, result)
         _free(args.device)
     for name in args.bench:
         print(f"bench {name} ...", file=sys.stderr)
         result["bench"][name] = run_bench(args, args.work / f"artifact-{args.dtypes[0]}", name)
+        _checkpoint(args, result)
     return result
+
+
+def _checkpoint(args: argparse.Namespace, result: dict) -> None:
+    """The results so far: JSON to --json, and the table so far to stderr."""
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    print(format_table(result), file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
