@@ -120,6 +120,6 @@ def test_targets_and_table_from_a_gpu_shaped_result():
     assert met["default workload >= 10x transformers"] == ("12.0x", True)
     table = format_table(result)
     for text in ("NVIDIA H200", "first at step 9 (prompt 1): logit gap 0.01, below the resolution 0.03",
-                 "bf16 capture: 3 batch sizes in 3.5 s, 0.50 GiB", "template_linear_1234", "200", "5%",
+                 "bf16 capture: 3 batch sizes in 3.5 s, 0.50 GiB", "template_linear_1234", "200.0", "5.0%",
                  "unavailable: RuntimeError: no", "12.0x"):
         assert text in table, text
