@@ -184,3 +184,35 @@ def test_cuda_graphs_flag_on_a_cpu_says_it_does_nothing(tiny_family):
     quiet = CliRunner().invoke(app, ["generate", str(artifact), "hi", "--max-tokens", "2", "--no-chat",
                                      "--no-cuda-graphs"])
     assert quiet.exit_code == 0 and "cuda-graphs" not in quiet.stderr
+
+
+@pytest.mark.gpu
+def test_captured_graphs_replay_the_eager_triton_step_on_a_gpu(tiny_family, tmp_path):
+    """On a GPU: real CUDA graphs (batch 3 replayed as 4) give the eager launches' logits and cache."""
+    from llmc.compiler.driver import CompileConfig, compile_model
+
+    cuda = load_artifact(compile_model(tiny_family("llama_gqa")[1], tmp_path / "cuda", CompileConfig(target="cuda")))
+    eager, blocks, seqs = _prefilled_runner(cuda, "triton")
+    graphs = ModelRunner(cuda, NUM_BLOCKS, BLOCK_SIZE, "triton", cuda_graphs=True, max_num_seqs=8)
+    assert graphs.cuda_graphs and graphs.graph_report.batch_sizes == (1, 2, 4, 8)
+    replayed = _Follower(graphs, blocks, seqs)
+    tol = tolerance(torch.float32, cuda.config.intermediate_size, scale=4.0)
+    for i in range(3):
+        want = _decode(eager, blocks, seqs, 7 + i)
+        torch.testing.assert_close(replayed.decode(), want, **tol)
+    live = list(range(NUM_BLOCKS))
+    torch.testing.assert_close(graphs.kv_cache[:, :, live], eager.kv_cache[:, :, live], **tol)
+
+
+class _Follower:
+    """Replays on `runner` the steps another runner just ran: the same chunks, on `runner`'s cache
+    (prefilled here from the same prompts)."""
+
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence]):
+        self.runner, self.blocks, self.seqs = runner, blocks, seqs
+        prompts = [Chunk(s, 0, len(s.prompt_ids)) for s in seqs]
+        runner.run("prefill", build_step_inputs(prompts, blocks))
+
+    def decode(self) -> torch.Tensor:
+        chunks = [Chunk(s, s.num_tokens - 1, s.num_tokens) for s in self.seqs]
+        return self.runner.run("decode", build_step_inputs(chunks, self.blocks))
