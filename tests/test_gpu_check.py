@@ -118,8 +118,27 @@ def test_targets_and_table_from_a_gpu_shaped_result():
     assert met["CUDA graphs cut batch-1 decode >= 3x"] == ("4.00x", True)
     assert met["batch-1 decode within 2x of the bytes floor"] == ("1.50x the floor", True)
     assert met["default workload >= 10x transformers"] == ("12.0x", True)
+    failed = {**result, "dtypes": {"bfloat16": {"error": "CompilationError: no"}, "float16": dtype(False)},
+              "bench": {"default": {"error": "OutOfMemoryError: yes"}}}
+    met_failed = {name: (measured, ok) for name, measured, ok in targets(failed)}
+    assert met_failed["CUDA graphs cut batch-1 decode >= 3x"] == ("4.00x", True)      # from the fp16 part
+    assert met_failed["default workload >= 10x transformers"] == ("not run", None)
+    failed_table = format_table(failed)
+    assert "bf16  FAILED: CompilationError: no" in failed_table and "default     FAILED: OutOfMemoryError" in failed_table
     table = format_table(result)
     for text in ("NVIDIA H200", "first at step 9 (prompt 1): logit gap 0.01, below the resolution 0.03",
                  "bf16 capture: 3 batch sizes in 3.5 s, 0.50 GiB", "template_linear_1234", "200.0", "5.0%",
                  "unavailable: RuntimeError: no", "12.0x"):
         assert text in table, text
+
+
+def test_a_failing_part_is_recorded_and_a_user_error_still_stops_the_check(capsys):
+    def broken():
+        raise RuntimeError("triton: out of resources")
+    assert gpu_check._part(broken) == {"error": "RuntimeError: triton: out of resources"}
+    assert "Traceback" in capsys.readouterr().err
+
+    def bad_request():
+        raise gpu_check.RequestError("no")
+    with pytest.raises(gpu_check.RequestError):
+        gpu_check._part(bad_request)

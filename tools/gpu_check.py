@@ -20,6 +20,7 @@ import gc
 import json
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -190,14 +191,26 @@ def run_check(args: argparse.Namespace) -> dict:
     print(f"model: {folder} (seed {args.seed}); artifacts in {args.work}", file=sys.stderr)
     for i, dtype in enumerate(args.dtypes):
         print(f"checking {dtype} ...", file=sys.stderr)
-        result["dtypes"][dtype] = check_dtype(args, folder, dtype, kernels=i == 0)
+        result["dtypes"][dtype] = _part(lambda: check_dtype(args, folder, dtype, kernels=i == 0))
         _checkpoint(args, result)
         _free(args.device)
     for name in args.bench:
         print(f"bench {name} ...", file=sys.stderr)
-        result["bench"][name] = run_bench(args, args.work / f"artifact-{args.dtypes[0]}", name)
+        result["bench"][name] = _part(lambda: run_bench(args, args.work / f"artifact-{args.dtypes[0]}", name))
         _checkpoint(args, result)
     return result
+
+
+def _part(measure_part) -> dict:
+    """One part's results, or {"error": ...} with its traceback on stderr: a part that fails on a
+    GPU (a kernel that does not compile there, say) must not hide the others' numbers."""
+    try:
+        return measure_part()
+    except USER_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001  (reported in the table and on stderr, then the next part)
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _checkpoint(args: argparse.Namespace, result: dict) -> None:

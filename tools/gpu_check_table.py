@@ -18,6 +18,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+def measured(parts: dict) -> dict:
+    """The parts (dtypes or workloads) that ran, without those that failed."""
+    return {name: part for name, part in parts.items() if "error" not in part}
+
+
 def logits_tolerance(dtype: str, scale: float) -> float:
     return RELATIVE_TOLERANCE * torch.finfo(DTYPES[dtype]).eps * scale
 
@@ -46,10 +51,11 @@ def bench_speedup(bench: dict, baseline: str = "hf_static") -> float | None:
 def targets(result: dict) -> list[tuple[str, str, bool | None]]:
     """(target, what was measured, met: True/False/None when not measured) for the issue's targets."""
     out = []
-    dtypes = result["dtypes"]
-    if "float16" in dtypes:
-        rows = dtypes["float16"]["greedy"]
-        out.append(("fp16 greedy tokens identical to torch", greedy_verdict(rows), all(r["identical"] for r in rows)))
+    dtypes = measured(result["dtypes"])
+    if "float16" in result["dtypes"]:
+        rows = dtypes.get("float16", {}).get("greedy", [])
+        out.append(("fp16 greedy tokens identical to torch", greedy_verdict(rows) if rows else "the fp16 part failed",
+                    bool(rows) and all(r["identical"] for r in rows)))
     first = next(iter(dtypes.values()), None)
     if first:
         s = graph_speedup(first["decode"], "1")
@@ -59,7 +65,7 @@ def targets(result: dict) -> list[tuple[str, str, bool | None]]:
         ratio = step / floor["seconds"] if step and floor["seconds"] else None
         out.append(("batch-1 decode within 2x of the bytes floor", f"{ratio:.2f}x the floor" if ratio else "-",
                     None if ratio is None else ratio <= 2))
-    default = result.get("bench", {}).get("default")
+    default = measured(result.get("bench", {})).get("default")
     s = bench_speedup(default) if default else None
     out.append(("default workload >= 10x transformers", f"{s:.1f}x" if s else "not run", None if s is None else s >= 10))
     return out
@@ -78,6 +84,9 @@ def _correctness(result: dict) -> list[str]:
     lines = ["correctness: candidate vs the torch backend on the same device and weights",
              f"  {'dtype':<6}{'max|dlogit|':>12}{'tolerance':>11}{'ok':>4}  greedy"]
     for dtype, d in result["dtypes"].items():
+        if "error" in d:
+            lines.append(f"  {SHORT[dtype]:<6}FAILED: {d['error'][:110]}")
+            continue
         lg = d["logits"]
         ok = "yes" if lg["max_abs_diff"] <= lg["tolerance"] and lg["finite"] else "NO"
         lines.append(f"  {SHORT[dtype]:<6}{lg['max_abs_diff']:>12.4g}{lg['tolerance']:>11.3g}{ok:>4}  "
@@ -86,16 +95,16 @@ def _correctness(result: dict) -> list[str]:
 
 
 def _decode(result: dict) -> list[str]:
-    batches = sorted({b for d in result["dtypes"].values() for b in d["decode"]}, key=int)
+    batches = sorted({b for d in measured(result["dtypes"]).values() for b in d["decode"]}, key=int)
     lines = ["decode step, ms (metadata + copy + launches or replay + logits to host)",
              f"  {'':<14}" + "".join(f"{'batch ' + b:>11}" for b in batches)]
-    for dtype, d in result["dtypes"].items():
+    for dtype, d in measured(result["dtypes"]).items():
         for mode in ("eager", "graphs"):
             lines.append(f"  {SHORT[dtype] + ' ' + mode:<14}" + "".join(f"{_ms(d['decode'][b][mode]):>11}"
                                                                       for b in batches))
         speed = [graph_speedup(d["decode"], b) for b in batches]
         lines.append(f"  {SHORT[dtype] + ' speedup':<14}" + "".join(f"{f'{s:.2f}x' if s else '-':>11}" for s in speed))
-    for dtype, d in result["dtypes"].items():
+    for dtype, d in measured(result["dtypes"]).items():
         if d.get("capture"):
             c = d["capture"]
             lines.append(f"  {SHORT[dtype]} capture: {len(c['batch_sizes'])} batch sizes in {c['seconds']:.1f} s, "
@@ -108,7 +117,7 @@ def _decode(result: dict) -> list[str]:
 def _floor(result: dict) -> list[str]:
     bw = result["env"]["copy_bandwidth"]
     lines = [f"batch-1 decode against the bytes it must read (copy bandwidth {bw / 1e9:.0f} GB/s read+write)"]
-    for dtype, d in result["dtypes"].items():
+    for dtype, d in measured(result["dtypes"]).items():
         f, step = d["floor"], _best_batch1(d["decode"])
         ratio = f"{step / f['seconds']:.2f}x the floor" if step else "-"
         lines.append(f"  {SHORT[dtype]:<6}{f['bytes'] / 1e6:8.1f} MB/step  floor {1e6 * f['seconds']:8.1f} us  "
@@ -117,7 +126,7 @@ def _floor(result: dict) -> list[str]:
 
 
 def _kernels(result: dict) -> list[str]:
-    dtype, d = next(((k, v) for k, v in result["dtypes"].items() if v.get("kernels")), (None, None))
+    dtype, d = next(((k, v) for k, v in measured(result["dtypes"]).items() if v.get("kernels")), (None, None))
     if d is None:
         return []
     bw = result["env"]["copy_bandwidth"]
@@ -138,6 +147,9 @@ def _bench(result: dict) -> list[str]:
              f"  {'workload':<12}{'engine':<15}{'out tok/s':>10}{'TTFT p50/p99 ms':>17}{'TPOT p50/p99 ms':>17}"
              f"{'speedup':>9}"]
     for name, b in result["bench"].items():
+        if "error" in b:
+            lines.append(f"  {name:<12}FAILED: {b['error'][:110]}")
+            continue
         llmc = b["llmc"]
         lines.append(f"  {name:<12}{'llmc':<15}{llmc['output_tok_s']:>10.1f}{pct(llmc['ttft_s']):>17}"
                      f"{pct(llmc['tpot_s']):>17}{'':>9}")
