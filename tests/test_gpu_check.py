@@ -80,6 +80,7 @@ def test_the_whole_check_runs_on_a_cpu_with_torch_standing_in(tiny_family, tmp_p
         assert d["floor"]["bytes"] > sum(w.numel() * 2 for w in load_hf_folder(bundle).weights.values()) // 2
     kernels = result["dtypes"]["bfloat16"]["kernels"]
     assert {k["kind"] for k in kernels} >= {"gemm", "attention"} and all(k["bytes"] > 0 for k in kernels)
+    assert set(result["env"]["seconds"]) == {"dtypes bfloat16", "dtypes float16", "bench default"}
     bench = result["bench"]["default"]
     assert bench["llmc"]["output_tokens"] == 9 and bench["baselines"]["hf_static"]["output_tokens"] == 9
     for section in ("correctness", "decode step, ms", "bytes it must read", "kernels of one batch-1",
@@ -130,6 +131,12 @@ def test_targets_and_table_from_a_gpu_shaped_result():
                  "bf16 capture: 3 batch sizes in 3.5 s, 0.50 GiB", "template_linear_1234", "200.0", "5.0%",
                  "unavailable: RuntimeError: no", "12.0x"):
         assert text in table, text
+
+
+def test_the_parts_run_in_the_order_that_keeps_the_targets_first():
+    args = gpu_check.parse_args(["--bundle", "b", "--dtypes", "bfloat16,float16", "--bench", "256,default"])
+    assert gpu_check.plan(args) == [("dtypes", "bfloat16"), ("bench", "default"), ("dtypes", "float16"),
+                                    ("bench", "256")]
 
 
 def test_a_failing_part_is_recorded_and_a_user_error_still_stops_the_check(capsys):

@@ -167,6 +167,8 @@ def format_table(result: dict) -> str:
     env = result["env"]
     head = (f"llmc GPU check, {env['date']}: {env['gpu']} | torch {env['torch']} | triton {env['triton']} | "
             f"transformers {env['transformers']} | candidate backend {env['backend']} on {env['device']}")
+    if env.get("seconds"):
+        head += "\ntime per part: " + ", ".join(f"{name} {t:.0f} s" for name, t in env["seconds"].items())
     verdicts = ["targets (what was measured; met?)"] + [
         f"  {name:<46}{measured:<40} {'-' if met is None else 'yes' if met else 'NO'}"
         for name, measured, met in targets(result)]
