@@ -174,3 +174,18 @@ class DecodeGraphs:
         if addresses(inputs) != captured.inputs:
             raise RuntimeError(f"the decode graph of batch size {batch} was captured on other buffer addresses")
         return captured.replay()[:step.seq_lens.numel()].clone()
+
+    def replay_seconds(self, batch: int, repeats: int) -> float:
+        """Mean time of one replay of `batch`'s graph, back to back, of a step of padding rows only
+        (what the device takes, without the host's per-step work; for profiles)."""
+        replay = self._graphs[batch].replay
+        self._load(batch)                                     # padding rows: nothing live is touched
+        replay()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            replay()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / repeats

@@ -136,6 +136,14 @@ def _recording(run, rows: list[int]):
     return wrapped
 
 
+def test_timing_a_replay_runs_padding_rows_only(artifact):
+    runner, _, _ = _prefilled_runner(artifact)
+    runner.executor.capture_decode_graphs(max_num_seqs=2, max_blocks=4, stand_in=True)
+    before = runner.kv_cache[:, :, :NUM_BLOCKS].clone()
+    assert runner.executor.graphs.replay_seconds(2, repeats=2) > 0
+    assert torch.equal(runner.kv_cache[:, :, :NUM_BLOCKS], before)
+
+
 def test_a_step_the_graphs_cannot_take_runs_eagerly(artifact):
     runner, blocks, seqs = _prefilled_runner(artifact)
     runner.executor.capture_decode_graphs(max_num_seqs=2, max_blocks=4, stand_in=True)

@@ -137,7 +137,8 @@ def check_dtype(args: argparse.Namespace, folder: Path, dtype: str, kernels: boo
     from .profile_steps import decode_bytes
 
     floor_bytes = decode_bytes(artifact.graphs["decode"], artifact, args.context)
-    out["floor"] = {"bytes": floor_bytes, "seconds": floor_bytes / args.copy_bandwidth}
+    out["floor"] = {"bytes": floor_bytes, "seconds": floor_bytes / args.copy_bandwidth,
+                    "replay": candidate.executor.graphs.replay_seconds(1, 50) if candidate.cuda_graphs else None}
     if kernels:
         out["kernels"] = [row.__dict__ for row in measure.kernel_table(eager, args.context, 5, vocab)]
     return out
