@@ -15,9 +15,11 @@ in for triton, so CI checks its arguments, comparisons and table on a tiny model
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -224,6 +226,21 @@ def _part(measure_part) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+@contextlib.contextmanager
+def llmc_log_on_stderr():
+    """llmc's log lines (each CUDA-graph capture: sizes, time, memory) on stderr while the check runs."""
+    log, handler = logging.getLogger("llmc"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("llmc: %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def _checkpoint(args: argparse.Namespace, result: dict) -> None:
     """The results so far: JSON to --json, and the table so far to stderr."""
     if args.json:
@@ -237,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             print(f"wrote {prepare_bundle(args.out, args.gguf)}")
             return 0
-        result = run_check(args)
+        with llmc_log_on_stderr():
+            result = run_check(args)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
