@@ -134,13 +134,16 @@ def generate(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
+                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
+                                               "nothing to capture)"),
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=cuda_graphs))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -190,6 +193,9 @@ def serve(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
+                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
+                                               "nothing to capture)"),
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -199,7 +205,8 @@ def serve(
     from .default_artifact import default_artifact
 
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend)
+                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend,
+                          cuda_graphs=cuda_graphs)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)

@@ -186,7 +186,7 @@ def profile_cmd(
     """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False))  # timed: eager
     if max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
