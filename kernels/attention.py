@@ -56,7 +56,7 @@ def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
     for which, x in ((0, k), (1, v)):
-        rows = x.view(x.shape[0], kv_heads, -1)[valid]                          # [n, KVH, D]
+        rows = x.view(x.shape[0], kv_heads, x.shape[1] // kv_heads)[valid]      # [n, KVH, D]
         rows = quantize_kv_rows(rows) if is_int8_cache(kv_cache) else rows.to(kv_cache.dtype)
         kv_cache[layer, which][blocks, :, offsets] = rows
     return kv_cache
