@@ -10,4 +10,5 @@ tensors under `TRITON_INTERPRET=1`.
   paged_kv.py                  the paged-cache contract and tile helpers both attention kernels share
   gather.py                    row gather (embedding, index_select)
   qembedding.py                row gather of a quantized table, dequantized (qembedding)
+  aot_compile.py               compiles the quantized variants for sm_90 without a GPU (a CLI)
 """
