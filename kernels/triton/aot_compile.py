@@ -6,7 +6,8 @@ rejects, a pointer cast, a dtype a GPU op does not take). `triton.compile` with 
 target builds TTIR -> TTGIR -> LLVM -> PTX -> cubin with the wheel's own ptxas and needs no
 device, so each variant here (the quantized paths first: every weight format and epilogue shape
 of qgemm.py, the int8 KV cache in the RoPE write and both attention kernels) is compiled for
-sm_90 (H100/H200) and reported OK or FAIL; the exit status is the number of failures. It must run
+sm_90 (H100/H200) and reported OK or FAIL; the exit status is the number of failures. The int8
+KV writer's PTX must also divide with div.rn.f32 only (rounding as torch does). It must run
 without TRITON_INTERPRET=1 (the kernels are decorated as interpreted functions otherwise).
 It proves compilation only, not numbers or speed: those need the GPU tests.
 """
@@ -18,6 +19,9 @@ import sys
 from collections.abc import Iterator
 
 SM90 = ("cuda", 90, 32)
+# The int8 KV writer must divide exactly as torch does (scale = amax / 127, x / scale): Triton's
+# `/` on fp32 is div.full.f32 (approximate) on NVIDIA GPUs, tl.math.div_rn is div.rn.f32.
+APPROXIMATE_DIVISION = ("div.full.f32", "div.approx.f32")
 Variant = tuple[str, object, dict[str, str], dict[str, object]]   # label, kernel, pointer/scalar types, constexprs
 
 
@@ -78,9 +82,13 @@ def compile_variant(variant: Variant, target) -> str | None:
     _, kernel, types, constexprs = variant
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
     try:
-        triton.compile(ASTSource(kernel, signature, constexprs), target=target, options={"num_warps": 4})
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target, options={"num_warps": 4})
     except Exception as exc:                       # noqa: BLE001 (every compile error is reported, then counted)
         return f"{type(exc).__name__}: {str(exc)[:800]}"
+    if constexprs.get("KV_INT8") and "HEADS" in constexprs:                  # the writer: exact divisions only
+        found = [op for op in APPROXIMATE_DIVISION if op in compiled.asm["ptx"]]
+        if found or "div.rn.f32" not in compiled.asm["ptx"]:
+            return f"the int8 KV writer's PTX divides with {found or 'no div.rn.f32'}"
     return None
 
 
