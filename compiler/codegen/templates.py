@@ -63,7 +63,8 @@ def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
 
     def pick(m: int):
         if gemm.op == "qlinear":
-            return pick_qconfig(m, n_out, k, bits=gemm.attrs["bits"], group_size=gemm.attrs["group_size"], gated=gated)
+            a = gemm.attrs
+            return pick_qconfig(m, n_out, k, bits=a["bits"], group_size=a["group_size"], gated=gated)
         return pick_config(m, n_out, k, gated=gated)
 
     buckets = [(16, 16), (32, 32), (64, 64), (None, 128)]
@@ -88,7 +89,8 @@ def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activa
     options = f"activation={activation!r}, gated={gated}, config=config_for({x}.shape[0])"
     if gemm.op == "qlinear":
         a = gemm.attrs
-        return f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, group_size={a['group_size']}, {options})"
+        return (f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, "
+                f"group_size={a['group_size']}, {options})")
     return f"linear_triton({x}, {weight}, {bias}, {residual}, {options})"
 
 

@@ -35,8 +35,8 @@ def qgemm_variants(quick: bool) -> Iterator[Variant]:
     shapes = [(8, 16, 64, 128, False), (8, 16, 32, 32, True), (4, 16, 64, 128, False), (4, 128, 128, 32, True)]
     for dtype in ("fp16",) if quick else ("fp16", "bf16", "fp32"):
         for bits, bm, bn, bk, gated in shapes[2:] if quick else shapes:
-            pointers = {"x_ptr": f"*{dtype}", "codes_ptr": "*i8" if bits == 8 else "*u8", "scales_ptr": "*fp16",
-                        "mins_ptr": "*fp16", "bias_ptr": f"*{dtype}", "residual_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+            pointers = {"codes_ptr": "*i8" if bits == 8 else "*u8", "scales_ptr": "*fp16", "mins_ptr": "*fp16",
+                        **{n: f"*{dtype}" for n in ("x_ptr", "bias_ptr", "residual_ptr", "out_ptr")}}
             fp32 = dtype == "fp32"
             constexprs = dict(BITS=bits, HAS_BIAS=True, HAS_RESIDUAL=True, SILU=not gated, GATED=gated, DOT_FP32=fp32,
                               INPUT_PRECISION="ieee" if fp32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8)

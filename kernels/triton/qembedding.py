@@ -79,7 +79,8 @@ def _check_inputs(codes, scales, mins, ids, bits, group_size, dtype) -> int:
                          f"{tuple(codes.shape)}")
     width = codes.shape[1] * per_byte
     if group_size <= 0 or width % group_size or (bits == 4 and group_size % INT4_BLOCK):
-        raise ValueError(f"group_size {group_size} must divide D = {width}" + (" and be a multiple of 32" * (bits == 4)))
+        raise ValueError(f"group_size {group_size} must divide D = {width}"
+                         + (" and be a multiple of 32" * (bits == 4)))
     groups = (codes.shape[0], width // group_size)
     for name, t in (("scales", scales), ("mins", mins if bits == 4 else scales)):
         if t is None or tuple(t.shape) != groups or t.dtype != torch.float16:

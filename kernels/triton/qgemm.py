@@ -15,9 +15,10 @@ fp32, the epilogue on the fp32 accumulator, one rounding to x's dtype.
 How the weight is applied: a K tile never crosses a group (BLOCK_K divides G, or G = K), so the
 tile's product is taken on the raw codes and scaled once per tile and column:
   x @ w.T over the tile = scale * (x @ codes.T) [+ min * sum(x over the tile)]
-The codes (|code| <= 127) are exact in fp16, bf16 and fp32, and so are their products with x,
-so the dot runs in x's dtype on tensor cores with fp32 accumulation and loses nothing against
-dequantizing to fp32 first; only the fp32 summation order differs from the ref. fp32 x takes
+The codes (|code| <= 127) are exact in fp16 and bf16, and an fp16/bf16 x times a code is exact
+in the fp32 accumulator, so the dot runs in x's dtype on tensor cores and loses nothing against
+dequantizing to fp32 first (a dequantized fp16 weight would round: scale * code needs 18 bits);
+only the fp32 summation order differs from the ref. fp32 x takes
 an IEEE fp32 dot; bf16 x is upcast to fp32 for the dot on CPU tensors (the interpreter's bf16
 dot is wrong), as in gemm.py. int4 tiles of BLOCK_K codes are BLOCK_K / 2 bytes: the low
 nibbles hold inputs k0 + 32b + (0..15) of each 32-block b, the high nibbles 16 further on, so the
