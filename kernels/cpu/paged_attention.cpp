@@ -4,7 +4,9 @@
 //
 // Contract (the meaning of kernels/attention.py's paged_attention_ref):
 //   q               [T, H*D]  f32 or bf16, contiguous; tokens of all sequences flattened
-//   kv_cache        [L, 2, NB, KVH, 16, D]  q's dtype, contiguous (block size 16)
+//   kv_cache        [L, 2, NB, KVH, 16, D]  q's dtype, contiguous (block size 16), or int8
+//                   [L, 2, NB, KVH, 16, D + 4]: each row D codes and its fp32 scale
+//                   (kernels/quant.py), dequantized as code * scale in fp32 as it is read
 //   block_tables    [S, MB]  int32: the blocks of each sequence, in order
 //   seq_lens        [S]      int32: tokens of each sequence in the cache after this step
 //   query_start_loc [S+1]    int32: sequence s owns query rows qsl[s] .. qsl[s+1]-1, its newest
@@ -29,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec16.h"
 
 namespace {
@@ -57,11 +60,12 @@ struct Row {
 };
 
 // Widens the first `visible` rows of one block's keys and values ([16, D] each) to fp32.
-template <typename T>
-void load_block(const T* k, const T* v, int64_t visible, int64_t d, float* k_f, float* v_f) {
-  for (int64_t i = 0; i < visible * d; i += 16) {
-    llmc_cpu::store16(k_f + i, llmc_cpu::load16(k + i));
-    llmc_cpu::store16(v_f + i, llmc_cpu::load16(v + i));
+template <typename C>
+void load_block(const C* k, const C* v, int64_t visible, int64_t d, float* k_f, float* v_f) {
+  const int64_t row = llmc_cpu::row_elems<C>(d);
+  for (int64_t t = 0; t < visible; ++t) {
+    llmc_cpu::widen_row(k + t * row, d, k_f + t * d);
+    llmc_cpu::widen_row(v + t * row, d, v_f + t * d);
   }
 }
 
@@ -90,8 +94,8 @@ void fold_block(Row& row, Vec16 scores, const float* v, int64_t visible, int64_t
   }
 }
 
-template <typename T>
-void run_item(const Item& it, const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
+template <typename T, typename C>
+void run_item(const Item& it, const T* q, T* out, const C* k_cache, const C* v_cache, const int32_t* table,
               int64_t seq_len, int64_t chunk_start, int64_t chunk_len, const Geometry& g, float scale,
               std::vector<float>& scratch, std::vector<Row>& rows) {
   const int64_t d = g.head_dim;
@@ -111,7 +115,7 @@ void run_item(const Item& it, const T* q, T* out, const T* k_cache, const T* v_c
     }
   const int64_t last_pos = rows.back().pos;
   for (int64_t b = 0; b * kBlock <= last_pos; ++b) {
-    const int64_t base = (static_cast<int64_t>(table[b]) * g.kv_heads + it.kv_head) * kBlock * d;
+    const int64_t base = (static_cast<int64_t>(table[b]) * g.kv_heads + it.kv_head) * kBlock * llmc_cpu::row_elems<C>(d);
     load_block(k_cache + base, v_cache + base, std::min(kBlock, last_pos + 1 - b * kBlock), d, k_f, v_f);
     for (Row& row : rows) {
       const int64_t visible = std::min(kBlock, row.pos + 1 - b * kBlock);
@@ -135,23 +139,28 @@ std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_he
   return items;
 }
 
+int64_t head_dim(const at::Tensor& cache) {
+  return cache.size(5) - (cache.scalar_type() == at::kChar ? llmc_cpu::kScaleBytes : 0);
+}
+
 void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
                   const at::Tensor& lens, const at::Tensor& qsl, int64_t layer) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous [T, H*D] tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
               q.scalar_type());
   TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "kv_cache must be a contiguous [L,2,NB,KVH,BS,D] tensor");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "kv_cache dtype ", cache.scalar_type(),
-              " differs from q dtype ", q.scalar_type());
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type() || cache.scalar_type() == at::kChar, "kv_cache dtype ",
+              cache.scalar_type(), " is neither int8 nor q's dtype ", q.scalar_type());
   TORCH_CHECK(cache.size(4) == kBlock, "block size ", cache.size(4), " is not ", kBlock);
-  TORCH_CHECK(cache.size(5) % 16 == 0, "head_dim ", cache.size(5), " is not a multiple of 16");
+  TORCH_CHECK(head_dim(cache) > 0 && head_dim(cache) % 16 == 0, "head_dim ", head_dim(cache),
+              " is not a positive multiple of 16");
   TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer ", layer, " is outside the cache's ", cache.size(0),
               " layers");
   for (const at::Tensor* t : {&tables, &lens, &qsl})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables and lengths must be contiguous int32");
   TORCH_CHECK(qsl.numel() == lens.numel() + 1 && tables.size(0) == lens.numel(),
               "query_start_loc needs S+1 entries and block_tables S rows");
-  TORCH_CHECK(q.size(1) % (cache.size(3) * cache.size(5)) == 0, "q width ", q.size(1),
+  TORCH_CHECK(q.size(1) % (cache.size(3) * head_dim(cache)) == 0, "q width ", q.size(1),
               " is not a multiple of kv_heads * head_dim");
 }
 
@@ -173,7 +182,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
                            double scale) {
   check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, layer);
-  const int64_t kv_heads = kv_cache.size(3), d = kv_cache.size(5);
+  const int64_t kv_heads = kv_cache.size(3), d = head_dim(kv_cache);
   const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
   at::Tensor out = at::empty_like(q);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -183,10 +192,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
   const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads);
   const int64_t layer_stride = kv_cache.stride(0), half = kv_cache.stride(1);
-  const auto run = [&](auto* typed) {
+  const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    const T* k_cache = kv_cache.const_data_ptr<T>() + layer * layer_stride;
-    const T* v_cache = k_cache + half;
+    using C = std::remove_pointer_t<decltype(cache_typed)>;
+    const C* k_cache = kv_cache.const_data_ptr<C>() + layer * layer_stride;
+    const C* v_cache = k_cache + half;
     at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       std::vector<Row> rows;
@@ -198,10 +208,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
       }
     });
   };
-  if (q.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr));
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  if (q.scalar_type() == at::kFloat && int8)
+    run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+  else if (q.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (int8)
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
   else
-    run(static_cast<c10::BFloat16*>(nullptr));
+    run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
   return out;
 }
 
