@@ -16,42 +16,21 @@ from llmc.kernels.attention import kv_write_ref, paged_attention_cpu, paged_atte
 from llmc.kernels.quant import dequantize_kv_rows
 from llmc.kernels.rope import RopeTables, rope_ref
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
-from paged_layout import shuffled_block_tables
+from paged_layout import poisoned_caches
 from test_native_kernels import assert_matches
 from tolerances import tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
 BS = 16
-NAN_SCALE = torch.tensor([float("nan")]).view(torch.int8)          # an fp32 NaN's 4 bytes
 
 
-def poisoned_caches(lens: list[int], kv_heads: int, head_dim: int, cache_dtype: torch.dtype,
-                    dtype: torch.dtype, seed: int):
-    """(clean, poisoned) 2-layer caches holding the same random K/V (of `dtype`) for each
-    sequence's tokens in shuffled blocks; rows nobody owns are 0 in `clean`, NaN in `poisoned`."""
-    g = torch.Generator().manual_seed(seed)
-    tables, block_tables, num_blocks = shuffled_block_tables(lens, BS, g, spare=2)
-    row = head_dim + (4 if cache_dtype == torch.int8 else 0)
-    clean = torch.zeros(2, 2, num_blocks, kv_heads, BS, row, dtype=cache_dtype)
-    if cache_dtype == torch.int8:
-        poisoned = torch.randint(-127, 128, clean.shape, generator=g, dtype=torch.int8)
-        poisoned[..., head_dim:] = NAN_SCALE
-    else:
-        poisoned = torch.full_like(clean, float("nan"))
-    for s, n in enumerate(lens):
-        slots = torch.tensor([tables[s][p // BS] * BS + p % BS for p in range(n)])
-        k, v = ((torch.randn(n, kv_heads * head_dim, generator=g) * 3).to(dtype) for _ in range(2))
-        for cache in (clean, poisoned):
-            kv_write_ref(cache, k, v, slots, layer=1)
-    return clean, poisoned, block_tables
-
-
-def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0):
-    clean, poisoned, tables = poisoned_caches(lens, kv_heads, head_dim, cache_dtype, dtype, seed)
+def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu):
+    """`kernel` (the native launcher or op) over a cache with NaN rows against the ref over a clean one."""
+    clean, poisoned, tables = poisoned_caches(lens, kv_heads, head_dim, cache_dtype, dtype, BS, seed)
     qsl = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(chunks), heads * head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     seq_lens, scale = torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5
-    got = paged_attention_cpu(q, poisoned, tables, seq_lens, qsl, 1, scale)
+    got = kernel(q, poisoned, tables, seq_lens, qsl, 1, scale)
     want = paged_attention_ref(q, clean, tables, seq_lens, qsl, 1, head_dim, scale)
     exact_cache = clean if cache_dtype == torch.int8 else clean.double()
     exact = paged_attention_ref(q.double(), exact_cache, tables, seq_lens, qsl, 1, head_dim, scale)
