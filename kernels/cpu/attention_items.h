@@ -7,11 +7,14 @@
 //              time into its online softmax; few rows, so no tiles to pack.
 //   run_tiles  a prompt chunk: tiles of kKeys keys are met by all rows at once as two small
 //              GEMMs (attention_tiles.h); tiles past the item's last query are never read, the
-//              causal mask is applied only on the diagonal tiles.
+//              causal mask is applied only on the diagonal tiles. run_tiles_bf16 is the same
+//              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention_tiles.h"
@@ -58,17 +61,18 @@ struct Inputs {
 struct Scratch {
   std::vector<float> q, qt, o, s, k, v, max, sum, alpha;
   std::vector<int32_t> pos;
+  std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs
 };
 
-// The item's rows of q, widened to fp32 and multiplied by `scale`, into w.q [rows][D]; zeroed
+// The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q [rows][D]; zeroed
 // outputs and fresh online-softmax state for `allocated` >= rows rows.
 template <typename T, typename C>
-void start_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t allocated, Scratch& w) {
+void start_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t allocated, float scale, Scratch& w) {
   const int64_t d = in.g.head_dim;
   w.q.resize(rows * d);
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d;
-    for (int64_t j = 0; j < d; j += 16) store16(w.q.data() + r * d + j, load16(src + j) * in.scale);
+    for (int64_t j = 0; j < d; j += 16) store16(w.q.data() + r * d + j, load16(src + j) * scale);
   }
   w.o.assign(allocated * d, 0.f);
   w.max.assign(allocated, tiles::kNegInf);
@@ -130,7 +134,7 @@ template <typename T, typename C>
 void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1;
-  start_rows(in, it, rows, rows, w);
+  start_rows(in, it, rows, rows, in.scale, w);
   w.k.resize(kBlock * d);
   w.v.resize(kBlock * d);
   for (int64_t b = 0; b * kBlock <= last_pos; ++b) {
@@ -145,30 +149,86 @@ void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   finish_rows(in, it, rows, w);
 }
 
+// The tiles' shared set-up: queries (scaled by `scale`) in w.q, each row's position in w.pos
+// [R] (padding rows: zero queries at the last position), scratch for one tile.
 template <typename T, typename C>
-void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
-  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
-  const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
-  start_rows(in, it, rows, padded_rows, w);
-  w.qt.assign(d * padded_rows, 0.f);  // [D][R]: padding rows are zero queries at the last position
-  w.pos.assign(padded_rows, static_cast<int32_t>(last_pos));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
-    w.pos[r] = static_cast<int32_t>(first_pos + r / in.g.groups);
-  }
+void start_tiles(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t padded_rows, float scale, Scratch& w) {
+  const int64_t d = in.g.head_dim, first_pos = in.first_pos(it);
+  start_rows(in, it, rows, padded_rows, scale, w);
+  w.pos.assign(padded_rows, static_cast<int32_t>(first_pos + it.num_queries - 1));
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = static_cast<int32_t>(first_pos + r / in.g.groups);
   w.k.resize(tiles::kKeys * d);
   w.v.resize(tiles::kKeys * d);
   w.s.resize(tiles::kKeys * padded_rows);
   w.alpha.resize(padded_rows);
+}
+
+template <typename T, typename C>
+void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
+  start_tiles(in, it, rows, padded_rows, in.scale, w);
+  w.qt.assign(d * padded_rows, 0.f);  // [D][R]
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
   for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
     const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
     load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
-    tiles::scores(w.qt.data(), padded_rows, d, w.k.data(), padded, w.s.data());
-    tiles::softmax(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos, w.max.data(),
-                   w.sum.data(), w.alpha.data());
-    tiles::accumulate(w.s.data(), w.alpha.data(), padded_rows, padded, w.v.data(), d, w.o.data());
+    tiles::scores<tiles::F32>(w.qt.data(), padded_rows, d, w.k.data(), padded, w.s.data());
+    tiles::softmax<false>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos, 1.f,
+                          w.max.data(), w.sum.data(), w.alpha.data(), nullptr);
+    tiles::accumulate<tiles::F32>(w.s.data(), w.alpha.data(), padded_rows, padded, w.v.data(), d, w.o.data());
   }
   finish_rows(in, it, rows, w);
+}
+
+#ifdef __AVX512BF16__
+// run_tiles with bf16 operands and fp32 accumulation (vdpbf16ps): q as it is, K and V rounded
+// to bf16 (exact for a bf16 cache; an int8 row's code * scale rounded, as the ref rounds it to
+// q's dtype), the scale applied to the fp32 scores, probabilities rounded to bf16 (as the
+// ref's are) for the product with V. Operands are pairs along each GEMM's depth.
+template <typename C>
+void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
+  start_tiles(in, it, rows, padded_rows, 1.f, w);  // w.q holds q's bf16 values exactly
+  w.qp.assign(d / 2 * padded_rows, 0u);              // [D/2][R] pairs of dimensions
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, &w.q[r * d + 2 * j], 4);
+      std::memcpy(&hi, &w.q[r * d + 2 * j + 1], 4);
+      w.qp[j * padded_rows + r] = (lo >> 16) | (hi & 0xFFFF0000u);
+    }
+  w.kp.resize(tiles::kKeys * d / 2);
+  w.vp.resize(tiles::kKeys * d / 2);
+  w.pp.resize(tiles::kKeys / 2 * padded_rows);
+  for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
+    const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
+    load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
+    for (int64_t i = 0; i < padded * d; i += 16)  // a bf16 K row is its own row of pairs
+      store16(reinterpret_cast<c10::BFloat16*>(w.kp.data()) + i, load16(w.k.data() + i));
+    for (int64_t m = 0; m < padded / 2; ++m) tiles::pair_rows(&w.v[2 * m * d], &w.v[(2 * m + 1) * d], d, &w.vp[m * d]);
+    tiles::scores<tiles::Bf16Pairs>(w.qp.data(), padded_rows, d / 2, w.kp.data(), padded, w.s.data());
+    tiles::softmax<true>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos,
+                         in.scale, w.max.data(), w.sum.data(), w.alpha.data(), w.pp.data());
+    tiles::accumulate<tiles::Bf16Pairs>(w.pp.data(), w.alpha.data(), padded_rows, padded / 2, w.vp.data(), d,
+                                        w.o.data());
+  }
+  finish_rows(in, it, rows, w);
+}
+#endif
+
+// A chunk of more than one query: bf16 pairs where the CPU has AVX512_BF16 and q is bf16, else fp32.
+template <typename T, typename C>
+void run_chunk(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    run_tiles_bf16(in, it, w);
+    return;
+  }
+#endif
+  run_tiles(in, it, w);
 }
 
 }  // namespace llmc_cpu

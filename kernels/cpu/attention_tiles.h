@@ -6,12 +6,14 @@
 //
 //   scores(qt, R, d, k, keys, st)        st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
 //                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
-//   softmax(st, R, keys, ...)            st scaled, causally masked, turned into probabilities
-//                                        against each row's running max in place; alpha[r] the
-//                                        factor that rescales row r's earlier output
+//   softmax<kPairs>(st, R, keys, ...)    st scaled, causally masked, turned into probabilities
+//                                        against each row's running max (in place, or as bf16
+//                                        pairs); alpha[r] the factor that rescales row r's
+//                                        earlier output
 //   accumulate(st, alpha, R, keys, v, d, o)   o[r] = o[r] * alpha[r] + sum_n st[n][r] v[n],
 //                                        v [keys][d], o [R][d]
-// A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast).
+// A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
+// GEMMs take fp32 (F32) or, on CPUs with AVX512_BF16, bf16 pairs (Bf16Pairs: vdpbf16ps).
 #pragma once
 
 #include <algorithm>
@@ -19,6 +21,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "vec16.h"
 
@@ -30,25 +36,48 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A loaded vector held in a register: without this GCC folds the load into each of the MR
 // FMAs that use it, and the GEMMs become bound by loads rather than FMAs.
-inline Vec16 in_register(Vec16 v) {
+template <typename V>
+inline V in_register(V v) {
   asm("" : "+v"(v));
   return v;
 }
 
+// The multiply-add of a GEMM step, per element type. F32: one fp32 FMA per element. Bf16Pairs
+// (AVX512_BF16 CPUs): each uint32 holds two bf16 values of consecutive depth, and one
+// vdpbf16ps adds both products (exact) to the fp32 accumulator: half the instructions.
+struct F32 {
+  using Elem = float;
+  using Operand = Vec16;
+  static Operand load(const float* p) { return load16(p); }
+  static Operand broadcast(float a) { return splat(a); }
+  static Vec16 step(Vec16 acc, Operand w, Operand x) { return acc + w * x; }
+};
+
+#ifdef __AVX512BF16__
+struct Bf16Pairs {
+  using Elem = uint32_t;
+  using Operand = __m512bh;
+  static Operand load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Operand broadcast(uint32_t a) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(a)); }
+  static Vec16 step(Vec16 acc, Operand w, Operand x) { return (Vec16)_mm512_dpbf16_ps((__m512)acc, w, x); }
+};
+#endif
+
 // out[m][c] (+)= sum_j a[m * a_row + j * a_step] * b[j * b_row + 16c ..]: MR broadcast rows
-// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart.
-template <int MR, int NV, bool kAccumulate>
-inline void gemm_block(const float* a, int64_t a_row, int64_t a_step, const float* b, int64_t b_row, int64_t depth,
-                       float* out, int64_t out_row, const float* out_scale) {
+// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart, scaled
+// by out_scale[m] first where kAccumulate.
+template <typename A, int MR, int NV, bool kAccumulate>
+inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
+                       int64_t b_row, int64_t depth, float* out, int64_t out_row, const float* out_scale) {
   Vec16 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < NV; ++c) acc[m][c] = kAccumulate ? load16(out + m * out_row + 16 * c) * out_scale[m] : Vec16{};
   for (int64_t j = 0; j < depth; ++j) {
-    Vec16 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = in_register(load16(b + j * b_row + 16 * c));
+    typename A::Operand x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = in_register(A::load(b + j * b_row + 16 * c));
     for (int m = 0; m < MR; ++m) {
-      const Vec16 w = splat(a[m * a_row + j * a_step]);
-      for (int c = 0; c < NV; ++c) acc[m][c] += w * x[c];
+      const typename A::Operand w = A::broadcast(a[m * a_row + j * a_step]);
+      for (int c = 0; c < NV; ++c) acc[m][c] = A::step(acc[m][c], w, x[c]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -56,67 +85,96 @@ inline void gemm_block(const float* a, int64_t a_row, int64_t a_step, const floa
 }
 
 // gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time.
-template <int MR, bool kAccumulate>
-inline void gemm_rows(const float* a, int64_t a_row, int64_t a_step, const float* b, int64_t b_row, int64_t depth,
-                      int64_t cols, float* out, int64_t out_row, const float* out_scale) {
+template <typename A, int MR, bool kAccumulate>
+inline void gemm_rows(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
+                      int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
   int64_t c = 0;
   for (; c + 64 <= cols; c += 64)
-    gemm_block<MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, out_scale);
+    gemm_block<A, MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
   switch ((cols - c) / 16) {
-    case 3: return gemm_block<MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, out_scale);
-    case 2: return gemm_block<MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, out_scale);
-    case 1: return gemm_block<MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, out_scale);
+    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
     default: return;
   }
 }
 
 // All `rows` rows of the product, kRows at a time.
-template <bool kAccumulate>
-inline void gemm(const float* a, int64_t a_row, int64_t a_step, int64_t rows, const float* b, int64_t b_row,
-                 int64_t depth, int64_t cols, float* out, int64_t out_row, const float* out_scale) {
+template <typename A, bool kAccumulate>
+inline void gemm(const typename A::Elem* a, int64_t a_row, int64_t a_step, int64_t rows, const typename A::Elem* b,
+                 int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
   int64_t m = 0;
   for (; m + kRows <= rows; m += kRows)
-    gemm_rows<kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                                  out_scale + m);
+    gemm_rows<A, kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                     scale + m);
   for (; m + 2 <= rows; m += 2)
-    gemm_rows<2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                              out_scale + m);
+    gemm_rows<A, 2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                 scale + m);
   if (m < rows)
-    gemm_rows<1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                              out_scale + m);
+    gemm_rows<A, 1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                 scale + m);
 }
 
-inline void scores(const float* qt, int64_t rows, int64_t d, const float* k, int64_t keys, float* st) {
-  gemm<false>(k, d, 1, keys, qt, rows, d, rows, st, rows, nullptr);
+// `depth` is d for F32 and d / 2 for Bf16Pairs (qt then [d/2][R] pairs of dimensions, k
+// [keys][d/2] pairs, i.e. bf16 rows as they are).
+template <typename A>
+void scores(const typename A::Elem* qt, int64_t rows, int64_t depth, const typename A::Elem* k, int64_t keys,
+            float* st) {
+  gemm<A, false>(k, depth, 1, keys, qt, rows, depth, rows, st, rows, nullptr);
 }
 
-inline void accumulate(const float* st, const float* alpha, int64_t rows, int64_t keys, const float* v, int64_t d,
-                       float* o) {
-  gemm<true>(st, 1, rows, rows, v, d, keys, d, o, d, alpha);
+// `depth` is keys for F32 and keys / 2 for Bf16Pairs (p then [keys/2][R] pairs of keys, v
+// [keys/2][d] pairs of keys, as pair_rows makes them).
+template <typename A>
+void accumulate(const typename A::Elem* p, const float* alpha, int64_t rows, int64_t depth,
+                const typename A::Elem* v, int64_t d, float* o) {
+  gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d, alpha);
+}
+
+// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for i < n (a multiple of 16), rounded to nearest
+// even: two rows of fp32 as one row of bf16 pairs.
+inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
+  Uint16 a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, &hi, sizeof(b));
+  a = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const Uint16 pair = a | b;
+  std::memcpy(out, &pair, sizeof(pair));
+}
+
+inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out) {
+  for (int64_t i = 0; i < n; i += 16) store_pairs(load16(lo + i), load16(hi + i), out + i);
 }
 
 // The online-softmax step over a tile of transposed scores st [keys][rows] whose key indices
-// start at first_key; pos[r] is row r's position (keys after it are masked where `diagonal`).
-// max, sum, alpha are [rows]; every row must see a key in its first tile.
+// start at first_key, scaled by `scale`; pos[r] is row r's position (keys after it are masked
+// where `diagonal`). max, sum, alpha are [rows]; every row must see a key in its first tile.
+// The probabilities go back into st, or, kPairs, into pairs [keys/2][rows] as bf16 pairs.
+template <bool kPairs>
 inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool diagonal,
-                    float* max, float* sum, float* alpha) {
+                    float scale, float* max, float* sum, float* alpha, uint32_t* pairs) {
   for (int64_t r = 0; r < rows; r += 16) {
     Int16 last;
     std::memcpy(&last, pos + r, sizeof(last));
-    Vec16 m = load16(max + r);
-    for (int64_t n = 0; n < keys; ++n) {
-      Vec16 x = load16(st + n * rows + r);
-      if (diagonal) x = last < static_cast<int32_t>(first_key + n) ? splat(kNegInf) : x;
-      store16(st + n * rows + r, x);
-      m = vmax(m, x);
-    }
+    const auto score = [&](int64_t n) {
+      const Vec16 x = load16(st + n * rows + r) * scale;
+      return diagonal ? (last < static_cast<int32_t>(first_key + n) ? splat(kNegInf) : x) : x;
+    };
     const Vec16 old = load16(max + r);
+    Vec16 m = old;
+    for (int64_t n = 0; n < keys; ++n) m = vmax(m, score(n));
     const Vec16 a = exp16(old - m);  // old = -inf on the first tile: exp16 gives 0
     Vec16 total{};
-    for (int64_t n = 0; n < keys; ++n) {
-      const Vec16 p = exp16(load16(st + n * rows + r) - m);
-      store16(st + n * rows + r, p);
-      total += p;
+    for (int64_t n = 0; n < keys; n += 2) {
+      const Vec16 p0 = exp16(score(n) - m), p1 = exp16(score(n + 1) - m);
+      total += p0 + p1;
+      if constexpr (kPairs) {
+        store_pairs(p0, p1, pairs + n / 2 * rows + r);
+      } else {
+        store16(st + n * rows + r, p0);
+        store16(st + (n + 1) * rows + r, p1);
+      }
     }
     store16(max + r, m);
     store16(sum + r, load16(sum + r) * a + total);

@@ -128,7 +128,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
                                     static_cast<float>(scale)};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
       if (tiled && it.num_queries > 1)
-        llmc_cpu::run_tiles(in, it, w);
+        llmc_cpu::run_chunk(in, it, w);
       else
         llmc_cpu::run_rows(in, it, w);
     });
