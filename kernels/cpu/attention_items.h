@@ -64,8 +64,8 @@ struct Scratch {
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs
 };
 
-// The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q [rows][D]; zeroed
-// outputs and fresh online-softmax state for `allocated` >= rows rows.
+// The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q
+// [rows][D]; zeroed outputs and fresh online-softmax state for `allocated` >= rows rows.
 template <typename T, typename C>
 void start_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t allocated, float scale, Scratch& w) {
   const int64_t d = in.g.head_dim;
