@@ -1,5 +1,5 @@
 """Prompt attention benchmark: `python -m llmc.tools.bench_attention [--dtype bfloat16|float32]
-[--kv-dtype auto|int8] [--lens 512,1024,2048,4096]`.
+[--kv-dtype auto|int8] [--lens 512,1024,2048,4096] [--threads N]`.
 
 At SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), one prompt of T
 tokens read from a paged KV cache, and a mixed step (a 512-token chunk over 512 cached tokens
@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--lens", default="512,1024,2048", help="prompt lengths, comma-separated")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     load_native_kernels()
     torch.manual_seed(0)
