@@ -116,3 +116,29 @@ def test_int8_k_rows_are_within_half_a_step_of_the_rotation():
     scale = rows[..., -4:].contiguous().view(torch.float32).double()                   # [n, KVH, 1]
     err = (dequantize_kv_rows(rows).double() - k[slots >= 0].view(-1, 3, 64)).abs()
     assert (scale > 0).all() and (err <= scale * (0.5 + 1e-5)).all()
+
+
+def test_native_op_table_runs_an_int8_cache_natively(monkeypatch):
+    """The native op table's entries take an int8 cache with bf16 activations (no fallback to
+    the refs: those are made to fail) and mean what the refs mean."""
+    from llmc.kernels import native_ops
+    from llmc.kernels.torch_ops import OP_IMPLS
+
+    table = native_ops.native_op_impls()
+    monkeypatch.setattr(native_ops, "OP_IMPLS", {})                    # a fallback would KeyError
+    heads, kv_heads, d, t = 9, 3, 64, 21
+    g = torch.Generator().manual_seed(14)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
+    positions = slots = torch.arange(t)                                  # a prompt in blocks 0 and 1
+    attrs = dict(layer=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, theta=1e4, scaling=None, scale=0.125)
+    caches = [torch.zeros(1, 2, 3, kv_heads, BS, d + 4, dtype=torch.int8) for _ in range(2)]
+    q_got, _ = table["rope_kv_write"]([qkv, positions, caches[0], slots], attrs)
+    q_want, _ = OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
+    assert (caches[0][..., :-4].int() - caches[1][..., :-4].int()).abs().max() <= 1
+    step = [torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)]
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    got = table["paged_attention"]([q_got, caches[0], *step, qsl], attrs)
+    want = OP_IMPLS["paged_attention"]([q_want, caches[1], *step, qsl], attrs)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance(torch.bfloat16, t))
+    got = table["paged_decode_attention"]([q_got[-1:], caches[0], *step], attrs)
+    torch.testing.assert_close(got.float(), want[-1:].float(), **tolerance(torch.bfloat16, t))
