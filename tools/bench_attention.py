@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     steps.append(("512 over 512 + 32 decodes", [512] + [1] * 32, [1024] + decodes, False))
     print(f"attention, {args.dtype} q, {args.kv_dtype} KV cache, {torch.get_num_threads()} threads, "
           f"{HEADS} heads / {KV_HEADS} KV heads / head_dim {HEAD_DIM}, block {BLOCK}")
-    print(f"{'step':<28}{'tiled ms':>10}{'rows ms':>10}{'sdpa ms':>10}{'GFLOP/s':>9}{'rows/tiled':>11}{'sdpa/tiled':>11}")
+    print(f"{'step':<28}{'tiled ms':>10}{'rows ms':>10}{'sdpa ms':>10}{'GFLOP/s':>9}"
+          f"{'rows/tiled':>11}{'sdpa/tiled':>11}")
     for label, chunks, lens, peer in steps:
         tiled, rows, sdpa, gflops = time_step(chunks, lens, dtype, args.kv_dtype, peer)
         print(f"{label:<28}{1e3 * tiled:>10.2f}{1e3 * rows:>10.2f}{1e3 * sdpa:>10.2f}{gflops:>9.1f}"

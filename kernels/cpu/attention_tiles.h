@@ -152,7 +152,8 @@ inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out
 // 2^n, about half the instructions of vec16.h's exp16, which other CPUs use.
 inline Vec16 exp_nonpositive(Vec16 x) {
 #ifdef __AVX512F__
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-200.f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-200.f)), log2e);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);

@@ -107,6 +107,20 @@ void check_layout(const int32_t* qsl, const int32_t* lens, const int32_t* tables
   }
 }
 
+// Calls fn with null pointers of q's element type (float, bf16) and the cache's (q's or int8).
+template <typename Fn>
+void with_types(const at::Tensor& q, const at::Tensor& kv_cache, Fn fn) {
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  if (q.scalar_type() == at::kFloat && int8)
+    fn(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+  else if (q.scalar_type() == at::kFloat)
+    fn(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (int8)
+    fn(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+  else
+    fn(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer, double scale,
                   bool tiled) {
@@ -123,9 +137,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     using T = std::remove_pointer_t<decltype(typed)>;
     using C = std::remove_pointer_t<decltype(cache_typed)>;
     const C* k_cache = kv_cache.const_data_ptr<C>() + layer * kv_cache.stride(0);
+    const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
     const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
-                                    tables, width, lens, qsl, Geometry{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)},
-                                    static_cast<float>(scale)};
+                                    tables, width, lens, qsl, g, static_cast<float>(scale)};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
       if (tiled && it.num_queries > 1)
         llmc_cpu::run_chunk(in, it, w);
@@ -133,15 +147,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
         llmc_cpu::run_rows(in, it, w);
     });
   };
-  const bool int8 = kv_cache.scalar_type() == at::kChar;
-  if (q.scalar_type() == at::kFloat && int8)
-    run(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
-  else if (q.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  else if (int8)
-    run(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
-  else
-    run(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  with_types(q, kv_cache, run);
   return out;
 }
 
