@@ -4,16 +4,16 @@
 // queries are transposed once per item rather than each key tile once per tile, and the
 // softmax runs down the columns: 16 rows per vector, no horizontal reductions.
 //
-//   scores(qt, R, d, k, keys, st)        st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
+//   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
 //                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
 //   softmax<kPairs>(st, R, keys, ...)    st scaled, causally masked, turned into probabilities
 //                                        against each row's running max (in place, or as bf16
 //                                        pairs); alpha[r] the factor that rescales row r's
 //                                        earlier output
-//   accumulate(st, alpha, R, keys, v, d, o)   o[r] = o[r] * alpha[r] + sum_n st[n][r] v[n],
+//   accumulate<A>(p, alpha, R, keys, v, d, o) o[r] = o[r] * alpha[r] + sum_n p[n][r] v[n],
 //                                        v [keys][d], o [R][d]
 // A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
-// GEMMs take fp32 (F32) or, on CPUs with AVX512_BF16, bf16 pairs (Bf16Pairs: vdpbf16ps).
+// GEMMs take A = F32 (fp32 FMAs) or, on CPUs with AVX512_BF16, A = Bf16Pairs (vdpbf16ps).
 #pragma once
 
 #include <algorithm>
@@ -131,8 +131,7 @@ void accumulate(const typename A::Elem* p, const float* alpha, int64_t rows, int
   gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d, alpha);
 }
 
-// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for i < n (a multiple of 16), rounded to nearest
-// even: two rows of fp32 as one row of bf16 pairs.
+// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even.
 inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
   Uint16 a, b;
   std::memcpy(&a, &lo, sizeof(a));
@@ -143,6 +142,7 @@ inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
   std::memcpy(out, &pair, sizeof(pair));
 }
 
+// Two rows of n floats (a multiple of 16) as one row of bf16 pairs.
 inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out) {
   for (int64_t i = 0; i < n; i += 16) store_pairs(load16(lo + i), load16(hi + i), out + i);
 }
