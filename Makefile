@@ -6,7 +6,7 @@ LLMC := $(VENV)/bin/llmc
 ARTIFACT := artifacts/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test test-fast clean
+.PHONY: install run test test-fast gpu-bundle clean
 
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -32,6 +32,11 @@ test: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
+
+# The small folder the GPU device check needs on a machine that cannot receive the embedded GGUF
+# (README, "GPU"): SmolLM2's config and tokenizer and the gguf package, about 2 MB.
+gpu-bundle: $(VENV)/.installed
+	$(PY) -m llmc.tools.gpu_check prepare --out gpu_bundle
 
 clean:
 	rm -rf $(VENV) artifacts

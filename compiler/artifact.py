@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel
 
@@ -36,11 +37,11 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def _graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor],
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The weights the graphs reference, cast to the compute dtype, contiguous and unshared."""
-    names = sorted({n.name[2:] for g in graphs.values() for n in g.weights()})
-    return {name: weights[name].to(dtype).contiguous().clone() for name in names}
+def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights the graphs reference, each in the element type its weight node declares (the
+    compute dtype for float weights; quantized codes stay integers), contiguous and unshared."""
+    declared = {n.name[2:]: n.type.dtype for g in graphs.values() for n in g.weights()}
+    return {name: weights[name].to(to_torch(declared[name])).contiguous().clone() for name in sorted(declared)}
 
 
 def _listed_files(out: Path) -> dict | None:
@@ -88,7 +89,7 @@ def _replace(out: Path, staging: Path) -> None:
     shutil.rmtree(old)
 
 
-def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
+def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph],
                    compile_info: dict[str, Any], report: dict[str, Any],
                    weights: dict[str, torch.Tensor] | None = None, kernels: dict[str, str] | None = None) -> Path:
     """Write graphs, weights, tokenizer, report and a manifest hashing them all.
@@ -101,7 +102,7 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
     staging = _sibling(out, "partial")
     staging.mkdir()
     try:
-        _write_files(staging, model, graphs, dtype, compile_info, report, weights, kernels)
+        _write_files(staging, model, graphs, compile_info, report, weights, kernels)
         check_target(out)          # again: the folder may have changed during the compile
         _replace(out, staging)
     except BaseException:
@@ -110,7 +111,7 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph], dtyp
     return out
 
 
-def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph], dtype: torch.dtype,
+def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
                  compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None,
                  kernels: dict[str, str] | None) -> None:
     if kernels:
@@ -119,7 +120,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph], dt
             (staging / KERNELS_DIR / f"{name}.py").write_text(source)
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
-    save_file(_graph_weights(graphs, model.weights if weights is None else weights, dtype),
+    save_file(graph_weights(graphs, model.weights if weights is None else weights),
               str(staging / WEIGHTS_FILE))
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(model.tokenizer.config_dict(), indent=2))

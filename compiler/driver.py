@@ -20,18 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llmc.compiler.dtypes import USER_DTYPES, to_torch
+from llmc.compiler.dtypes import USER_DTYPES
 from llmc.compiler.frontend import ENTRIES, trace
 from llmc.compiler.ir import Graph, print_graph
-from llmc.models.config import ModelError
+from llmc.models.config import LoadedModel, ModelError
 from llmc.models.loader import load_model
 from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names, required_after, run_pipeline
 from llmc.passes.rewrite import PassContext
 
 from .artifact import check_target, write_artifact
+from .quant_recipe import QuantRecipe
 from .codegen import Lowering, lower
 
 Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
+Assess = Callable[[LoadedModel, dict[str, Graph], dict], dict]
 STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
           "generating kernels", "writing artifact"]
 TARGETS = ("cpu", "cuda")      # cpu: IR for the torch backend; cuda: also the Triton kernels of every unit
@@ -46,6 +48,7 @@ class CompileConfig:
     stop_after: str | None = None
     dump_ir: Path | None = None
     target: str = "cpu"
+    quant: QuantRecipe = QuantRecipe()
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -120,11 +123,13 @@ def _report(graphs: dict[str, Graph], records: list, num_layers: int, seconds: d
 
 
 def compile_model(source: str | Path | None, out: str | Path, config: CompileConfig = CompileConfig(),
-                  progress: Progress = lambda stage, done, total: None) -> Path | None:
+                  progress: Progress = lambda stage, done, total: None, assess: Assess | None = None) -> Path | None:
     """Compile `source` (HF folder, .gguf, or None for the embedded default) into `out`.
 
     Returns the artifact path, or None when `config` stops before a pass the runtime needs (then
-    only the IR dumps are written)."""
+    only the IR dumps are written). `assess(model, graphs, weights)`, when given, measures the
+    compiled graphs (e.g. tools/quality.py against an unquantized compile); its result goes into
+    report.json as "quality"."""
     if config.writes_artifact:
         check_target(Path(out))     # before minutes of work, not after
     seconds, start = {}, time.perf_counter()
@@ -133,8 +138,9 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     model = load_model(source)
     seconds["load"], start = time.perf_counter() - start, time.perf_counter()
     ir_dtype = USER_DTYPES[config.dtype]
-    weights = dict(model.weights)  # fold_weights adds the merged tensors here
-    graphs, records, seconds["trace"] = {}, [], 0.0
+    weights = dict(model.weights)  # fold_weights adds the merged tensors here, quantize_weights the codes
+    quantized = dict(model.quantized)
+    graphs, records, seconds["trace"], pass_records = {}, [], 0.0, {}
     for entry in ENTRIES:
         stage(f"tracing {entry}")
         traced = trace(model.config, entry, ir_dtype)
@@ -143,9 +149,11 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
         if dumper:
             dumper.traced(traced)
         stage(f"running passes on {entry}")
-        graphs[entry], entry_records = run_pipeline(traced, PassContext(weights=weights), config.disabled_passes,
-                                                    config.stop_after, on_pass=dumper)
+        ctx = PassContext(options={"quant": config.quant}, weights=weights, quantized=quantized)
+        graphs[entry], entry_records = run_pipeline(traced, ctx, config.disabled_passes, config.stop_after,
+                                                    on_pass=dumper)
         records += entry_records
+        pass_records |= ctx.records
         start = time.perf_counter()
     seconds["passes"] = sum(r.seconds for r in records)
     if not config.writes_artifact:
@@ -153,13 +161,16 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     stage("generating kernels")
     kernels = _generate_kernels(graphs, seconds) if config.target == "cuda" else None
     stage("writing artifact")
-    report = _report(graphs, records, model.config.num_layers, seconds)
+    report = _report(graphs, records, model.config.num_layers, seconds) | pass_records
+    if assess is not None:
+        report["quality"] = assess(model, graphs, weights)
     if kernels is not None:
         report["kernels"] = {"modules": len(kernels.modules), "units": {e: len(p) for e, p in kernels.plan.items()}}
     compile_info = {"dtype": config.dtype, "target": config.target,
                     "passes": [r.name for r in records if r.graph == "prefill"],
-                    "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after}
-    return write_artifact(Path(out), model, graphs, to_torch(ir_dtype), compile_info, report, weights,
+                    "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after,
+                    "quant": config.quant.to_dict()}
+    return write_artifact(Path(out), model, graphs, compile_info, report, weights,
                           kernels.modules if kernels is not None else None)
 
 

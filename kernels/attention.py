@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import dequantize_kv_rows, is_int8_cache, quantize_kv_rows
+from .quant import cache_head_dim, dequantize_kv_rows, is_int8_cache, quantize_kv_rows
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
     for which, x in ((0, k), (1, v)):
-        rows = x.view(x.shape[0], kv_heads, -1)[valid]                          # [n, KVH, D]
+        rows = x.view(x.shape[0], kv_heads, x.shape[1] // kv_heads)[valid]      # [n, KVH, D]
         rows = quantize_kv_rows(rows) if is_int8_cache(kv_cache) else rows.to(kv_cache.dtype)
         kv_cache[layer, which][blocks, :, offsets] = rows
     return kv_cache
@@ -156,19 +156,23 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 def native_attention_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether kernels/cpu/paged_attention.cpp takes these inputs (else use the refs above)."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kv_cache.dtype == q.dtype
-            and kv_cache.shape[4] == 16 and kv_cache.shape[5] % 16 == 0)
+    """Whether kernels/cpu/paged_attention.cpp takes these inputs (else use the refs above): q f32
+    or bf16 on the CPU, a cache of q's dtype or int8, block size 16, head_dim a multiple of 16."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.dtype in (q.dtype, torch.int8) and kv_cache.shape[4] == 16
+            and cache_head_dim(kv_cache) > 0 and cache_head_dim(kv_cache) % 16 == 0)
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
                         scale: float) -> torch.Tensor:
     """Launcher of the native kernel (kernels/cpu/paged_attention.cpp states its contract):
-    paged_attention_ref's meaning, reading K/V blocks in place with an online softmax."""
+    paged_attention_ref's meaning, reading K/V blocks in place (an int8 cache's rows dequantized
+    as they are read) with an online softmax."""
     if not native_attention_fits(q, kv_cache):
-        raise ValueError(f"native paged attention takes f32/bf16 on the CPU with block size 16 and head_dim a "
-                         f"multiple of 16; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+        raise ValueError(f"native paged attention takes f32/bf16 q on the CPU, a cache of q's dtype or int8, "
+                         f"block size 16 and head_dim a multiple of 16; got q {q.dtype}, "
+                         f"cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
     as_int = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     return torch.ops.llmc.paged_attention(q.contiguous(), kv_cache, as_int(block_tables), as_int(seq_lens),
                                           as_int(query_start_loc), layer, scale)

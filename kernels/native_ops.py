@@ -56,7 +56,7 @@ def native_op_impls() -> dict[str, OpImpl]:
 
     def rope_kv_write(x, a):
         cache = x[-2]
-        if not native_rope_kv_write_fits(cache) or x[0].dtype != cache.dtype:
+        if not native_rope_kv_write_fits(cache, x[0].dtype):
             return OP_IMPLS["rope_kv_write"](x, a)
         return rope_kv_write_cpu(*x, layer=a["layer"], num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"],
                                  head_dim=a["head_dim"], tables=tables_for(a))

@@ -21,6 +21,8 @@ x = code * scale. One scale per token per KV head, so a write touches only its o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -147,3 +149,46 @@ def dequantize_kv_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -
     """int8 cache rows [..., D + 4] -> values [..., D] (code * scale in fp32, then `dtype`)."""
     codes, scale = rows[..., :-KV_SCALE_BYTES], rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
     return (codes.float() * scale).to(dtype)
+
+
+# ------------------------------------------------------------------ a quantized weight as a value
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight in a format above: codes, scales and (int4) mins, with its bits and group size.
+
+    Loaders return these for tensors a file already stores in such a format (GGUF Q8_0, Q4_0,
+    Q4_1), so quantize_weights can keep their codes and scales bit for bit."""
+
+    bits: int
+    group_size: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+    source: str = ""               # the file's name for the format, e.g. "Q4_1"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * (2 if self.bits == 4 else 1)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_weight(self.codes, self.scales, self.mins, self.bits)
+
+    def rows(self, index: torch.Tensor) -> "QuantizedWeight":
+        """The same weight with its rows reordered or selected (a row permutation keeps every group)."""
+        pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
+        return QuantizedWeight(self.bits, self.group_size, pick(self.codes), pick(self.scales), pick(self.mins),
+                               self.source)
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Weights stacked along N (merged QKV, gate/up), or None when their formats differ."""
+    first = parts[0]
+    if any((p.bits, p.group_size, p.shape[1], p.mins is None) != (first.bits, first.group_size, first.shape[1],
+                                                                    first.mins is None) for p in parts):
+        return None
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
+    sources = "+".join(dict.fromkeys(p.source for p in parts))
+    return QuantizedWeight(first.bits, first.group_size, cat([p.codes for p in parts]),
+                           cat([p.scales for p in parts]), cat([p.mins for p in parts]), sources)

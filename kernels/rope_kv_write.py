@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .attention import kv_write_ref
+from .quant import cache_head_dim
 from .rope import RopeTables, rope_ref
 
 
@@ -36,20 +37,23 @@ def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
 
 
-def native_rope_kv_write_fits(kv_cache: torch.Tensor) -> bool:
-    """Whether kernels/cpu/rope_kv_write.cpp takes this cache (else use rope_kv_write_ref)."""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16)
-            and kv_cache.shape[5] % 32 == 0)
+def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether kernels/cpu/rope_kv_write.cpp takes this cache with q, k, v of `dtype` (else use
+    rope_kv_write_ref): f32 or bf16 inputs, a cache of their dtype or int8, head_dim a multiple of 32."""
+    return (kv_cache.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.dtype in (dtype, torch.int8) and cache_head_dim(kv_cache) % 32 == 0)
 
 
 def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the native kernel (kernels/cpu/rope_kv_write.cpp): rope_kv_write_ref's meaning,
-    the rotation in fp32; `tables` gives the cos/sin of the step's positions."""
+    the rotation in fp32; `tables` gives the cos/sin of the step's positions. An int8 cache's k is
+    quantized from the fp32 rotation, where the ref rounds it to q's dtype first: for bf16 inputs
+    a code can differ from the ref's by 1 where that rounding crosses a rounding boundary."""
     q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
-    if not native_rope_kv_write_fits(kv_cache) or q.dtype != kv_cache.dtype:
-        raise ValueError(f"native rope_kv_write takes an f32/bf16 cache with head_dim a multiple of 32 and q of "
-                         f"its dtype; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if not native_rope_kv_write_fits(kv_cache, q.dtype) or cache_head_dim(kv_cache) != head_dim:
+        raise ValueError(f"native rope_kv_write takes f32/bf16 q with a cache of its dtype or int8, head_dim a "
+                         f"multiple of 32; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
     cos, sin = tables(positions)
     q_rot = torch.ops.llmc.rope_kv_write(q, k, v, cos, sin, kv_cache, slot_mapping.long().contiguous(), layer)
     return q_rot, kv_cache

@@ -1,7 +1,9 @@
 """Load a GGUF file (llama.cpp's format) into a `LoadedModel`: config, fp32 weights, tokenizer.
 
 Every tensor is dequantized to float32 with `gguf.quants.dequantize`, so any quantization type that
-gguf-py can read loads; llmc re-quantizes later with its own schemes. GGUF stores shapes in ggml
+gguf-py can read loads; llmc re-quantizes later with its own schemes. Tensors stored as Q8_0, Q4_0
+or Q4_1 are also kept as their codes and scales (`LoadedModel.quantized`, models/gguf_blocks.py),
+for quantize_weights to keep bit for bit. GGUF stores shapes in ggml
 order (fastest dimension first); the reader's arrays are already in numpy order.
 
 llama.cpp's converter permutes the rows of Q and K (weight and bias) for the 'llama' architecture,
@@ -20,7 +22,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from llmc.kernels.quant import QuantizedWeight
+
 from .config import LoadedModel, ModelConfig, ModelError, check_weights
+from .gguf_blocks import read_blocks
 from .gguf_tokenizer import gguf_value, tokenizer_from_gguf
 from .provenance import file_sha256
 
@@ -48,14 +53,17 @@ def load_gguf(path: str | Path) -> LoadedModel:
     config = _read_config(reader, arch, names)
     weights = _read_weights(reader)
     check_weights(config, weights, path.name)
+    quantized = _read_quantized(reader)
     if arch in PERMUTED_QK:
         _unpermute_attention(weights, config)
+        _unpermute_quantized(quantized, config)
     return LoadedModel(
         config=config,
         weights=weights,
         tokenizer=tokenizer_from_gguf(reader),
         source_files={path.name: file_sha256(path)},
         source_format="gguf",
+        quantized=quantized,
     )
 
 
@@ -159,6 +167,24 @@ def _read_weights(reader: GGUFReader) -> dict[str, torch.Tensor]:
         if name is not None:
             weights[name] = torch.from_numpy(_dequantize(tensor))
     return weights
+
+
+def _read_quantized(reader: GGUFReader) -> dict[str, QuantizedWeight]:
+    """The tensors stored in a format llmc keeps as it is (models/gguf_blocks.py), by canonical name."""
+    kept = {}
+    for tensor in reader.tensors:
+        name = _canonical_name(tensor.name)
+        if name is not None and (blocks := read_blocks(tensor)) is not None:
+            kept[name] = blocks
+    return kept
+
+
+def _unpermute_quantized(quantized: dict[str, QuantizedWeight], config: ModelConfig) -> None:
+    """`_unpermute_attention` for kept blocks: the same permutation of Q/K rows (groups run along rows)."""
+    for name, qw in quantized.items():
+        if m := re.fullmatch(r"layers\.\d+\.(q|k)_proj\.weight", name):
+            heads = config.num_heads if m.group(1) == "q" else config.num_kv_heads
+            quantized[name] = qw.rows(torch.from_numpy(unpermute_qk(np.arange(qw.shape[0]), heads)))
 
 
 def _unpermute_attention(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:

@@ -4,7 +4,8 @@ Matches: a pure single-result op node all of whose operands are weights (such as
   `concat(%w.layers.0.q_proj.weight, %w.layers.0.k_proj.weight, ...)` that merge_qkv emits).
 Produces: a `weight` node with a canonical name built from its operands' names
   (`layers.0.qkv_proj.weight`, `layers.0.gate_up_proj.weight`), whose tensor the torch backend
-  computes once, at compile time, into `ctx.weights` (when the context carries weights). The
+  computes once, at compile time, into `ctx.weights` (when the context carries weights); rows
+  stacked from weights the file stores quantized (`ctx.quantized`) are stacked there too. The
   operands are left for dce, which also drops weights nobody reads any more.
 Requires: nothing. Preserves: numerics exactly (the same op, evaluated earlier).
 """
@@ -16,6 +17,7 @@ import os
 
 from llmc.compiler.ir import Graph, Node
 from llmc.compiler.ops import OPS
+from llmc.kernels.quant import concat_rows
 
 from .rewrite import PassContext, RewriteState, rewrite
 
@@ -47,6 +49,14 @@ def _evaluate(node: Node, operand_names: list[str], weights: dict) -> object:
     return OP_IMPLS[node.op](operands, node.attrs).to(to_torch(node.type.dtype)).contiguous()
 
 
+def _merge_quantized(node: Node, name: str, operand_names: list[str], quantized: dict) -> None:
+    """Rows stacked from weights the file stores quantized stay quantized too (same codes, same scales)."""
+    if node.op == "concat" and node.attrs["dim"] == 0 and all(n in quantized for n in operand_names):
+        merged = concat_rows([quantized[n] for n in operand_names])
+        if merged is not None:
+            quantized[name] = merged
+
+
 def _make_rule(ctx: PassContext):
     def fold_weight_expression(node: Node, state: RewriteState):
         if node.op in ("input", "weight") or OPS[node.op].side_effects or len(node.types) != 1:
@@ -60,6 +70,7 @@ def _make_rule(ctx: PassContext):
             return (state.new_nodes[f"w.{name}"].value(),)
         if ctx.weights is not None and name not in ctx.weights:
             ctx.weights[name] = _evaluate(node, operand_names, ctx.weights)
+            _merge_quantized(node, name, operand_names, ctx.quantized)
         return (state.declare(f"w.{name}", "weight", node.type),)
 
     return fold_weight_expression

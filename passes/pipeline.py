@@ -28,11 +28,9 @@ from .fusion_grouping import fusion_grouping
 from .insert_paged_attention import insert_paged_attention
 from .merge_gate_up import merge_gate_up
 from .merge_qkv import merge_qkv
-from .rewrite import PassContext
-
-
-class PassError(Exception):
-    """A pass broke the graph or a pass option is wrong; the message names the pass."""
+from .quantize_kv import quantize_kv
+from .quantize_weights import quantize_weights
+from .rewrite import PassContext, PassError  # noqa: F401  (PassError is re-exported)
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,9 @@ PIPELINE: list[Pass] = [
     Pass("fuse_rope_kv_write", fuse_rope_kv_write, "rope of q and k + kv_write -> rope_kv_write"),
     # --- compute weight-only expressions (merged weights) once, at compile time
     Pass("fold_weights", fold_weights, "weight-only nodes (concats) -> new stored weights"),
+    # --- trade bits for bytes, when a recipe asks (off otherwise)
+    Pass("quantize_weights", quantize_weights, "linear -> qlinear on int8/int4 codes (--quant)"),
+    Pass("quantize_kv", quantize_kv, "float KV cache -> int8 codes + a scale per token and head (--kv-dtype)"),
     # --- clean up
     Pass("dce", dce, "remove nodes that reach no output or side effect"),
     # --- prepare code generation

@@ -25,18 +25,26 @@ from llmc.compiler.ir import Graph, IRError, Node, TensorType, Value, format_nod
 from llmc.compiler.ops import infer_types
 
 
+class PassError(Exception):
+    """A pass broke the graph or a pass option is wrong; the message names the pass."""
+
+
 @dataclass
 class PassContext:
     """What a pass may read and the counters it bumps.
 
     options: pass options by name. hits: nodes the rules of each pass took. weights: the model's
     tensors by canonical name, when a pass needs data (fold_weights adds what it computes), else
-    None. value_map: old value -> new value over the last pass (None until a rewrite sets it).
+    None. quantized: weights the source file stores quantized (kernels.quant.QuantizedWeight by
+    name; fold_weights merges them too). records: facts a pass reports into report.json.
+    value_map: old value -> new value over the last pass (None until a rewrite sets it).
     """
 
     options: dict[str, Any] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
     weights: dict[str, Any] | None = None
+    quantized: dict[str, Any] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)
     value_map: dict[Value, Value] | None = None
 
     def bump(self, name: str, n: int = 1) -> None:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from llmc.compiler.artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,  # noqa: F401
                                            REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
                                            ArtifactError, read_manifest, verify_files)
+from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, IRError, parse_graph
 from llmc.compiler.ops import verify
 from llmc.models.config import ModelConfig, ModelError, TokenizerFiles
@@ -57,6 +58,9 @@ def _load_weights(path: Path, graphs: dict[str, Graph]) -> dict[str, torch.Tenso
             name = node.name[2:]
             if name not in weights:
                 raise ArtifactError(f"{WEIGHTS_FILE} lacks weight {name!r} that {graph.name}.ir uses; recompile")
+            if weights[name].dtype != to_torch(node.type.dtype):
+                raise ArtifactError(f"weight {name!r} is {weights[name].dtype} but {graph.name}.ir declares "
+                                    f"{node.type.dtype}; recompile")
             if tuple(weights[name].shape) != node.type.shape:
                 raise ArtifactError(f"weight {name!r} has shape {tuple(weights[name].shape)} but "
                                     f"{graph.name}.ir declares {node.type}; recompile")

@@ -24,7 +24,7 @@ from llmc.kernels.native_ops import KERNEL_CHOICES
 from .artifact import Artifact, load_artifact
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
-from .executor import BACKENDS
+from .executor import BACKENDS, DEVICES
 from .memory_plan import kv_bytes_per_token
 from .model_runner import ModelRunner
 from .request import Completion, Request, RequestOutput
@@ -50,6 +50,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     kernels: str = "auto"           # "native" (C++ CPU kernels), "reference" (torch refs) or "auto"
     backend: str = "auto"           # "torch", "triton", or "auto": triton on a GPU if the artifact has kernels
+    device: str = "auto"            # "cpu", "cuda", or "auto" (the backend's: torch runs on the CPU unless told)
+    cuda_graphs: bool | None = None  # decode as CUDA graphs: None = where the backend can (a GPU), False = never
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -59,6 +61,8 @@ class EngineConfig:
             raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
         if self.backend not in BACKENDS:
             raise RequestError(f"backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        if self.device not in DEVICES:
+            raise RequestError(f"device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class EngineStats:
 def kv_cache_dtype(artifact: Artifact) -> str:
     """The KV cache element type of the compiled graphs, as a user dtype name."""
     ir_dtype = artifact.graphs["prefill"].node_map()["kv_cache"].type.dtype
-    return {ir: user for user, ir in USER_DTYPES.items()}[ir_dtype]
+    return {ir: user for user, ir in USER_DTYPES.items()}.get(ir_dtype, "int8" if ir_dtype == "i8" else ir_dtype)
 
 
 class Engine:
@@ -91,7 +95,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
-        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels)
+        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels,
+                                  config.device, config.cuda_graphs, config.max_num_seqs)
         self.kernels = self.runner.kernels
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}

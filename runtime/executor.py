@@ -1,10 +1,13 @@
 """The executor seam (DESIGN decision 4): one interface, one backend per file.
 
 An executor is built from an artifact (graphs + weights), a device and a KV cache spec; it owns
-the paged KV cache on that device and the weights in the layout its kernels want (decided once,
-here, never at run time); `run(entry, step)` runs one step's graph and returns the logits of
-the sampled positions, [S, vocab] fp32 on the device. The runner owns the device and the step's
-metadata and knows no backend's insides.
+the paged KV cache on that device (plus one scratch block the block manager never hands out, for
+padding rows) and the weights in the layout its kernels want (decided once, here, never at run
+time); `run(entry, step)` runs one step's graph and returns the logits of the sampled positions,
+[S, vocab] fp32 on the device. `step(entry, host_step, buffers)` is what the runner calls: a
+pure-decode step replays a captured CUDA graph when `capture_decode_graphs` made them
+(cuda_graphs.py), any other step loads its metadata into the runner's buffers and runs eagerly.
+The runner owns the step's metadata and knows no backend's insides.
 
   torch    torch_executor.py   every op through torch (aten), native CPU kernels where they fit
   triton   triton_executor.py  the artifact's generated Triton kernels (a GPU, or the
@@ -22,11 +25,13 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import TensorType
 
 from .artifact import Artifact
+from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes
 from .sampling_params import RequestError
 from .slot_program import LaunchTime, SlotProgram
-from .step_inputs import StepInputs
+from .step_inputs import StepBuffers, StepInputs
 
 BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,9 @@ class KVCacheSpec:
         layers, _, _, kv_heads, _, head_dim = cache_type.shape
         return cls(layers, num_blocks, kv_heads, block_size, head_dim, to_torch(cache_type.dtype))
 
-    def allocate(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self.layers, 2, self.num_blocks, self.kv_heads, self.block_size, self.head_dim,
+    def allocate(self, device: torch.device, extra_blocks: int = 0) -> torch.Tensor:
+        blocks = self.num_blocks + extra_blocks
+        return torch.zeros(self.layers, 2, blocks, self.kv_heads, self.block_size, self.head_dim,
                            dtype=self.dtype, device=device)
 
 
@@ -54,12 +60,36 @@ class Executor:
     """The base of both backends: a backend's __init__ builds `programs`, one per entry graph."""
 
     backend: str = ""
+    graph_safe: bool = True     # a step's launches never wait for the host, so a CUDA graph can hold them
 
     def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec):
         self.artifact = artifact
         self.device = device
-        self.kv_cache = kv.allocate(device)
+        self.kv_cache = kv.allocate(device, extra_blocks=1)
+        self.scratch_block = kv.num_blocks             # the extra block: padding rows write only there
+        self.block_size = kv.block_size
         self.programs: dict[str, SlotProgram] = {}     # entry -> its graph's launches (set by the backend)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int, stand_in: bool = False) -> CaptureReport:
+        """Capture the decode step for every batch size up to `max_num_seqs`, block tables `max_blocks`
+        wide (the most blocks one sequence can hold). `stand_in`: replay by rerunning eagerly (tests
+        on a CPU); otherwise the device must be a GPU and the backend graph-safe."""
+        assert stand_in or (self.device.type == "cuda" and self.graph_safe), "CUDA graphs need a GPU backend"
+        graphs = DecodeGraphs(lambda step: self.run("decode", step), self.device, decode_batch_sizes(max_num_seqs),
+                              max_blocks, self.scratch_block, self.block_size, cuda=not stand_in)
+        report = graphs.capture()
+        self.graphs = graphs
+        return report
+
+    @torch.inference_mode()
+    def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> torch.Tensor:
+        """`run` of a host-built step: a captured decode graph where one fits, else eagerly with the
+        metadata loaded into `buffers`."""
+        batch = self.graphs.batch_size_for(host) if entry == "decode" and self.graphs is not None else None
+        if batch is not None:
+            return self.graphs.replay(host, batch)
+        return self.run(entry, buffers.load(host))
 
     @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
@@ -80,24 +110,29 @@ class Executor:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
 
-def resolve_backend(backend: str, artifact: Artifact) -> tuple[str, torch.device]:
-    """The backend and device a request for `backend` means here; RequestError if it cannot run.
+def resolve_backend(backend: str, artifact: Artifact, device: str = "auto") -> tuple[str, torch.device]:
+    """The backend and device a request for `backend` on `device` means here; RequestError if it cannot run.
 
     auto: triton on a GPU when the artifact has kernels, torch on the CPU elsewhere. triton
-    needs the artifact's kernels and a GPU, or TRITON_INTERPRET=1 to run them on the CPU.
+    needs the artifact's kernels and a GPU, or TRITON_INTERPRET=1 to run them on the CPU. torch
+    runs on the CPU unless `device` is cuda (the GPU reference of the triton backend).
     """
     if backend not in BACKENDS:
         raise RequestError(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+    if device not in DEVICES:
+        raise RequestError(f"device {device!r} is unknown; choose one of {', '.join(DEVICES)}")
     has_kernels = "triton" in artifact.manifest.get("backends", [])
     gpu = torch.cuda.is_available()
+    if device == "cuda" and not gpu:
+        raise RequestError("device cuda was asked for but torch sees no CUDA GPU here; use --device cpu")
     if backend == "auto":
-        return ("triton", torch.device("cuda")) if gpu and has_kernels else ("torch", torch.device("cpu"))
+        backend = "triton" if gpu and has_kernels and device != "cpu" else "torch"
     if backend == "torch":
-        return "torch", torch.device("cpu")
+        return "torch", torch.device("cuda" if device == "cuda" else "cpu")
     if not has_kernels:
         raise RequestError(f"{artifact.path} has no Triton kernels; compile it with `llmc compile --target cuda` "
                            "or use --backend torch")
-    if gpu:
+    if gpu and device != "cpu":
         return "triton", torch.device("cuda")
     if os.environ.get("TRITON_INTERPRET") == "1":
         return "triton", torch.device("cpu")

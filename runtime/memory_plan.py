@@ -1,6 +1,10 @@
 """KV cache sizing: how many tokens of cache fit in what the weights leave of a memory budget.
 
-    KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    KV bytes per token = 2 (K and V) x layers x kv_heads x row bytes, where a row is
+                         head_dim x bytes per element (int8: head_dim codes + a 4-byte scale)
+    weight bytes       = every tensor at its dtype's bytes; with int8/int4 the GEMM weights are
+                         codes + fp16 scales (+ fp16 mins for int4, groups of 32), and the
+                         embedding, LM head and norms stay at 2 bytes (fp16/bf16)
     kv_tokens          = (memory - weight bytes) // KV bytes per token
     max_sequences      = kv_tokens // context
 """
@@ -10,11 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from llmc.compiler.quant_recipe import kv_row_bytes, quantized_weight_bytes
 from llmc.models.config import ModelConfig, expected_weights
 
 from .sampling_params import RequestError
 
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+QUANT_BITS = {"int8": 8, "int4": 4}
+EMBEDDING_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -29,22 +36,42 @@ def parse_bytes(text: str) -> int:
 
 def _element_bytes(dtype: str, what: str) -> int:
     if dtype not in BYTES_PER_ELEMENT:
-        raise RequestError(f"{what} {dtype!r} is not supported; choose one of {', '.join(BYTES_PER_ELEMENT)}")
+        choices = [*BYTES_PER_ELEMENT, *(QUANT_BITS if what == "weight dtype" else ("int8",))]
+        raise RequestError(f"{what} {dtype!r} is not supported; choose one of {', '.join(choices)}")
     return BYTES_PER_ELEMENT[dtype]
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def num_parameters(cfg: ModelConfig) -> int:
+    return sum(_numel(shape) for shape in expected_weights(cfg).values())
+
+
+def weight_bytes(cfg: ModelConfig, weight_dtype: str) -> int:
+    """Bytes of every weight stored as `weight_dtype` (a float dtype, int8 or int4; see module doc)."""
+    if weight_dtype not in QUANT_BITS:
+        return num_parameters(cfg) * _element_bytes(weight_dtype, "weight dtype")
     total = 0
-    for shape in expected_weights(cfg).values():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
+    for name, shape in expected_weights(cfg).items():
+        if len(shape) == 2 and name not in EMBEDDING_WEIGHTS:
+            bits = QUANT_BITS[weight_dtype]
+            total += quantized_weight_bytes(*shape, bits, 32 if bits == 4 else None)
+        else:
+            total += 2 * _numel(shape)
     return total
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _element_bytes(kv_dtype, "kv dtype")
+    if kv_dtype == "int8":
+        row = kv_row_bytes(cfg.head_dim, 1, int8=True)
+    else:
+        row = kv_row_bytes(cfg.head_dim, _element_bytes(kv_dtype, "kv dtype"), int8=False)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
 
 
 @dataclass(frozen=True)
@@ -68,10 +95,10 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "float1
     if context <= 0:
         raise RequestError(f"context={context} must be positive")
     params = num_parameters(cfg)
-    weight_bytes = params * _element_bytes(weight_dtype, "weight dtype")
+    weights = weight_bytes(cfg, weight_dtype)
     per_token = kv_bytes_per_token(cfg, kv_dtype)
-    if weight_bytes >= memory_bytes:
-        raise RequestError(f"the weights alone take {weight_bytes} bytes, more than the {memory_bytes} "
+    if weights >= memory_bytes:
+        raise RequestError(f"the weights alone take {weights} bytes, more than the {memory_bytes} "
                            "bytes of memory given; give more memory or a smaller weight dtype")
-    kv_tokens = (memory_bytes - weight_bytes) // per_token
-    return MemoryPlan(memory_bytes, params, weight_bytes, per_token, kv_tokens, context, kv_tokens // context)
+    kv_tokens = (memory_bytes - weights) // per_token
+    return MemoryPlan(memory_bytes, params, weights, per_token, kv_tokens, context, kv_tokens // context)

@@ -42,6 +42,14 @@ class LaunchTime:
     label: str
     kind: str
     seconds: float
+    read_bytes: int = 0         # the tensors it took and returned, each counted once; the paged KV
+    written_bytes: int = 0      # cache (input `kv_cache`) is left out: what a kernel touches of it
+                                # depends on the step's lengths, which a profile adds itself
+
+
+def _nbytes(tensors, skip: set[int]) -> int:
+    seen = {(t.data_ptr(), t.nbytes) for t in tensors if isinstance(t, torch.Tensor) and t.data_ptr() not in skip}
+    return sum(n for _, n in seen)
 
 
 @dataclass(frozen=True)
@@ -89,12 +97,16 @@ class SlotProgram:
             if name not in feeds:
                 raise MissingInputError(f"graph {self.graph.name} needs input {name!r}")
             env[s] = feeds[name]
+        skip = {feeds["kv_cache"].data_ptr()} if "kv_cache" in feeds else set()
         for step in self._steps:
             start = time.perf_counter() if timings is not None else 0.0
-            result = step.fn([env[s] for s in step.args], step.attrs)
+            args = [env[s] for s in step.args]
+            result = step.fn(args, step.attrs)
             if timings is not None:
                 sync()
-                timings.append(LaunchTime(step.label, step.kind, time.perf_counter() - start))
+                seconds = time.perf_counter() - start
+                outs = result if isinstance(result, tuple) else (result,)
+                timings.append(LaunchTime(step.label, step.kind, seconds, _nbytes(args, skip), _nbytes(outs, skip)))
             if len(step.outs) == 1 and not isinstance(result, tuple):
                 env[step.outs[0]] = result
             else:

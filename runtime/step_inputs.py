@@ -9,9 +9,13 @@ The metadata is an explicit frozen value (`StepInputs`) handed to the executor, 
   block_tables                [S, MB] each sequence's blocks, padded with 0
   logits_indices              [S]     the last token of each sequence's chunk
 
-`StepBuffers` holds two flat device buffers (int64 and int32) that every step fills in place
-with one copy each, and hands out contiguous views of their prefixes: the addresses never
-change, which is what a captured CUDA graph needs, and nothing is allocated per step.
+`StepBuffers` holds one flat int64 device buffer that every step fills in place with one copy:
+the int64 fields first, then the int32 fields packed two to an element (viewed as int32). It
+hands out contiguous views of that buffer, so for steps of the same shape the addresses never
+change (what a captured CUDA graph needs), and nothing is allocated per step on the device.
+On a GPU the step is packed into a pinned host buffer of the same layout and copied with one
+asynchronous host-to-device copy; the next step waits for that copy (an event) before it
+overwrites the pinned buffer. On the CPU the step is packed straight into the buffer.
 """
 
 from __future__ import annotations
@@ -68,25 +72,59 @@ class StepBuffers:
 
     def __init__(self, device: torch.device, capacity: int = 1 << 14):
         self.device = device
-        self._buffers = {dtype: torch.zeros(capacity, dtype=dtype, device=device)
-                         for dtype in (torch.int64, torch.int32)}
+        self._device_buffer = torch.zeros(0, dtype=torch.int64, device=device)
+        self._host_buffer = self._device_buffer
+        self._copied = None                          # event of the last host-to-device copy (GPU)
+        self._ensure(capacity)
 
-    def _ensure(self, dtype: torch.dtype, size: int) -> torch.Tensor:
-        if self._buffers[dtype].numel() < size:
-            self._buffers[dtype] = torch.zeros(max(size, 2 * self._buffers[dtype].numel()), dtype=dtype,
-                                               device=self.device)
-        return self._buffers[dtype]
+    @property
+    def capacity(self) -> int:
+        """int64 elements the buffer holds now."""
+        return self._device_buffer.numel()
+
+    def _ensure(self, size: int) -> None:
+        if self.capacity >= size:
+            return
+        size = max(size, 2 * self.capacity)
+        self._device_buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            self._host_buffer = torch.zeros(size, dtype=torch.int64, pin_memory=True)
+        else:
+            self._host_buffer = self._device_buffer
+
+    @staticmethod
+    def elements(host: StepInputs) -> int:
+        """int64 elements `host`'s metadata takes in the buffer."""
+        wide = sum(getattr(host, n).numel() for n in I64_FIELDS)
+        narrow = sum(getattr(host, n).numel() for n in I32_FIELDS)
+        return wide + (narrow + 1) // 2
 
     def load(self, host: StepInputs) -> StepInputs:
-        """`host`'s metadata copied into the buffers (one copy per dtype); views of them."""
+        """`host`'s metadata copied into the buffer (one copy); views of it."""
+        self._ensure(self.elements(host))
+        if self._copied is not None:
+            self._copied.synchronize()               # the pinned buffer is free again
+        wide = torch.cat([getattr(host, n).reshape(-1).to(torch.int64) for n in I64_FIELDS])
+        narrow = torch.cat([getattr(host, n).reshape(-1).to(torch.int32) for n in I32_FIELDS])
+        total = wide.numel() + (narrow.numel() + 1) // 2
+        self._host_buffer[:wide.numel()].copy_(wide)
+        self._host_buffer[wide.numel():total].view(torch.int32)[:narrow.numel()].copy_(narrow)
+        if self._host_buffer is not self._device_buffer:
+            self._device_buffer[:total].copy_(self._host_buffer[:total], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return StepInputs(**self._views(host, wide.numel()))
+
+    def _views(self, host: StepInputs, wide: int) -> dict[str, torch.Tensor]:
         views: dict[str, torch.Tensor] = {}
-        for dtype, names in ((torch.int64, I64_FIELDS), (torch.int32, I32_FIELDS)):
-            parts = [getattr(host, n) for n in names]
-            packed = torch.cat([p.reshape(-1).to(dtype) for p in parts])
-            buffer = self._ensure(dtype, packed.numel())
-            buffer[:packed.numel()].copy_(packed, non_blocking=True)
-            offset = 0
-            for name, part in zip(names, parts):
-                views[name] = buffer[offset:offset + part.numel()].view(part.shape)
-                offset += part.numel()
-        return StepInputs(**views)
+        offset = 0
+        for name in I64_FIELDS:
+            shape = getattr(host, name).shape
+            views[name] = self._device_buffer[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        narrow, offset = self._device_buffer[wide:].view(torch.int32), 0
+        for name in I32_FIELDS:
+            shape = getattr(host, name).shape
+            views[name] = narrow[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        return views

@@ -20,6 +20,7 @@ from .torch_backend import TorchProgram
 
 class TorchExecutor(Executor):
     backend = "torch"
+    graph_safe = False      # the torch refs read lengths and slots on the host (.tolist(), masks)
 
     def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, kernels: str = "auto"):
         super().__init__(artifact, device, kv)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmc.compiler.driver import CompileConfig, compile_model
-from llmc.runtime.artifact import load_artifact
+from llmc.runtime.artifact import Artifact, load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.sampling_params import SamplingParams
@@ -50,7 +50,8 @@ def steps(seqs: list[Sequence], decodes: int):
 
 
 def run_backend(artifact, backend: str, decodes: int = 8) -> list[torch.Tensor]:
-    art = load_artifact(artifact)
+    """Logits of every step of `steps` (artifact: a path, or an Artifact already loaded)."""
+    art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
     runner, blocks = ModelRunner(art, NUM_BLOCKS, BLOCK_SIZE, backend, "reference"), BlockManager(NUM_BLOCKS, BLOCK_SIZE)
     assert runner.backend == backend and type(runner.executor).backend == backend
     g = torch.Generator().manual_seed(0)

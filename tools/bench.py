@@ -137,6 +137,8 @@ def bench_cmd(
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
     kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
+                                               "CUDA graphs (default: on a GPU with the triton backend)"),
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -152,7 +154,7 @@ def bench_cmd(
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                                            max_batched_tokens=max_batched_tokens, kernels=kernels,
-                                           backend=backend))
+                                           backend=backend, cuda_graphs=cuda_graphs))
     requests = workload.requests(engine.artifact.config.vocab_size)
     result: dict = {"workload": asdict(workload)}
     with Progress(transient=True) as progress:

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
 
 from llmc.compiler.ir import IRError
+from llmc.compiler.quant_recipe import QuantRecipeError
 from llmc.kernels.native import NativeBuildError
 from llmc.models.config import ModelError
 from llmc.passes.pipeline import PassError
@@ -27,13 +28,16 @@ from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
 from .bench import bench_cmd
+from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
 from .profile_steps import profile_cmd
+from .quality import eval_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
 
-USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError)
+QUALITY_WINDOW = 512          # tokens per sequence when measuring quality (each window a fresh prompt)
+USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError, QuantRecipeError)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="llmc: compile a Llama-family model into an artifact, then run it.")
@@ -77,12 +81,24 @@ def compile_cmd(
                                              "before insert_paged_attention writes only the --dump-ir files)"),
     target: str = typer.Option("cpu", help="cpu (IR for the torch backend) or cuda (also a generated Triton kernel "
                                "for every fusion group, in the artifact's kernels/)"),
+    quant: str = typer.Option("none", help="GEMM weights: none, int8 (per output channel) or int4[-g32|-g64|-g128] "
+                              "(scale and min per group; int4 = int4-g32); a GGUF's Q8_0/Q4_0/Q4_1 blocks are kept"),
+    kv_dtype: str = typer.Option("auto", help="KV cache: auto (the compute dtype) or int8 (a scale per token and head)"),
+    quant_embeddings: bool = typer.Option(False, "--quant-embeddings", help="quantize the token embedding and LM "
+                                          "head too"),
+    requantize: bool = typer.Option(False, "--requantize", help="round every weight from its float values, even "
+                                    "where a GGUF's own Q8_0/Q4_0/Q4_1 blocks fit the recipe (kept by default)"),
+    quality: bool = typer.Option(False, "--quality", help="measure perplexity, KL and top-1 agreement against the "
+                                 "unquantized compile on a held text; stored in report.json, shown by inspect"),
+    quality_tokens: int = typer.Option(1024, help="tokens of held text --quality reads"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
+    from llmc.compiler.quant_recipe import QuantRecipe
 
+    recipe = QuantRecipe.parse(quant, kv_dtype, quant_embeddings, requantize)
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
-                           target=target)
+                           target=target, quant=recipe)
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),
@@ -92,7 +108,11 @@ def compile_cmd(
         def show(stage: str, done: int, total: int) -> None:
             bar.update(task, description=stage, completed=done, total=total)
 
-        path = compile_model(model, out, config, progress=show)
+        assess = None
+        if quality:
+            from llmc.tools.quality import compile_assessment
+            assess = compile_assessment(config, quality_tokens, QUALITY_WINDOW)
+        path = compile_model(model, out, config, progress=show, assess=assess)
     if path is None:
         console.print(f"stopped after {stop_after}: wrote the IR to {dump_ir}; no artifact, since the graphs "
                       "are not yet lowered for the runtime", highlight=False)
@@ -114,13 +134,16 @@ def generate(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
+                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
+                                               "nothing to capture)"),
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=cuda_graphs))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -170,6 +193,9 @@ def serve(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
+                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
+                                               "nothing to capture)"),
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -179,7 +205,8 @@ def serve(
     from .default_artifact import default_artifact
 
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend)
+                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend,
+                          cuda_graphs=cuda_graphs)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
@@ -197,6 +224,8 @@ app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))
+app.command("eval")(user_errors(eval_cmd))
+app.command("bench-quant")(user_errors(bench_quant_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.compiler.ir import Graph
+from llmc.kernels.quant import cache_head_dim, is_int8_cache, quantize_kv_rows
 from llmc.runtime.model_runner import allocate_kv_cache
 from llmc.runtime.torch_backend import TorchProgram
 
@@ -93,10 +94,12 @@ class BlockLayout:
 
 
 def garbage_cache(graph: Graph, layout: BlockLayout, seed: int = 0) -> torch.Tensor:
-    """A cache of the layout the graph's `kv_cache` input declares, full of random values."""
+    """A cache of the layout the graph's `kv_cache` input declares, full of random values; an
+    int8 cache holds the same values as a float one of the same seed, quantized row by row."""
     cache = allocate_kv_cache(graph.node_map()["kv_cache"].type, layout.num_blocks, layout.block_size)
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(cache.shape, generator=g).mul_(3.0).to(cache.dtype)
+    values = torch.randn((*cache.shape[:-1], cache_head_dim(cache)), generator=g).mul_(3.0)
+    return quantize_kv_rows(values) if is_int8_cache(cache) else values.to(cache.dtype)
 
 
 def step_feeds(graph: Graph, step: Step, layout: BlockLayout | None = None,

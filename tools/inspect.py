@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
 
-from llmc.runtime.artifact import verify_artifact
+from llmc.compiler.ir import Graph
+from llmc.runtime.artifact import REPORT_FILE, verify_artifact
+
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i8": 1, "u8": 1, "u4x2": 1, "bool": 1}
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
@@ -38,6 +43,56 @@ def artifact_summary(path: str | Path) -> str:
         body = sum(v for k, v in ops.items() if k not in ("input", "weight"))
         lines.append(f"graph      {entry}: {body} ops, {ops.get('weight', 0)} weights, inputs "
                      + ", ".join(f"{n.name}:{n.type}" for n in graph.inputs()))
+    report = json.loads((path / REPORT_FILE).read_text())
+    lines += quant_lines(compile_info.get("quant"), graphs, report)
     for name, entry in manifest["files"].items():
         lines.append(f"file       {name:<24} {human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
     return "\n".join(lines)
+
+
+def weight_bytes_by_format(graphs: dict[str, Graph]) -> dict[str, tuple[int, int]]:
+    """Stored weight bytes and tensor counts per format: 'int4-g32', 'int8-g576', 'f32', ..."""
+    formats: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for graph in graphs.values():
+        nodes = graph.node_map()
+        for node in graph.nodes:
+            if node.op in ("qlinear", "qembedding"):
+                codes = nodes[node.inputs[1 if node.op == "qlinear" else 0].node].type
+                per_channel = node.attrs["bits"] == 8 and node.attrs["group_size"] == codes.shape[1]
+                fmt = "int8-channel" if per_channel else f"int{node.attrs['bits']}-g{node.attrs['group_size']}"
+                for v in node.inputs:
+                    if nodes[v.node].op == "weight" and nodes[v.node].type.dtype in ("i8", "u4x2", "f16"):
+                        formats.setdefault(v.node, fmt)
+        for node in graph.weights():
+            n = 1
+            for d in node.type.shape:
+                n *= d
+            sizes[node.name] = n * ELEMENT_BYTES[node.type.dtype]
+            formats.setdefault(node.name, node.type.dtype)
+    out: dict[str, tuple[int, int]] = {}
+    for name, fmt in formats.items():
+        total, count = out.get(fmt, (0, 0))
+        out[fmt] = (total + sizes[name], count + (0 if name.endswith((".scales", ".mins")) else 1))
+    return out
+
+
+def quant_lines(recipe: dict | None, graphs: dict[str, Graph], report: dict) -> list[str]:
+    """The recipe, how each weight got its codes, bytes per format and the measured quality."""
+    lines = []
+    if recipe:
+        how = Counter(v.split(" to ")[0] for v in report.get("quantize_weights", {}).values())
+        ways = ", ".join(f"{way} {count}" for way, count in sorted(how.items()))
+        lines.append(f"quant      weights {recipe['weights']}" + (f" ({ways})" if ways else "")
+                     + f"; kv cache {recipe['kv_dtype']}; embeddings {'quantized' if recipe['embeddings'] else 'float'}")
+    for fmt, (size, count) in sorted(weight_bytes_by_format(graphs).items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"weights    {fmt:<10} {human_bytes(size):>10}  {count} tensors")
+    if quality := report.get("quality"):
+        lines.append(quality_line(quality))
+    return lines
+
+
+def quality_line(q: dict) -> str:
+    return (f"quality    perplexity {q['perplexity']:.4f} vs {q['reference_perplexity']:.4f} for {q['against']} "
+            f"({q['delta_perplexity_percent']:+.3f}%), mean KL {q['mean_kl']:.5f}, top-1 agreement "
+            f"{100 * q['top1_agreement']:.2f}% over {q['tokens']} tokens of {q['text']}")

@@ -30,17 +30,27 @@ def format_plan(cfg: ModelConfig, plan: MemoryPlan, weight_dtype: str, kv_dtype:
         f"memory            {human_bytes(plan.memory_bytes, 2)}",
         f"weights           {human_bytes(plan.weight_bytes, 2)} ({weight_dtype})",
         f"KV per token      {human_bytes(plan.kv_bytes_per_token, 2)} ({kv_dtype}; 2 x {cfg.num_layers} layers x "
-        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim} dims x {plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)} bytes)",
+        f"{cfg.num_kv_heads} kv heads x {_row(cfg, plan, kv_dtype)} bytes)",
         f"KV tokens         {plan.kv_tokens:,} in the {human_bytes(plan.memory_bytes - plan.weight_bytes, 2)} the weights leave",
         f"max sequences     {plan.max_sequences:,} at a context of {plan.context:,} tokens",
     ])
 
 
+def _row(cfg: ModelConfig, plan: MemoryPlan, kv_dtype: str) -> str:
+    """How one token's K (or V) row of one head adds up."""
+    row = plan.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads)
+    if kv_dtype == "int8":
+        return f"({cfg.head_dim} int8 codes + a 4-byte scale) = {row}"
+    return f"{cfg.head_dim} dims x {row // cfg.head_dim}"
+
+
 def plan_cmd(
     model: str = typer.Argument(..., help="config.json, HF folder, .gguf or artifact (weights are not read)"),
     memory: str = typer.Option(..., help="memory budget, e.g. 80GiB or 24GB"),
-    weight_dtype: str = typer.Option("float16", help="float32, bfloat16 or float16"),
-    kv_dtype: str = typer.Option("float16", help="float32, bfloat16 or float16"),
+    weight_dtype: str = typer.Option("float16", help="float32, bfloat16, float16, int8 or int4 (GEMM weights as "
+                                     "codes + fp16 scales; embeddings and norms at 2 bytes)"),
+    kv_dtype: str = typer.Option("float16", help="float32, bfloat16, float16 or int8 (codes + a scale per token "
+                                 "per KV head)"),
     context: Optional[int] = typer.Option(None, help="tokens per sequence (default: the model's context)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:

@@ -92,9 +92,10 @@ def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
 def prefill_flops(graph: Graph, artifact: Artifact, tokens: int) -> int:
     """FLOPs of one sequence's prefill: each GEMM over its rows (every token, or after the logits
     gather one row per sequence) plus causal attention."""
-    cfg = artifact.config
-    gemm = sum((tokens if n.type.shape[0] == "T" else 1) * artifact.weights[n.inputs[1].node[2:]].numel()
-               for n in graph.nodes if n.op == "linear")
+    cfg, nodes = artifact.config, graph.node_map()
+    width = lambda v: nodes[v.node].types[v.index].shape[-1]  # noqa: E731   (K of a GEMM's input x)
+    gemm = sum((tokens if n.type.shape[0] == "T" else 1) * n.type.shape[1] * width(n.inputs[0])
+               for n in graph.nodes if n.op in ("linear", "qlinear"))
     attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) // 2
     return 2 * gemm + attention
 
@@ -185,7 +186,7 @@ def profile_cmd(
     """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False))  # timed: eager
     if max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")

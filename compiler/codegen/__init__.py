@@ -1,11 +1,12 @@
 """The compiler's back end: every kernel unit of the lowered graphs becomes a Triton kernel module.
 
 Elementwise and row-wise units get a kernel written from their IR (pointwise.py); GEMM groups,
-RoPE + KV write, paged attention and row gathers instantiate hand-written templates
-(templates.py). A unit nothing can lower stops the compile with a CodegenError naming it: no
-group falls back silently. Modules with the same text are one file, named after their ops and a
-digest of the text (as Inductor names kernels), so the 30 layers of a model share a handful of
-kernels; each file's header lists the IR lines of every unit it serves.
+RoPE + KV write, paged attention and row gathers (over float or int8/int4 weights, a float or
+int8 KV cache) instantiate hand-written templates (templates.py). A unit nothing can lower
+stops the compile with a CodegenError naming it: no group falls back silently. Modules with
+the same text are one file, named after their ops and a digest of the text (as Inductor names
+kernels), so the 30 layers of a model share a handful of kernels; each file's header lists the
+IR lines of every unit it serves.
 
 `lower(graphs)` is deterministic: the compiler writes its modules into the artifact's kernels/
 folder, and the triton executor lowers the artifact's IR again to know which module each unit
@@ -31,8 +32,6 @@ NOT_LOWERED = {
     "kv_write": "a KV cache write outside rope_kv_write; keep the fuse_rope_kv_write pass",
     "rope": "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass",
     "concat": "a concat the fold_weights pass computes at compile time; keep that pass",
-    "qlinear": "a GEMM on int8/int4 weights; the cuda target has no dequantizing GEMM template yet",
-    "qembedding": "an embedding of int8/int4 rows; the cuda target has no dequantizing gather yet",
     "input": "a graph input, not an op", "weight": "a weight, not an op",
 }
 MAX_LISTED_UNITS = 6

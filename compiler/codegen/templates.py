@@ -1,10 +1,14 @@
 """Kernel modules for units that a hand-written Triton template computes.
 
   gemm group        linear (+ bias) -> [silu | silu_mul over the gate/up halves] -> [+ residual]:
-                    kernels/triton/gemm.py, the epilogue as the template's constexpr flags
+                    kernels/triton/gemm.py, the epilogue as the template's constexpr flags;
+                    qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
   paged_attention / paged_decode_attention   kernels/triton/paged_{prefill,decode}_attention.py
   embedding / index_select                   kernels/triton/gather.py
+  qembedding                                 kernels/triton/qembedding.py
+The rope_kv_write and attention launchers read an int8 KV cache (i8 rows of codes + fp32
+scale) or a float one; which is the cache tensor's dtype, so their modules are the same.
 
 Each module defines `build(device)`, which returns `launch(*inputs) -> outputs`: the unit's
 input values in, its output values out, in the unit's order. Attributes (layer, scale, eps,
@@ -13,13 +17,14 @@ head counts) are written into the module as constants.
 
 from __future__ import annotations
 
+from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node, TensorType, Value
 
 from .errors import CodegenError
 from .units import KernelUnit
 
-TEMPLATE_OPS = ("linear", "rope_kv_write", "paged_attention", "paged_decode_attention", "embedding",
-                "index_select")
+TEMPLATE_OPS = ("linear", "qlinear", "rope_kv_write", "paged_attention", "paged_decode_attention", "embedding",
+                "index_select", "qembedding")
 
 
 def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str],
@@ -51,21 +56,47 @@ def _pick(unit: KernelUnit, node: Node) -> list[str]:
     return [f"result[{v.index}]" for v in unit.outputs]
 
 
-def _gemm_configs(n_out: int, k: int, gated: bool) -> list[str]:
+def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
     """Launch configs chosen now, at compile time, per bucket of M (the step's token count)."""
     from llmc.kernels.triton.gemm import pick_config
+    from llmc.kernels.triton.qgemm import pick_qconfig
+
+    def pick(m: int):
+        if gemm.op == "qlinear":
+            a = gemm.attrs
+            return pick_qconfig(m, n_out, k, bits=a["bits"], group_size=a["group_size"], gated=gated)
+        return pick_config(m, n_out, k, gated=gated)
 
     buckets = [(16, 16), (32, 32), (64, 64), (None, 128)]
-    rows = [f"    ({limit}, {pick_config(m, n_out, k, gated=gated)!r})," for limit, m in buckets]
+    rows = [f"    ({limit}, {pick(m)!r})," for limit, m in buckets]
     return ["configs = [  # (most tokens, config), chosen at compile time", *rows, "]",
             "", "", "def config_for(tokens):", "    return next(c for limit, c in configs if limit is None or tokens <= limit)"]
 
 
+def _gemm_operands(unit: KernelUnit, gemm: Node) -> tuple[str, str, str]:
+    """(x, weight arguments, bias) of a linear or qlinear node as launch() expressions: a float
+    weight `w`, or the quantized weight's `codes, scales, mins`."""
+    args = [_arg(unit, v) for v in gemm.inputs]
+    if gemm.op == "linear":
+        return args[0], args[1], args[2] if len(args) == 3 else "None"
+    parts = 3 if gemm.attrs["bits"] == 4 else 2
+    weight = args[1:1 + parts] + ([] if parts == 3 else ["None"])
+    return args[0], ", ".join(weight), args[1 + parts] if len(args) > 1 + parts else "None"
+
+
+def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool) -> str:
+    x, weight, bias = operands
+    options = f"activation={activation!r}, gated={gated}, config=config_for({x}.shape[0])"
+    if gemm.op == "qlinear":
+        a = gemm.attrs
+        return (f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, "
+                f"group_size={a['group_size']}, {options})")
+    return f"linear_triton({x}, {weight}, {bias}, {residual}, {options})"
+
+
 def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
-    linear, *epilogue = unit.nodes
-    x, w, bias = _arg(unit, linear.inputs[0]), _arg(unit, linear.inputs[1]), \
-        (_arg(unit, linear.inputs[2]) if len(linear.inputs) == 3 else "None")
-    activation, gated, residual, last, split = "none", False, "None", linear.value(), None
+    gemm, *epilogue = unit.nodes
+    activation, gated, residual, last, split = "none", False, "None", gemm.value(), None
     for node in epilogue:
         if split is not None:
             raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} after a split of a GEMM's output")
@@ -86,11 +117,11 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     results = ["result"] if split is None else _split_views(unit, split)
     if split is None and unit.outputs != (last,):
         raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
-    n_out, k = types[linear.value()].shape[1], types[linear.inputs[1]].shape[1]
-    call = (f"linear_triton({x}, {w}, {bias}, {residual}, activation={activation!r}, gated={gated}, "
-            f"config=config_for({x}.shape[0]))")
-    imports = ["from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
-    return _module(unit, imports, [], call, results, _gemm_configs(n_out // 2 if gated else n_out, k, gated))
+    n_out, k = types[gemm.value()].shape[1], types[gemm.inputs[0]].shape[1]
+    call = _gemm_call(gemm, _gemm_operands(unit, gemm), residual, activation, gated)
+    imports = ["from llmc.kernels.triton.qgemm import GemmConfig, qlinear_triton" if gemm.op == "qlinear"
+               else "from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
+    return _module(unit, imports, [], call, results, _gemm_configs(gemm, n_out // 2 if gated else n_out, k, gated))
 
 
 def _split_views(unit: KernelUnit, split: Node) -> list[str]:
@@ -123,6 +154,16 @@ def _attention(unit: KernelUnit, node: Node) -> str:
     return _module(unit, [f"from llmc.kernels.triton.paged_{kind}_attention import {function}"], [], call, ["result"])
 
 
+def _qembedding(unit: KernelUnit, node: Node) -> str:
+    a = node.attrs
+    codes, scales, *rest = (_arg(unit, v) for v in node.inputs)
+    mins, ids = (rest if a["bits"] == 4 else ["None", *rest])
+    call = (f"qembedding_triton({codes}, {scales}, {mins}, {ids}, bits={a['bits']}, group_size={a['group_size']}, "
+            f"dtype={to_torch(a['dtype'])})")
+    return _module(unit, ["import torch", "", "from llmc.kernels.triton.qembedding import qembedding_triton"], [],
+                   call, ["result"])
+
+
 def _gather(unit: KernelUnit, node: Node) -> str:
     table, index = (node.inputs[0], node.inputs[1])
     call = f"gather_rows_triton({_arg(unit, table)}, {_arg(unit, index)})"
@@ -132,7 +173,7 @@ def _gather(unit: KernelUnit, node: Node) -> str:
 def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     """The kernel module of a template unit (see module docstring); CodegenError if none fits."""
     first = unit.nodes[0]
-    if first.op == "linear":
+    if first.op in ("linear", "qlinear"):
         return _gemm(unit, types)
     if len(unit.nodes) != 1:
         raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")
@@ -142,5 +183,7 @@ def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> 
         return _attention(unit, first)
     if first.op in ("embedding", "index_select"):
         return _gather(unit, first)
+    if first.op == "qembedding":
+        return _qembedding(unit, first)
     raise CodegenError(f"{unit.label}: codegen cannot lower op {first.op!r}; compile for --target cpu, or keep the "
                        "passes that turn it into ops with kernels")

@@ -1,10 +1,12 @@
 // Paged causal attention on the CPU: every query row reads its keys and values straight from
-// the paged KV cache, one block at a time, with an online softmax (no gathered copy of the
-// context, no score matrix in memory).
+// the paged KV cache with an online softmax (no gathered copy of the context, no score matrix
+// beyond one tile in memory).
 //
 // Contract (the meaning of kernels/attention.py's paged_attention_ref):
 //   q               [T, H*D]  f32 or bf16, contiguous; tokens of all sequences flattened
-//   kv_cache        [L, 2, NB, KVH, 16, D]  q's dtype, contiguous (block size 16)
+//   kv_cache        [L, 2, NB, KVH, 16, D]  q's dtype, contiguous (block size 16), or int8
+//                   [L, 2, NB, KVH, 16, D + 4]: each row D codes and its fp32 scale
+//                   (kernels/quant.py), dequantized as code * scale in fp32 as it is read
 //   block_tables    [S, MB]  int32: the blocks of each sequence, in order
 //   seq_lens        [S]      int32: tokens of each sequence in the cache after this step
 //   query_start_loc [S+1]    int32: sequence s owns query rows qsl[s] .. qsl[s+1]-1, its newest
@@ -14,125 +16,61 @@
 // D must be a multiple of 16 and H a multiple of KVH. Scores, softmax and the weighted sum are
 // computed in fp32.
 //
-// Work items are (sequence, KV head, tile of up to kTile queries). The G = H/KVH query heads
-// sharing a KV head and the queries of the tile are the rows of one item, so each key and value
-// is widened to fp32 once per item and used by all its rows. A block's 16 scores of one row
-// are one 16-lane vector, so the online-softmax update is a handful of vector ops per block.
+// Work items are (sequence, KV head, up to kQueries queries of its chunk): a decode (one query)
+// runs block by block (attention_items.h's run_rows; its G rows padded to a 16-row tile ran
+// 1.3-1.6x slower), a longer chunk in tiles of queries x keys as small GEMMs (run_tiles; from
+// 2 queries on faster than run_rows, 3.5-5x from 8). Items differ in cost (causal: later queries see more keys), so
+// the threads take them one at a time, largest first. `paged_attention_rows` runs every item
+// block by block: the one-query-at-a-time kernel, kept as the benchmarks' baseline.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
+#include <atomic>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
-#include "vec16.h"
+#include "attention_items.h"
 
 namespace {
 
-using llmc_cpu::Vec16;
+using llmc_cpu::Geometry;
+using llmc_cpu::Item;
+using llmc_cpu::kBlock;
 
-constexpr int64_t kBlock = 16;  // tokens per cache block: one vector of scores
-constexpr int64_t kTile = 16;   // queries of one chunk per work item
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Geometry {
-  int64_t heads, kv_heads, head_dim, groups;
-};
-
-struct Item {
-  int64_t seq, kv_head, first_query, num_queries;
-};
-
-// One query row: its fp32 query (pre-scaled), position, online-softmax state and accumulator.
-struct Row {
-  const float* q;
-  float* acc;
-  int64_t pos;
-  float max = kNegInf;
-  float sum = 0.f;
-};
-
-// Widens the first `visible` rows of one block's keys and values ([16, D] each) to fp32.
-template <typename T>
-void load_block(const T* k, const T* v, int64_t visible, int64_t d, float* k_f, float* v_f) {
-  for (int64_t i = 0; i < visible * d; i += 16) {
-    llmc_cpu::store16(k_f + i, llmc_cpu::load16(k + i));
-    llmc_cpu::store16(v_f + i, llmc_cpu::load16(v + i));
-  }
-}
-
-// Scores of one row against the `visible` first keys of a block ([16, D] rows of `k`).
-Vec16 block_scores(const Row& row, const float* k, int64_t visible, int64_t d) {
-  Vec16 scores = llmc_cpu::splat(kNegInf);
-  for (int64_t t = 0; t < visible; ++t) {
-    Vec16 dot{};
-    for (int64_t j = 0; j < d; j += 16) dot += llmc_cpu::load16(row.q + j) * llmc_cpu::load16(k + t * d + j);
-    scores[t] = llmc_cpu::hsum(dot);
-  }
-  return scores;
-}
-
-// Folds one block into a row: rescale the accumulator to the new max, add p * v per key.
-void fold_block(Row& row, Vec16 scores, const float* v, int64_t visible, int64_t d) {
-  const float new_max = std::max(row.max, llmc_cpu::hmax(scores));
-  const float rescale = std::exp(row.max - new_max);  // 0 on the first block
-  const Vec16 p = llmc_cpu::exp16(scores - new_max);  // masked lanes: exp(-inf) = 0
-  row.sum = row.sum * rescale + llmc_cpu::hsum(p);
-  row.max = new_max;
-  for (int64_t j = 0; j < d; j += 16) {
-    Vec16 acc = llmc_cpu::load16(row.acc + j) * rescale;
-    for (int64_t t = 0; t < visible; ++t) acc += p[t] * llmc_cpu::load16(v + t * d + j);
-    llmc_cpu::store16(row.acc + j, acc);
-  }
-}
-
-template <typename T>
-void run_item(const Item& it, const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table,
-              int64_t seq_len, int64_t chunk_start, int64_t chunk_len, const Geometry& g, float scale,
-              std::vector<float>& scratch, std::vector<Row>& rows) {
-  const int64_t d = g.head_dim;
-  const int64_t num_rows = it.num_queries * g.groups;
-  // [rows][D] queries, [rows][D] accumulators, then one block's keys and values [16][D] each
-  scratch.assign(2 * num_rows * d + 2 * kBlock * d, 0.f);
-  float* k_f = scratch.data() + 2 * num_rows * d;
-  float* v_f = k_f + kBlock * d;
-  rows.clear();
-  for (int64_t i = 0; i < it.num_queries; ++i)
-    for (int64_t h = 0; h < g.groups; ++h) {
-      const int64_t r = rows.size(), token = chunk_start + it.first_query + i;
-      const T* src = q + token * g.heads * d + (it.kv_head * g.groups + h) * d;
-      for (int64_t j = 0; j < d; ++j) scratch[r * d + j] = static_cast<float>(src[j]) * scale;
-      rows.push_back({scratch.data() + r * d, scratch.data() + (num_rows + r) * d,
-                      seq_len - chunk_len + it.first_query + i});
-    }
-  const int64_t last_pos = rows.back().pos;
-  for (int64_t b = 0; b * kBlock <= last_pos; ++b) {
-    const int64_t base = (static_cast<int64_t>(table[b]) * g.kv_heads + it.kv_head) * kBlock * d;
-    load_block(k_cache + base, v_cache + base, std::min(kBlock, last_pos + 1 - b * kBlock), d, k_f, v_f);
-    for (Row& row : rows) {
-      const int64_t visible = std::min(kBlock, row.pos + 1 - b * kBlock);
-      if (visible > 0) fold_block(row, block_scores(row, k_f, visible, d), v_f, visible, d);
-    }
-  }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t i = r / g.groups, h = r % g.groups, token = chunk_start + it.first_query + i;
-    T* dst = out + token * g.heads * d + (it.kv_head * g.groups + h) * d;
-    const float inv = 1.f / rows[r].sum;
-    for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<T>(rows[r].acc[j] * inv);
-  }
-}
+constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 
 std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads) {
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t first = 0; first < qsl[s + 1] - qsl[s]; first += kTile)
+    for (int64_t first = 0; first < qsl[s + 1] - qsl[s]; first += kQueries)
       for (int64_t h = 0; h < kv_heads; ++h)
-        items.push_back({s, h, first, std::min<int64_t>(kTile, qsl[s + 1] - qsl[s] - first)});
+        items.push_back({s, h, first, std::min<int64_t>(kQueries, qsl[s + 1] - qsl[s] - first)});
   return items;
+}
+
+// Runs fn(item, scratch) for every item on the intra-op threads, each taking the next item
+// left, in order of decreasing cost (queries x keys seen by the last one).
+template <typename T, typename C, typename Fn>
+void run_items(const std::vector<Item>& items, const llmc_cpu::Inputs<T, C>& in, Fn fn) {
+  std::vector<int64_t> cost(items.size()), order(items.size());
+  for (size_t i = 0; i < items.size(); ++i)
+    cost[i] = items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    llmc_cpu::Scratch scratch;
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) fn(items[order[i]], scratch);
+  });
+}
+
+int64_t head_dim(const at::Tensor& cache) {
+  return cache.size(5) - (cache.scalar_type() == at::kChar ? llmc_cpu::kScaleBytes : 0);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
@@ -141,17 +79,18 @@ void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
               q.scalar_type());
   TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "kv_cache must be a contiguous [L,2,NB,KVH,BS,D] tensor");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "kv_cache dtype ", cache.scalar_type(),
-              " differs from q dtype ", q.scalar_type());
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type() || cache.scalar_type() == at::kChar, "kv_cache dtype ",
+              cache.scalar_type(), " is neither int8 nor q's dtype ", q.scalar_type());
   TORCH_CHECK(cache.size(4) == kBlock, "block size ", cache.size(4), " is not ", kBlock);
-  TORCH_CHECK(cache.size(5) % 16 == 0, "head_dim ", cache.size(5), " is not a multiple of 16");
+  TORCH_CHECK(head_dim(cache) > 0 && head_dim(cache) % 16 == 0, "head_dim ", head_dim(cache),
+              " is not a positive multiple of 16");
   TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer ", layer, " is outside the cache's ", cache.size(0),
               " layers");
   for (const at::Tensor* t : {&tables, &lens, &qsl})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables and lengths must be contiguous int32");
   TORCH_CHECK(qsl.numel() == lens.numel() + 1 && tables.size(0) == lens.numel(),
               "query_start_loc needs S+1 entries and block_tables S rows");
-  TORCH_CHECK(q.size(1) % (cache.size(3) * cache.size(5)) == 0, "q width ", q.size(1),
+  TORCH_CHECK(q.size(1) % (cache.size(3) * head_dim(cache)) == 0, "q width ", q.size(1),
               " is not a multiple of kv_heads * head_dim");
 }
 
@@ -169,12 +108,25 @@ void check_layout(const int32_t* qsl, const int32_t* lens, const int32_t* tables
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
-                           double scale) {
+// Calls fn with null pointers of q's element type (float, bf16) and the cache's (q's or int8).
+template <typename Fn>
+void with_types(const at::Tensor& q, const at::Tensor& kv_cache, Fn fn) {
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  if (q.scalar_type() == at::kFloat && int8)
+    fn(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+  else if (q.scalar_type() == at::kFloat)
+    fn(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (int8)
+    fn(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+  else
+    fn(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer, double scale,
+                  bool tiled) {
   check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, layer);
-  const int64_t kv_heads = kv_cache.size(3), d = kv_cache.size(5);
-  const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
+  const int64_t kv_heads = kv_cache.size(3), d = head_dim(kv_cache);
   at::Tensor out = at::empty_like(q);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -182,27 +134,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   const int64_t width = block_tables.size(1);
   check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
   const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads);
-  const int64_t layer_stride = kv_cache.stride(0), half = kv_cache.stride(1);
-  const auto run = [&](auto* typed) {
+  const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    const T* k_cache = kv_cache.const_data_ptr<T>() + layer * layer_stride;
-    const T* v_cache = k_cache + half;
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      std::vector<Row> rows;
-      for (int64_t i = begin; i < end; ++i) {
-        const Item& it = items[i];
-        run_item(it, q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, v_cache, tables + it.seq * width,
-                 lens[it.seq], qsl[it.seq], qsl[it.seq + 1] - qsl[it.seq], g, static_cast<float>(scale),
-                 scratch, rows);
-      }
+    using C = std::remove_pointer_t<decltype(cache_typed)>;
+    const C* k_cache = kv_cache.const_data_ptr<C>() + layer * kv_cache.stride(0);
+    const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
+    const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
+                                    tables, width, lens, qsl, g, static_cast<float>(scale)};
+    run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
+      if (tiled && it.num_queries > 1)
+        llmc_cpu::run_chunk(in, it, w);
+      else
+        llmc_cpu::run_rows(in, it, w);
     });
   };
-  if (q.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr));
-  else
-    run(static_cast<c10::BFloat16*>(nullptr));
+  with_types(q, kv_cache, run);
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
+                           double scale) {
+  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, true);
+}
+
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
+                                double scale) {
+  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, false);
 }
 
 }  // namespace
@@ -210,6 +169,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int layer, float scale) -> Tensor");
+  m.def("paged_attention_rows(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, int layer, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(llmc, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_rows", &paged_attention_rows);
+}

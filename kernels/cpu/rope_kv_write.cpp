@@ -4,16 +4,23 @@
 //   q [T, H*D], k and v [T, KVH*D]  f32 or bf16, rows contiguous (any row stride: the q/k/v
 //                                   column ranges of a merged QKV GEMM's output are views)
 //   cos, sin      [T, D/2] f32, contiguous: the rotation angles of each token's position
-//   kv_cache      [L, 2, NB, KVH, BS, D] of q's dtype, contiguous
+//   kv_cache      [L, 2, NB, KVH, BS, D] of q's dtype, or int8 [L, 2, NB, KVH, BS, D + 4]
+//                 (each row D codes and its fp32 scale, kernels/quant.py), contiguous
 //   slot_mapping  [T] int64: block * BS + offset of each token; negative = padding, skipped
 //   returns the rotated q [T, H*D] (contiguous); rotated k and v are stored at their slots of
 //   `layer` in place. Rotate-half layout (Hugging Face's): each head's first half turns against
-//   its second half. The rotation is computed in fp32 and rounded once. D must be a multiple of 32.
+//   its second half. The rotation is computed in fp32 and rounded once: q and a float cache's k
+//   to q's dtype; an int8 cache's k is quantized from the fp32 rotation (v from its input
+//   values), by quantize_kv_rows's rule. D must be a multiple of 32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
+#include <vector>
+
+#include "kv_rows.h"
 #include "vec16.h"
 
 namespace {
@@ -22,9 +29,9 @@ using llmc_cpu::load16;
 using llmc_cpu::store16;
 using llmc_cpu::Vec16;
 
-// Rotates `heads` heads of one token from `src` into `dst`.
-template <typename T>
-void rotate_heads(const T* src, T* dst, int64_t heads, int64_t d, const float* cos, const float* sin) {
+// Rotates `heads` heads of one token from `src` into `dst` (T or float).
+template <typename T, typename O>
+void rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, const float* cos, const float* sin) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h, src += d, dst += d)
     for (int64_t j = 0; j < half; j += 16) {
@@ -38,14 +45,33 @@ struct Layout {
   int64_t heads, kv_heads, head_dim, block_size, num_blocks;
 };
 
-template <typename T>
+// Writes one token's K and V rows of every KV head at `at` (the head-0 row of its slot).
+template <typename T, typename C>
+void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const Layout& s, const float* cos,
+              const float* sin, float* row) {
+  const int64_t d = s.head_dim, head_stride = s.block_size * llmc_cpu::row_elems<C>(d);
+  for (int64_t h = 0; h < s.kv_heads; ++h, at += head_stride) {
+    if constexpr (std::is_same_v<C, int8_t>) {
+      rotate_heads(k + h * d, row, 1, d, cos, sin);  // quantized from the fp32 rotation
+      llmc_cpu::store_row(row, d, k_cache + at);
+      llmc_cpu::widen_row(v + h * d, d, row);
+      llmc_cpu::store_row(row, d, v_cache + at);
+    } else {
+      rotate_heads(k + h * d, k_cache + at, 1, d, cos, sin);
+      for (int64_t j = 0; j < d; ++j) v_cache[at + j] = v[h * d + j];
+    }
+  }
+}
+
+template <typename T, typename C>
 void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots, int64_t layer,
                  at::Tensor& q_out, const Layout& s) {
-  const int64_t d = s.head_dim, half = d / 2, block_elems = s.kv_heads * s.block_size * d;
-  T* k_cache = cache.data_ptr<T>() + layer * cache.stride(0);
-  T* v_cache = k_cache + cache.stride(1);
+  const int64_t d = s.head_dim, half = d / 2, row = llmc_cpu::row_elems<C>(d);
+  C* k_cache = cache.data_ptr<C>() + layer * cache.stride(0);
+  C* v_cache = k_cache + cache.stride(1);
   at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(d);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos.const_data_ptr<float>() + t * half;
       const float* sn = sin.const_data_ptr<float>() + t * half;
@@ -53,12 +79,8 @@ void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t slot = slots.const_data_ptr<int64_t>()[t];
       if (slot < 0) continue;
       const int64_t block = slot / s.block_size, offset = slot % s.block_size;
-      for (int64_t h = 0; h < s.kv_heads; ++h) {
-        const int64_t at = block * block_elems + (h * s.block_size + offset) * d;
-        rotate_heads(k.const_data_ptr<T>() + t * k.stride(0) + h * d, k_cache + at, 1, d, c, sn);
-        const T* vs = v.const_data_ptr<T>() + t * v.stride(0) + h * d;
-        for (int64_t j = 0; j < d; ++j) v_cache[at + j] = vs[j];
-      }
+      write_kv(k.const_data_ptr<T>() + t * k.stride(0), v.const_data_ptr<T>() + t * v.stride(0), k_cache, v_cache,
+               (block * s.kv_heads * s.block_size + offset) * row, s, c, sn, scratch.data());
     }
   });
 }
@@ -66,13 +88,17 @@ void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping, int64_t layer) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous [L,2,NB,KVH,BS,D] tensor");
-  const Layout s{q.size(1) / kv_cache.size(5), kv_cache.size(3), kv_cache.size(5), kv_cache.size(4), kv_cache.size(2)};
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t d = kv_cache.size(5) - (int8 ? llmc_cpu::kScaleBytes : 0);
+  TORCH_CHECK(d > 0 && d % 32 == 0, "head_dim ", d, " is not a positive multiple of 32");
+  const Layout s{q.size(1) / d, kv_cache.size(3), d, kv_cache.size(4), kv_cache.size(2)};
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
+              q.scalar_type());
+  TORCH_CHECK(int8 || kv_cache.scalar_type() == q.scalar_type(), "the cache must be int8 or q's dtype ",
+              q.scalar_type(), ", not ", kv_cache.scalar_type());
   for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK(x->dim() == 2 && x->stride(1) == 1 && x->size(0) == q.size(0) && x->scalar_type() == kv_cache.scalar_type(),
-                "q, k and v must be [T, width] rows of the cache's dtype");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
-              "the cache must be f32 or bf16, not ", kv_cache.scalar_type());
-  TORCH_CHECK(s.head_dim % 32 == 0, "head_dim ", s.head_dim, " is not a multiple of 32");
+    TORCH_CHECK(x->dim() == 2 && x->stride(1) == 1 && x->size(0) == q.size(0) && x->scalar_type() == q.scalar_type(),
+                "q, k and v must be [T, width] rows of one dtype");
   TORCH_CHECK(k.size(1) == s.kv_heads * s.head_dim && v.size(1) == k.size(1) && q.size(1) % s.head_dim == 0,
               "q, k, v widths do not match the cache's heads");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
@@ -86,10 +112,15 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
     TORCH_CHECK(slots[t] < s.num_blocks * s.block_size, "slot ", slots[t], " is outside the cache's ",
                 s.num_blocks * s.block_size, " slots");
   at::Tensor q_out = at::empty({q.size(0), q.size(1)}, q.options());
-  if (q.scalar_type() == at::kFloat)
-    rope_tokens<float>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
+  const bool f32 = q.scalar_type() == at::kFloat;
+  if (int8 && f32)
+    rope_tokens<float, int8_t>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
+  else if (int8)
+    rope_tokens<c10::BFloat16, int8_t>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
+  else if (f32)
+    rope_tokens<float, float>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
   else
-    rope_tokens<c10::BFloat16>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
+    rope_tokens<c10::BFloat16, c10::BFloat16>(q, k, v, cos, sin, kv_cache, slot_mapping, layer, q_out, s);
   return q_out;
 }
 

@@ -99,15 +99,7 @@ def _linear_kernel(
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped tile order (the tutorial's): GROUP_M row tiles share each column tile in L2.
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * tiles_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)       # [BM]
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)       # [BN]
     offs_k = tl.arange(0, BLOCK_K)                                        # [BK]
@@ -121,14 +113,35 @@ def _linear_kernel(
         a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
         b = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = _dot(a, b, acc, DOT_FP32, INPUT_PRECISION)
+        acc = dot_acc(a, b, acc, DOT_FP32, INPUT_PRECISION)
         if GATED:
             b_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
-            acc_up = _dot(a, b_up, acc_up, DOT_FP32, INPUT_PRECISION)
+            acc_up = dot_acc(a, b_up, acc_up, DOT_FP32, INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue, all on the fp32 accumulators.
+    store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
+                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GATED)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in the tutorial's grouped order: GROUP_M row
+    tiles share each column tile in L2."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * tiles_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+@triton.jit
+def store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
+                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr):
+    """The contract's epilogue on the fp32 accumulators [BM, BN] (acc_up: the up columns j + N,
+    read only if GATED), then one rounding to out's dtype at the masked store."""
+    mask_m, mask_n = offs_m < M, offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -146,7 +159,7 @@ def _linear_kernel(
 
 
 @triton.jit
-def _dot(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """acc + a @ b, the operands upcast to fp32 first when DOT_FP32."""
     if DOT_FP32:
         a, b = a.to(tl.float32), b.to(tl.float32)

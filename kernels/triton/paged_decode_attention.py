@@ -51,8 +51,8 @@ def decode_splits(num_seqs: int, kv_heads: int, max_context: int) -> tuple[int, 
 @triton.jit
 def _decode_split_kernel(
     q_ptr,            # [S, H * D] one query per sequence (row stride stride_q)
-    k_cache_ptr,      # [NB, KVH, BS, D] keys of this layer
-    v_cache_ptr,      # [NB, KVH, BS, D] values of this layer
+    k_cache_ptr,      # [NB, KVH, BS, D] keys of this layer (int8: rows of D + 4 bytes)
+    v_cache_ptr,      # [NB, KVH, BS, D] values of this layer (likewise)
     block_tables_ptr,  # [S, MB] block ids of each sequence
     seq_lens_ptr,     # [S] keys of each sequence
     part_acc_ptr,     # [S, H, splits, D_PAD] fp32 out: unnormalised sum of p * v per split
@@ -60,7 +60,7 @@ def _decode_split_kernel(
     part_sum_ptr,     # [S, H, splits] fp32 out: sum of exp2(score - max) over the split
     qk_scale, split_len, stride_q, stride_table, stride_block, stride_head, stride_offset,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    D_PAD: tl.constexpr, TILE: tl.constexpr,
+    D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = GROUP * tl.num_programs(1), tl.num_programs(2)
@@ -82,7 +82,8 @@ def _decode_split_kernel(
         keys = tile_start + tl.arange(0, TILE)                                        # [TILE]
         key_mask = keys < end
         k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
-                            stride_offset, BLOCK_SIZE)
+                            stride_offset, BLOCK_SIZE, HEAD_DIM, KV_INT8)
+        k, v = k.to(q.dtype), v.to(q.dtype)                                           # no-op for a float cache
         m, l, acc = online_softmax_step(q, k, v, key_mask[None, :], m, l, acc, qk_scale)
 
     part = (seq * num_heads + heads) * num_splits + split                            # [BLOCK_G]
@@ -137,7 +138,8 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block
         qk_scale(scale), split_len, q.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad, TILE=TILE)
+        BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad, TILE=TILE,
+        KV_INT8=kv_cache.dtype == torch.int8)
     _decode_merge_kernel[(shape.num_seqs, shape.heads)](
         part_acc, part_max, part_sum, out, num_splits, out.stride(0),
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))

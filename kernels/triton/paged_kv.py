@@ -3,7 +3,10 @@ softmax step, and the launchers' contract checks.
 
 Contract (both kernels; kernels/attention.py states the layouts):
   q            [T, H * D]  fp32, fp16 or bf16; the last dim contiguous (a row stride is allowed)
-  kv_cache     [L, 2, NB, KVH, BS, D], q's dtype and device; BS a power of two; D any value
+  kv_cache     [L, 2, NB, KVH, BS, D], q's dtype and device; BS a power of two; D any value; or
+               int8 [L, 2, NB, KVH, BS, D + 4] (kernels/quant.py: D codes, then the fp32 scale), D a
+               multiple of 4; its K/V tiles are dequantized in registers and rounded to q's dtype
+               for the dots, as the refs round `dequantize_kv_rows` to q's dtype
   block_tables [S, MB] int32/int64; entries past a sequence's ceil(seq_len / BS) blocks are never read
   seq_lens     [S] int32/int64, each <= MB * BS (not checked: that would need a host sync)
   out          [T, H * D] in q's dtype on q's device (optional; a fresh tensor otherwise)
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from llmc.kernels.quant import KV_SCALE_BYTES, cache_head_dim, is_int8_cache
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -54,24 +59,29 @@ class PagedShape:
 
 
 @triton.jit
-def kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE: tl.constexpr):
-    """Element offsets [TILE, D_PAD] of key positions `keys` [TILE] within one KV head of the cache.
+def kv_row_offsets(table_row, keys, key_mask, stride_block, stride_offset, BLOCK_SIZE: tl.constexpr):
+    """Element offsets [TILE] of the cache rows of key positions `keys` [TILE] within one KV head.
 
     table_row: pointer to the sequence's block table row; only entries of masked-in keys are read.
     """
     block = tl.load(table_row + keys // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)  # [TILE]
-    slot = block * stride_block + (keys % BLOCK_SIZE).to(tl.int64) * stride_offset         # [TILE]
-    return slot[:, None] + offs_d[None, :]
+    return block * stride_block + (keys % BLOCK_SIZE).to(tl.int64) * stride_offset
 
 
 @triton.jit
 def load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block, stride_offset,
-                 BLOCK_SIZE: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr):
     """K and V [TILE, D_PAD] of key positions `keys` [TILE] of one KV head; masked keys and padded
-    dims read as 0."""
-    offs = kv_tile_offsets(table_row, keys, key_mask, offs_d, stride_block, stride_offset, BLOCK_SIZE)
-    kv_mask = key_mask[:, None] & d_mask[None, :]
-    return tl.load(k_head + offs, mask=kv_mask, other=0.0), tl.load(v_head + offs, mask=kv_mask, other=0.0)
+    dims read as 0. A float cache's tiles come in its dtype; an int8 cache's rows are dequantized
+    in registers, code * scale in fp32 (the fp32 scale read from byte HEAD_DIM of each row)."""
+    rows = kv_row_offsets(table_row, keys, key_mask, stride_block, stride_offset, BLOCK_SIZE)  # [TILE]
+    offs, kv_mask = rows[:, None] + offs_d[None, :], key_mask[:, None] & d_mask[None, :]
+    k, v = tl.load(k_head + offs, mask=kv_mask, other=0.0), tl.load(v_head + offs, mask=kv_mask, other=0.0)
+    if KV_INT8:
+        k_scale = tl.load((k_head + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=key_mask, other=0.0)
+        v_scale = tl.load((v_head + rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=key_mask, other=0.0)
+        k, v = k.to(tl.float32) * k_scale[:, None], v.to(tl.float32) * v_scale[:, None]
+    return k, v
 
 
 @triton.jit
@@ -101,10 +111,14 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_cache must be [L, 2, NB, KVH, BS, D] with a contiguous last dim; got "
                          f"{tuple(kv_cache.shape)} strides {kv_cache.stride()}")
-    if kv_cache.dtype != q.dtype or kv_cache.device != q.device:
-        raise ValueError(f"kv_cache must match q's dtype and device ({q.dtype}, {q.device}); got "
+    if kv_cache.dtype not in (q.dtype, torch.int8) or kv_cache.device != q.device:
+        raise ValueError(f"kv_cache must match q's dtype and device ({q.dtype}, {q.device}), or be int8; got "
                          f"{kv_cache.dtype} on {kv_cache.device}")
-    layers, _, _, kv_heads, block_size, head_dim = kv_cache.shape
+    layers, _, _, kv_heads, block_size, _ = kv_cache.shape
+    head_dim = cache_head_dim(kv_cache)
+    if is_int8_cache(kv_cache) and (head_dim <= 0 or head_dim % KV_SCALE_BYTES):
+        raise ValueError(f"an int8 cache's rows are D codes + a 4-byte scale with D a multiple of 4; got rows of "
+                         f"{kv_cache.shape[-1]} bytes")
     if block_size & (block_size - 1) or block_size == 0:
         raise ValueError(f"the cache's block size must be a power of two; got {block_size}")
     if not 0 <= layer < layers:

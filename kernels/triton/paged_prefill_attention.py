@@ -53,15 +53,15 @@ def _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr
 @triton.jit
 def _prefill_kernel(
     q_ptr,            # [T, H * D] queries of all sequences, packed (row stride stride_q)
-    k_cache_ptr,      # [NB, KVH, BS, D] keys of this layer
-    v_cache_ptr,      # [NB, KVH, BS, D] values of this layer
+    k_cache_ptr,      # [NB, KVH, BS, D] keys of this layer (int8: rows of D + 4 bytes)
+    v_cache_ptr,      # [NB, KVH, BS, D] values of this layer (likewise)
     block_tables_ptr,  # [S, MB] block ids of each sequence
     seq_lens_ptr,     # [S] keys of each sequence, this step's included
     query_start_loc_ptr,  # [S + 1] first query row of each sequence
     out_ptr,          # [T, H * D] out, q's dtype (row stride stride_out)
     num_seqs, qk_scale, stride_q, stride_out, stride_table, stride_block, stride_head, stride_offset,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
@@ -91,7 +91,8 @@ def _prefill_kernel(
         keys = tile_start + tl.arange(0, TILE)                                        # [TILE]
         key_mask = keys < end
         k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
-                            stride_offset, BLOCK_SIZE)
+                            stride_offset, BLOCK_SIZE, HEAD_DIM, KV_INT8)
+        k, v = k.to(q.dtype), v.to(q.dtype)                                           # no-op for a float cache
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])           # [BLOCK_M, TILE]
         m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, qk_scale)
 
@@ -120,5 +121,6 @@ def paged_prefill_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, bloc
         shape.num_seqs, qk_scale(scale), q.stride(0), out.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size, G_PAD=group_padded,
-        BLOCK_Q=block_q, D_PAD=shape.head_dim_padded, TILE=TILE)
+        BLOCK_Q=block_q, D_PAD=shape.head_dim_padded, TILE=TILE,
+        KV_INT8=kv_cache.dtype == torch.int8)
     return out

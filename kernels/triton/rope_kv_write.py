@@ -5,7 +5,9 @@ Contract (kernels/rope_kv_write.py's `rope_kv_write_ref`, same tensors):
                 columns of a merged QKV GEMM), or (q, k, v, positions, kv_cache, slot_mapping) with
                 q [T, H * D], k and v [T, KVH * D]; one float dtype, each row contiguous
   positions     [T] int32/int64
-  kv_cache      [L, 2, NB, KVH, BS, D] (kernels/attention.py), any float dtype, dim stride 1
+  kv_cache      [L, 2, NB, KVH, BS, D] (kernels/attention.py), any float dtype, dim stride 1; or
+                int8 [L, 2, NB, KVH, BS, D + 4] (kernels/quant.py), D a multiple of 4 (the scale's
+                alignment), each row quantized as `quantize_kv_rows` (k after rounding to k's dtype)
   slot_mapping  [T] int32/int64: block * BS + offset; negative = padding, no K/V written. A slot
                 must lie inside the cache: it is not checked (that would need a host sync)
   inv_freq      [D / 2] fp32 from kernels/rope.py `rope_inv_freq`, so every scaling rule applies
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant import KV_SCALE_BYTES, cache_head_dim, is_int8_cache
 from ..rope_kv_write import rope_kv_write_ref, unpack_inputs
 
 __all__ = ["rope_kv_write_ref", "rope_kv_write_triton"]
@@ -53,13 +56,13 @@ def _rope_kv_write_kernel(
     inv_freq_ptr,   # inv_freq [D/2] fp32
     slots_ptr,      # slot_mapping [T] int, negative = padding
     q_out_ptr,      # q_out [T, H*D], row stride stride_qo: the rotated q, written for every token
-    k_cache_ptr,    # kv_cache[layer, 0] [NB, KVH, BS, D]: rotated k written at each valid slot
-    v_cache_ptr,    # kv_cache[layer, 1] [NB, KVH, BS, D]: v written at each valid slot
+    k_cache_ptr,    # kv_cache[layer, 0] [NB, KVH, BS, D] (int8: D + 4): rotated k written at each valid slot
+    v_cache_ptr,    # kv_cache[layer, 1] [NB, KVH, BS, D] (int8: D + 4): v written at each valid slot
     stride_q, stride_k, stride_v, stride_qo,
     stride_block, stride_head, stride_offset,       # the cache's strides (dim stride is 1)
     BLOCK_SIZE,                                     # BS: tokens per cache block
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -78,13 +81,51 @@ def _rope_kv_write_kernel(
     kv_mask = kv_mask & (slot >= 0)                                        # padding: no K/V write
     kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
     at = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset
-    cache = at + kv_heads * stride_head + dims[None, :]                    # [BKVH, BHALF]
-    tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    rows = at + kv_heads * stride_head                                     # [BKVH, 1]: each head's cache row
+    k_dtype = k_ptr.dtype.element_ty                                       # the ref ropes k in its own dtype
+    _store_rows(k_cache_ptr + rows, k1.to(k_dtype).to(tl.float32), k2.to(k_dtype).to(tl.float32), kv_mask,
+                dims[None, :], HALF, KV_INT8)
     v_row = v_ptr + t * stride_v + kv_heads * (2 * HALF) + dims[None, :]   # [BKVH, BHALF]
-    for half in tl.static_range(2):
-        v = tl.load(v_row + half * HALF, mask=kv_mask, other=0.0)
-        tl.store(v_cache_ptr + cache + half * HALF, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v1 = tl.load(v_row, mask=kv_mask, other=0.0).to(tl.float32)
+    v2 = tl.load(v_row + HALF, mask=kv_mask, other=0.0).to(tl.float32)
+    _store_rows(v_cache_ptr + rows, v1, v2, kv_mask, dims[None, :], HALF, KV_INT8)
+
+
+@triton.jit
+def round_half_even(y):
+    """rint(y) for fp32 |y| < 2**22 from floor and exact comparisons (libdevice's rint has no
+    interpreter version; floor(y + 0.5) rounds ties up and 0.49999997 to 1)."""
+    r = tl.floor(y)
+    frac = y - r                                                           # exact
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where((frac > 0.5) | ((frac == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _codes(x, scale):
+    """int8 codes of x [R, BHALF] at its rows' scales [R, 1]: rint(x / scale) clamped to +-127."""
+    return tl.clamp(round_half_even(tl.math.div_rn(x, scale)), -127.0, 127.0).to(tl.int8)
+
+
+@triton.jit
+def _store_rows(row_ptrs, x1, x2, mask, dims, HALF: tl.constexpr, KV_INT8: tl.constexpr):
+    """Store rows [R, D] given as halves x1, x2 [R, BHALF] (fp32) at `row_ptrs` [R, 1], masked.
+
+    Float cache: cast to its dtype. int8 cache (kernels/quant.py `quantize_kv_rows`): scale =
+    amax(|row|) / 127, codes rint(x / scale) clamped to +-127 (0 for a zero row), both divisions
+    IEEE (div_rn; Triton's `/` is approximate on a GPU); the scale's fp32 bytes at byte D of the row.
+    """
+    if KV_INT8:
+        amax = tl.maximum(tl.max(tl.where(mask, tl.abs(x1), 0.0), 1), tl.max(tl.where(mask, tl.abs(x2), 0.0), 1))
+        scale = tl.math.div_rn(amax, 127.0)                                 # [R]
+        safe = tl.where(scale > 0, scale, 1.0)[:, None]                    # [R, 1]
+        tl.store(row_ptrs + dims, _codes(x1, safe), mask=mask)
+        tl.store(row_ptrs + HALF + dims, _codes(x2, safe), mask=mask)
+        scale_ptrs = (row_ptrs + 2 * HALF).to(tl.pointer_type(tl.float32))  # [R, 1], 4-byte aligned
+        tl.store(scale_ptrs, scale[:, None], mask=tl.max(mask.to(tl.int32), 1)[:, None] > 0)
+    else:
+        tl.store(row_ptrs + dims, x1.to(row_ptrs.dtype.element_ty), mask=mask)
+        tl.store(row_ptrs + HALF + dims, x2.to(row_ptrs.dtype.element_ty), mask=mask)
 
 
 def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -107,7 +148,7 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), *k_cache.stride()[:3], kv_cache.shape[4],
         HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_INT8=is_int8_cache(kv_cache),
     )
     return q_out, kv_cache
 
@@ -129,9 +170,11 @@ def _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, 
         if tuple(t.shape) != (tokens,) or t.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name} must be [{tokens}] int32/int64; got {tuple(t.shape)} {t.dtype}")
     layout_ok = kv_cache.dim() == 6 and kv_cache.shape[1] == 2 and kv_cache.shape[3] == num_kv_heads
-    if not layout_ok or kv_cache.shape[5] != head_dim or kv_cache.stride(5) != 1 or kv_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"kv_cache must be [L, 2, NB, {num_kv_heads}, BS, {head_dim}] of a float dtype with "
-                         f"contiguous rows; got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    dtype_ok = kv_cache.dtype in FLOAT_DTYPES or (is_int8_cache(kv_cache) and head_dim % KV_SCALE_BYTES == 0)
+    if not layout_ok or cache_head_dim(kv_cache) != head_dim or kv_cache.stride(5) != 1 or not dtype_ok:
+        raise ValueError(f"kv_cache must be [L, 2, NB, {num_kv_heads}, BS, {head_dim}] of a float dtype, or int8 "
+                         f"[.., {head_dim} + 4] with head_dim a multiple of 4, with contiguous rows; got "
+                         f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     if not 0 <= layer < kv_cache.shape[0]:
         raise ValueError(f"layer {layer} is outside the cache's {kv_cache.shape[0]} layers")
     if tuple(inv_freq.shape) != (head_dim // 2,) or inv_freq.dtype != torch.float32:

@@ -1,0 +1,234 @@
+// The two ways paged_attention.cpp runs one work item: (sequence, KV head, queries of one chunk).
+// The item's rows are its queries times the G query heads sharing the KV head (row r = query
+// r / G, head r % G), so each key and value is read from the cache, widened to fp32 (int8 rows
+// dequantized) once per item and used by all its rows.
+//
+//   run_rows   a decode: each row folds one cache block (16 keys, one vector of scores) at a
+//              time into its online softmax; few rows, so no tiles to pack.
+//   run_tiles  a prompt chunk: tiles of kKeys keys are met by all rows at once as two small
+//              GEMMs (attention_tiles.h); tiles past the item's last query are never read, the
+//              causal mask is applied only on the diagonal tiles. run_tiles_bf16 is the same
+//              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "attention_tiles.h"
+#include "kv_rows.h"
+#include "vec16.h"
+
+namespace llmc_cpu {
+
+constexpr int64_t kBlock = 16;  // tokens per cache block
+
+struct Geometry {
+  int64_t heads, kv_heads, head_dim, groups;
+};
+
+struct Item {
+  int64_t seq, kv_head, first_query, num_queries;
+};
+
+// The op's inputs, `layer`'s K and V halves of the cache, as raw pointers.
+template <typename T, typename C>
+struct Inputs {
+  const T* q;
+  T* out;
+  const C* k_cache;
+  const C* v_cache;
+  const int32_t* tables;  // [S, width]
+  int64_t width;
+  const int32_t* lens;
+  const int32_t* qsl;
+  Geometry g;
+  float scale;
+
+  int64_t first_pos(const Item& it) const { return lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.first_query; }
+  int64_t token(const Item& it, int64_t row) const { return qsl[it.seq] + it.first_query + row / g.groups; }
+  int64_t head(const Item& it, int64_t row) const { return it.kv_head * g.groups + row % g.groups; }
+  // Offset of the item's KV head's first row in block `b` of its sequence.
+  int64_t block_offset(const Item& it, int64_t b) const {
+    const int64_t block = tables[it.seq * width + b];
+    return (block * g.kv_heads + it.kv_head) * kBlock * row_elems<C>(g.head_dim);
+  }
+};
+
+// Per-thread working memory, reused from item to item.
+struct Scratch {
+  std::vector<float> q, qt, o, s, k, v, max, sum, alpha;
+  std::vector<int32_t> pos;
+  std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs
+};
+
+// The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q
+// [rows][D]; zeroed outputs and fresh online-softmax state for `allocated` >= rows rows.
+template <typename T, typename C>
+void start_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t allocated, float scale, Scratch& w) {
+  const int64_t d = in.g.head_dim;
+  w.q.resize(rows * d);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d;
+    for (int64_t j = 0; j < d; j += 16) store16(w.q.data() + r * d + j, load16(src + j) * scale);
+  }
+  w.o.assign(allocated * d, 0.f);
+  w.max.assign(allocated, tiles::kNegInf);
+  w.sum.assign(allocated, 0.f);
+}
+
+template <typename T, typename C>
+void finish_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, const Scratch& w) {
+  const int64_t d = in.g.head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = in.out + (in.token(it, r) * in.g.heads + in.head(it, r)) * d;
+    const float inv = 1.f / w.sum[r];
+    for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16(w.o.data() + r * d + j) * inv);
+  }
+}
+
+// Keys and values `first`..`first + count - 1` (within one block or a tile of blocks) as fp32
+// rows into k and v [padded][D]; rows count..padded-1 zeroed.
+template <typename T, typename C>
+void load_keys(const Inputs<T, C>& in, const Item& it, int64_t first, int64_t count, int64_t padded, float* k,
+               float* v) {
+  const int64_t d = in.g.head_dim, row = row_elems<C>(d);
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t at = in.block_offset(it, (first + n) / kBlock) + ((first + n) % kBlock) * row;
+    widen_row(in.k_cache + at, d, k + n * d);
+    widen_row(in.v_cache + at, d, v + n * d);
+  }
+  std::fill(k + count * d, k + padded * d, 0.f);
+  std::fill(v + count * d, v + padded * d, 0.f);
+}
+
+// Scores of one row against the `visible` first keys of a block ([16, D] rows of `k`).
+inline Vec16 block_scores(const float* q, const float* k, int64_t visible, int64_t d) {
+  Vec16 scores = splat(tiles::kNegInf);
+  for (int64_t t = 0; t < visible; ++t) {
+    Vec16 dot{};
+    for (int64_t j = 0; j < d; j += 16) dot += load16(q + j) * load16(k + t * d + j);
+    scores[t] = hsum(dot);
+  }
+  return scores;
+}
+
+// Folds one block into a row: rescale the accumulator to the new max, add p * v per key.
+inline void fold_block(float* acc, float& max, float& sum, Vec16 scores, const float* v, int64_t visible,
+                       int64_t d) {
+  const float new_max = std::max(max, hmax(scores));
+  const float rescale = std::exp(max - new_max);  // 0 on the first block
+  const Vec16 p = exp16(scores - new_max);        // masked lanes: exp(-inf) = 0
+  sum = sum * rescale + hsum(p);
+  max = new_max;
+  for (int64_t j = 0; j < d; j += 16) {
+    Vec16 a = load16(acc + j) * rescale;
+    for (int64_t t = 0; t < visible; ++t) a += p[t] * load16(v + t * d + j);
+    store16(acc + j, a);
+  }
+}
+
+template <typename T, typename C>
+void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1;
+  start_rows(in, it, rows, rows, in.scale, w);
+  w.k.resize(kBlock * d);
+  w.v.resize(kBlock * d);
+  for (int64_t b = 0; b * kBlock <= last_pos; ++b) {
+    load_keys(in, it, b * kBlock, std::min(kBlock, last_pos + 1 - b * kBlock), kBlock, w.k.data(), w.v.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min(kBlock, first_pos + r / in.g.groups + 1 - b * kBlock);
+      if (visible > 0)
+        fold_block(w.o.data() + r * d, w.max[r], w.sum[r], block_scores(w.q.data() + r * d, w.k.data(), visible, d),
+                   w.v.data(), visible, d);
+    }
+  }
+  finish_rows(in, it, rows, w);
+}
+
+// The tiles' shared set-up: queries (scaled by `scale`) in w.q, each row's position in w.pos
+// [R] (padding rows: zero queries at the last position), scratch for one tile.
+template <typename T, typename C>
+void start_tiles(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t padded_rows, float scale, Scratch& w) {
+  const int64_t d = in.g.head_dim, first_pos = in.first_pos(it);
+  start_rows(in, it, rows, padded_rows, scale, w);
+  w.pos.assign(padded_rows, static_cast<int32_t>(first_pos + it.num_queries - 1));
+  for (int64_t r = 0; r < rows; ++r) w.pos[r] = static_cast<int32_t>(first_pos + r / in.g.groups);
+  w.k.resize(tiles::kKeys * d);
+  w.v.resize(tiles::kKeys * d);
+  w.s.resize(tiles::kKeys * padded_rows);
+  w.alpha.resize(padded_rows);
+}
+
+template <typename T, typename C>
+void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
+  start_tiles(in, it, rows, padded_rows, in.scale, w);
+  w.qt.assign(d * padded_rows, 0.f);  // [D][R]
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
+  for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
+    const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
+    load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
+    tiles::scores<tiles::F32>(w.qt.data(), padded_rows, d, w.k.data(), padded, w.s.data());
+    tiles::softmax<false>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos, 1.f,
+                          w.max.data(), w.sum.data(), w.alpha.data(), nullptr);
+    tiles::accumulate<tiles::F32>(w.s.data(), w.alpha.data(), padded_rows, padded, w.v.data(), d, w.o.data());
+  }
+  finish_rows(in, it, rows, w);
+}
+
+#ifdef __AVX512BF16__
+// run_tiles with bf16 operands and fp32 accumulation (vdpbf16ps): q as it is, K and V rounded
+// to bf16 (exact for a bf16 cache; an int8 row's code * scale rounded, as the ref rounds it to
+// q's dtype), the scale applied to the fp32 scores, probabilities rounded to bf16 (as the
+// ref's are) for the product with V. Operands are pairs along each GEMM's depth.
+template <typename C>
+void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
+  start_tiles(in, it, rows, padded_rows, 1.f, w);  // w.q holds q's bf16 values exactly
+  w.qp.assign(d / 2 * padded_rows, 0u);              // [D/2][R] pairs of dimensions
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, &w.q[r * d + 2 * j], 4);
+      std::memcpy(&hi, &w.q[r * d + 2 * j + 1], 4);
+      w.qp[j * padded_rows + r] = (lo >> 16) | (hi & 0xFFFF0000u);
+    }
+  w.kp.resize(tiles::kKeys * d / 2);
+  w.vp.resize(tiles::kKeys * d / 2);
+  w.pp.resize(tiles::kKeys / 2 * padded_rows);
+  for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
+    const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
+    load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
+    for (int64_t i = 0; i < padded * d; i += 16)  // a bf16 K row is its own row of pairs
+      store16(reinterpret_cast<c10::BFloat16*>(w.kp.data()) + i, load16(w.k.data() + i));
+    for (int64_t m = 0; m < padded / 2; ++m) tiles::pair_rows(&w.v[2 * m * d], &w.v[(2 * m + 1) * d], d, &w.vp[m * d]);
+    tiles::scores<tiles::Bf16Pairs>(w.qp.data(), padded_rows, d / 2, w.kp.data(), padded, w.s.data());
+    tiles::softmax<true>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos,
+                         in.scale, w.max.data(), w.sum.data(), w.alpha.data(), w.pp.data());
+    tiles::accumulate<tiles::Bf16Pairs>(w.pp.data(), w.alpha.data(), padded_rows, padded / 2, w.vp.data(), d,
+                                        w.o.data());
+  }
+  finish_rows(in, it, rows, w);
+}
+#endif
+
+// A chunk of more than one query: bf16 pairs where the CPU has AVX512_BF16 and q is bf16, else fp32.
+template <typename T, typename C>
+void run_chunk(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    run_tiles_bf16(in, it, w);
+    return;
+  }
+#endif
+  run_tiles(in, it, w);
+}
+
+}  // namespace llmc_cpu

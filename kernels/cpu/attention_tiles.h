@@ -1,0 +1,204 @@
+// The inner loops of tiled (flash-style) attention on the CPU: one tile of query rows against
+// one tile of up to kKeys keys, as two small GEMMs with fp32 accumulation and an online softmax
+// between them. Scores are kept transposed, st [keys][R] (R = rows rounded up to 16), so the
+// queries are transposed once per item rather than each key tile once per tile, and the
+// softmax runs down the columns: 16 rows per vector, no horizontal reductions.
+//
+//   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
+//                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
+//   softmax<kPairs>(st, R, keys, ...)    st scaled, causally masked, turned into probabilities
+//                                        against each row's running max (in place, or as bf16
+//                                        pairs); alpha[r] the factor that rescales row r's
+//                                        earlier output
+//   accumulate<A>(p, alpha, R, keys, v, d, o) o[r] = o[r] * alpha[r] + sum_n p[n][r] v[n],
+//                                        v [keys][d], o [R][d]
+// A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
+// GEMMs take A = F32 (fp32 FMAs) or, on CPUs with AVX512_BF16, A = Bf16Pairs (vdpbf16ps).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "vec16.h"
+
+namespace llmc_cpu::tiles {
+
+constexpr int64_t kKeys = 64;  // keys per K/V tile: four cache blocks of 16
+constexpr int kRows = 6;       // rows of a register block
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A loaded vector held in a register: without this GCC folds the load into each of the MR
+// FMAs that use it, and the GEMMs become bound by loads rather than FMAs.
+template <typename V>
+inline V in_register(V v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// The multiply-add of a GEMM step, per element type. F32: one fp32 FMA per element. Bf16Pairs
+// (AVX512_BF16 CPUs): each uint32 holds two bf16 values of consecutive depth, and one
+// vdpbf16ps adds both products (exact) to the fp32 accumulator: half the instructions.
+struct F32 {
+  using Elem = float;
+  using Operand = Vec16;
+  static Operand load(const float* p) { return load16(p); }
+  static Operand broadcast(float a) { return splat(a); }
+  static Vec16 step(Vec16 acc, Operand w, Operand x) { return acc + w * x; }
+};
+
+#ifdef __AVX512BF16__
+struct Bf16Pairs {
+  using Elem = uint32_t;
+  using Operand = __m512bh;
+  static Operand load(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Operand broadcast(uint32_t a) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(a)); }
+  static Vec16 step(Vec16 acc, Operand w, Operand x) { return (Vec16)_mm512_dpbf16_ps((__m512)acc, w, x); }
+};
+#endif
+
+// out[m][c] (+)= sum_j a[m * a_row + j * a_step] * b[j * b_row + 16c ..]: MR broadcast rows
+// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart, scaled
+// by out_scale[m] first where kAccumulate.
+template <typename A, int MR, int NV, bool kAccumulate>
+inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
+                       int64_t b_row, int64_t depth, float* out, int64_t out_row, const float* out_scale) {
+  Vec16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NV; ++c) acc[m][c] = kAccumulate ? load16(out + m * out_row + 16 * c) * out_scale[m] : Vec16{};
+  for (int64_t j = 0; j < depth; ++j) {
+    typename A::Operand x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = in_register(A::load(b + j * b_row + 16 * c));
+    for (int m = 0; m < MR; ++m) {
+      const typename A::Operand w = A::broadcast(a[m * a_row + j * a_step]);
+      for (int c = 0; c < NV; ++c) acc[m][c] = A::step(acc[m][c], w, x[c]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < NV; ++c) store16(out + m * out_row + 16 * c, acc[m][c]);
+}
+
+// gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time.
+template <typename A, int MR, bool kAccumulate>
+inline void gemm_rows(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
+                      int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
+  int64_t c = 0;
+  for (; c + 64 <= cols; c += 64)
+    gemm_block<A, MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+  switch ((cols - c) / 16) {
+    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    default: return;
+  }
+}
+
+// All `rows` rows of the product, kRows at a time.
+template <typename A, bool kAccumulate>
+inline void gemm(const typename A::Elem* a, int64_t a_row, int64_t a_step, int64_t rows, const typename A::Elem* b,
+                 int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
+  int64_t m = 0;
+  for (; m + kRows <= rows; m += kRows)
+    gemm_rows<A, kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                     scale + m);
+  for (; m + 2 <= rows; m += 2)
+    gemm_rows<A, 2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                 scale + m);
+  if (m < rows)
+    gemm_rows<A, 1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
+                                 scale + m);
+}
+
+// `depth` is d for F32 and d / 2 for Bf16Pairs (qt then [d/2][R] pairs of dimensions, k
+// [keys][d/2] pairs, i.e. bf16 rows as they are).
+template <typename A>
+void scores(const typename A::Elem* qt, int64_t rows, int64_t depth, const typename A::Elem* k, int64_t keys,
+            float* st) {
+  gemm<A, false>(k, depth, 1, keys, qt, rows, depth, rows, st, rows, nullptr);
+}
+
+// `depth` is keys for F32 and keys / 2 for Bf16Pairs (p then [keys/2][R] pairs of keys, v
+// [keys/2][d] pairs of keys, as pair_rows makes them).
+template <typename A>
+void accumulate(const typename A::Elem* p, const float* alpha, int64_t rows, int64_t depth,
+                const typename A::Elem* v, int64_t d, float* o) {
+  gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d, alpha);
+}
+
+// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even.
+inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
+  Uint16 a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, &hi, sizeof(b));
+  a = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  const Uint16 pair = a | b;
+  std::memcpy(out, &pair, sizeof(pair));
+}
+
+// Two rows of n floats (a multiple of 16) as one row of bf16 pairs.
+inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out) {
+  for (int64_t i = 0; i < n; i += 16) store_pairs(load16(lo + i), load16(hi + i), out + i);
+}
+
+// e^x for x <= 0 (the softmax's score - max; -inf gives 0), relative error ~2e-7. On AVX-512
+// 2^(x log2 e) = 2^f * 2^n with |f| <= 1/2: a degree-6 polynomial for 2^f and vscalefps for
+// 2^n, about half the instructions of vec16.h's exp16, which other CPUs use.
+inline Vec16 exp_nonpositive(Vec16 x) {
+#ifdef __AVX512F__
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-200.f)), log2e);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  for (const float c : {1.3333558146428443e-3f, 9.618129107628477e-3f, 5.550410866482158e-2f, 0.2402265069591007f,
+                        0.6931471805599453f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return (Vec16)_mm512_scalef_ps(p, n);  // 2^-289 and below: 0
+#else
+  return exp16(x);
+#endif
+}
+
+// The online-softmax step over a tile of transposed scores st [keys][rows] whose key indices
+// start at first_key, scaled by `scale`; pos[r] is row r's position (keys after it are masked
+// where `diagonal`). max, sum, alpha are [rows]; every row must see a key in its first tile.
+// The probabilities go back into st, or, kPairs, into pairs [keys/2][rows] as bf16 pairs.
+template <bool kPairs>
+inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool diagonal,
+                    float scale, float* max, float* sum, float* alpha, uint32_t* pairs) {
+  for (int64_t r = 0; r < rows; r += 16) {
+    Int16 last;
+    std::memcpy(&last, pos + r, sizeof(last));
+    const auto score = [&](int64_t n) {
+      const Vec16 x = load16(st + n * rows + r) * scale;
+      return diagonal ? (last < static_cast<int32_t>(first_key + n) ? splat(kNegInf) : x) : x;
+    };
+    const Vec16 old = load16(max + r);
+    Vec16 m = old;
+    for (int64_t n = 0; n < keys; ++n) m = vmax(m, score(n));
+    const Vec16 a = exp_nonpositive(old - m);  // old = -inf on the first tile: 0
+    Vec16 total{};
+    for (int64_t n = 0; n < keys; n += 2) {
+      const Vec16 p0 = exp_nonpositive(score(n) - m), p1 = exp_nonpositive(score(n + 1) - m);
+      total += p0 + p1;
+      if constexpr (kPairs) {
+        store_pairs(p0, p1, pairs + n / 2 * rows + r);
+      } else {
+        store16(st + n * rows + r, p0);
+        store16(st + (n + 1) * rows + r, p1);
+      }
+    }
+    store16(max + r, m);
+    store16(sum + r, load16(sum + r) * a + total);
+    store16(alpha + r, a);
+  }
+}
+
+}  // namespace llmc_cpu::tiles

@@ -1,0 +1,74 @@
+// Rows of the paged KV cache, read as and written from fp32, for the three cache types:
+//   float, bfloat16  one row of D elements per (token, KV head)
+//   int8_t           D codes then the row's fp32 scale in its last 4 bytes (kernels/quant.py):
+//                    scale = amax(|x|) / 127, code = rint(x / scale) clamped to [-127, 127]
+//                    (all 0 for a zero row), read back as code * scale in fp32.
+//
+//   row_elems<C>(d)          elements of C per cache row
+//   widen_row(row, d, dst)   a cache row as d floats (int8: dequantized)
+//   store_row(x, d, row)     d floats into a cache row (bf16: rounded; int8: quantized)
+// D must be a multiple of 16.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "vec16.h"
+
+namespace llmc_cpu {
+
+typedef int8_t Byte16 __attribute__((vector_size(16)));
+
+constexpr int64_t kScaleBytes = 4;
+constexpr float kInt8Max = 127.f;
+
+template <typename C>
+constexpr int64_t row_elems(int64_t d) {
+  return std::is_same_v<C, int8_t> ? d + kScaleBytes : d;
+}
+
+inline float row_scale(const int8_t* row, int64_t d) {
+  float scale;
+  std::memcpy(&scale, row + d, sizeof(scale));
+  return scale;
+}
+
+// 16 int8 codes widened to fp32 (exact).
+inline Vec16 load16_codes(const int8_t* p) {
+  Byte16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, Vec16);
+}
+
+template <typename C>
+inline void widen_row(const C* row, int64_t d, float* dst) {
+  for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16(row + j));
+}
+
+inline void widen_row(const int8_t* row, int64_t d, float* dst) {
+  const Vec16 scale = splat(row_scale(row, d));
+  for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16_codes(row + j) * scale);
+}
+
+template <typename C>
+inline void store_row(const float* x, int64_t d, C* row) {
+  for (int64_t j = 0; j < d; j += 16) store16(row + j, load16(x + j));
+}
+
+// quantize_kv_rows's rule, bit for bit: fp32 amax, fp32 division, round half to even.
+inline void store_row(const float* x, int64_t d, int8_t* row) {
+  Vec16 amax{};
+  for (int64_t j = 0; j < d; j += 16) {
+    const Vec16 v = load16(x + j);
+    amax = vmax(amax, v < 0 ? -v : v);
+  }
+  const float scale = hmax(amax) / kInt8Max;
+  for (int64_t j = 0; j < d; ++j)
+    row[j] = scale > 0 ? static_cast<int8_t>(std::clamp(std::nearbyint(x[j] / scale), -kInt8Max, kInt8Max)) : 0;
+  std::memcpy(row + d, &scale, sizeof(scale));
+}
+
+}  // namespace llmc_cpu

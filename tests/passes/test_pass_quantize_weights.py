@@ -1,0 +1,151 @@
+"""quantize_weights: linear -> qlinear over int8/int4 codes; GGUF blocks kept bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from llmc.compiler.ops import verify
+from llmc.compiler.quant_recipe import QuantRecipe
+from llmc.kernels.quant import QuantizedWeight, dequantize_weight, quantize_int4, quantize_int8
+from llmc.passes.pipeline import PassError
+from llmc.passes.quantize_weights import quantize_weights
+from llmc.passes.rewrite import PassContext
+from pass_checks import TINY, assert_same_numbers, ir, printed, random_weights, steps_for, traced_before
+
+# hidden 64 and intermediate 128: every K a multiple of 64, so int4-g32 and -g64 take every GEMM
+TINY64 = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+
+BEFORE = """
+graph prefill {
+  %x = input() : f32[T,64]
+  %w.layers.0.o_proj.weight = weight() : f32[48,64]
+  %w.layers.0.o_proj.bias = weight() : f32[48]
+  %0 = linear(%x, %w.layers.0.o_proj.weight, %w.layers.0.o_proj.bias) : f32[T,48]
+  return %0
+}
+"""
+
+AFTER_INT4 = """
+graph prefill {
+  %x = input() : f32[T,64]
+  %w.layers.0.o_proj.weight = weight() : f32[48,64]
+  %w.layers.0.o_proj.bias = weight() : f32[48]
+  %w.layers.0.o_proj.weight.codes = weight() : u4x2[48,32]
+  %w.layers.0.o_proj.weight.scales = weight() : f16[48,2]
+  %w.layers.0.o_proj.weight.mins = weight() : f16[48,2]
+  %0 = qlinear(%x, %w.layers.0.o_proj.weight.codes, %w.layers.0.o_proj.weight.scales, %w.layers.0.o_proj.weight.mins, %w.layers.0.o_proj.bias, bits=4, group_size=32) : f32[T,48]
+  return %0
+}
+"""
+
+
+def run(graph, recipe: QuantRecipe, weights=None, quantized=None):
+    ctx = PassContext(options={"quant": recipe}, weights=weights, quantized=quantized or {})
+    out = quantize_weights(copy.deepcopy(graph), ctx)
+    verify(out)
+    return out, ctx
+
+
+def with_dequantized(weights: dict, names) -> dict:
+    """The float weights a quantized graph's codes stand for, under the original names."""
+    out = dict(weights)
+    for name in names:
+        out[name] = dequantize_weight(weights[f"{name}.codes"], weights[f"{name}.scales"],
+                                      weights.get(f"{name}.mins"), 4 if f"{name}.mins" in weights else 8)
+    return out
+
+
+def test_printed_int4_graph_counter_and_stored_codes():
+    before = ir(BEFORE)
+    weights = random_weights(before)
+    after, ctx = run(before, QuantRecipe.parse("int4"), weights)
+    assert str(after) == printed(AFTER_INT4)          # the float weight is left for dce
+    assert ctx.hits["quantize_weights"] == 1
+    codes, scales, mins = quantize_int4(weights["layers.0.o_proj.weight"], 32)
+    assert torch.equal(weights["layers.0.o_proj.weight.codes"], codes)
+    assert weights["layers.0.o_proj.weight.codes"].dtype == torch.uint8
+    assert torch.equal(weights["layers.0.o_proj.weight.scales"], scales) and torch.equal(
+        weights["layers.0.o_proj.weight.mins"], mins)
+    assert ctx.records["quantize_weights"] == {"layers.0.o_proj.weight": "quantized to int4-g32"}
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("entry", ["prefill", "decode"])
+def test_traced_model_computes_with_its_dequantized_weights(quant, entry):
+    """After the pass the graph computes exactly what the unquantized graph computes on the
+    dequantized weights (to fp32 rounding), so the only change is the weights' rounding."""
+    graph, weights = traced_before("quantize_weights", entry, TINY64)
+    after, ctx = run(graph, QuantRecipe.parse(quant), weights)
+    quantized = list(ctx.records["quantize_weights"])
+    assert ctx.hits["quantize_weights"] == len(quantized) == 2 * 4      # qkv, o, gate_up, down per layer
+    assert after.op_counts()["qlinear"] == 8 and after.op_counts()["linear"] == 1   # the LM head stays
+    assert_same_numbers(graph, after, with_dequantized(weights, quantized), steps_for(graph), reduction=128)
+
+
+def test_int8_logits_stay_within_the_quantization_step():
+    """Against the float weights: each weight moves by at most half its scale, so a logit moves by
+    at most that times the absolute inputs it sums (checked per logit on the LM head input)."""
+    graph, weights = traced_before("quantize_weights", "decode", TINY64)
+    after, ctx = run(graph, QuantRecipe.parse("int8"), weights)
+    deq = with_dequantized(weights, ctx.records["quantize_weights"])
+    for name in ctx.records["quantize_weights"]:
+        step = weights[f"{name}.scales"].float().max()
+        assert (deq[name] - weights[name]).abs().max() <= step / 2 + 1e-6
+
+
+def test_embeddings_stay_float_unless_asked_and_tied_head_shares_the_codes():
+    tied = dataclasses.replace(TINY64, tie_word_embeddings=True)
+    graph, weights = traced_before("quantize_weights", "prefill", tied)
+    after, _ = run(graph, QuantRecipe.parse("int8"), dict(weights))
+    assert "qembedding" not in after.op_counts() and after.op_counts()["linear"] == 1
+    after, ctx = run(graph, QuantRecipe.parse("int8", embeddings=True), weights)
+    assert after.op_counts()["qembedding"] == 1 and "linear" not in after.op_counts()
+    embed = [n for n in after.weights() if n.name.startswith("w.embed_tokens.weight.")]
+    assert len(embed) == 2                                                # one codes + scales, read twice
+    assert_same_numbers(graph, after, with_dequantized(weights, ctx.records["quantize_weights"]),
+                        steps_for(graph)[:1], reduction=128)
+
+
+def test_gguf_blocks_of_the_recipe_width_are_kept_bit_for_bit():
+    before = ir(BEFORE)
+    weights = random_weights(before)
+    name = "layers.0.o_proj.weight"
+    codes, scales, mins = quantize_int4(torch.randn(48, 64), 32)
+    source = QuantizedWeight(4, 32, codes, scales, mins, "Q4_1")
+    run(before, QuantRecipe.parse("int4-g64"), weights, {name: source})
+    assert weights[f"{name}.codes"] is codes and weights[f"{name}.scales"] is scales   # not requantized
+    _, ctx = run(before, QuantRecipe.parse("int8"), dict(weights), {name: source})
+    assert ctx.records["quantize_weights"][name] == "requantized from Q4_1 to int8"
+
+
+def test_no_recipe_leaves_the_graph_alone():
+    before = ir(BEFORE)
+    after, ctx = run(before, QuantRecipe.parse("none", kv_dtype="int8"), random_weights(before))
+    assert str(after) == str(before) and ctx.hits["quantize_weights"] == 0
+
+
+@pytest.mark.parametrize("hidden, quant, words", [
+    (72, "int4-g32", ["int4 needs input features in multiples of 32, it has 72", "--quant int8"]),
+    (96, "int4-g64", ["group of 64 does not divide the 96 input features", "choose --quant int4-g32"]),
+])
+def test_bad_group_sizes_are_one_sentence(hidden, quant, words):
+    config = dataclasses.replace(TINY, hidden_size=hidden, head_dim=hidden // TINY.num_heads)
+    graph, weights = traced_before("quantize_weights", "decode", config)
+    with pytest.raises(PassError) as err:
+        run(graph, QuantRecipe.parse(quant), weights)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_int8_recipe_is_per_output_channel():
+    before = ir(BEFORE)
+    weights = random_weights(before)
+    after, _ = run(before, QuantRecipe.parse("int8"), weights)
+    (node,) = [n for n in after.nodes if n.op == "qlinear"]
+    assert node.attrs == {"bits": 8, "group_size": 64}
+    want_codes, want_scales = quantize_int8(weights["layers.0.o_proj.weight"])
+    assert torch.equal(weights["layers.0.o_proj.weight.codes"], want_codes)
+    assert weights["layers.0.o_proj.weight.scales"].shape == (48, 1)

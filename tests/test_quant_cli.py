@@ -1,0 +1,108 @@
+"""The quantization CLI: recipes and their bad input, plan's byte formulas, inspect and eval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from llmc.compiler.quant_recipe import QuantRecipe, quantized_weight_bytes
+from llmc.runtime.artifact import load_artifact
+from llmc.runtime.memory_plan import plan_memory
+from llmc.tools.cli import app
+from test_bad_inputs import assert_process_error, run_llmc
+from test_plan_bench import llama3_config  # noqa: F401  (fixture)
+
+FAMILY = "llama_hd32"          # hidden 128, intermediate 160: int4-g32 fits, g64 and g128 do not all
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--quant", "int3"], ["--quant 'int3' is unknown", "int8", "int4-g128"]),
+    (["--quant", "int4-g16"], ["--quant 'int4-g16' is unknown", "int4-g32"]),
+    (["--quant", "int4-g64"], ["group of 64 does not divide the 160 input features", "--quant int4-g32"]),
+    (["--quant", "int4-g128"], ["group of 128 does not divide", "--quant int4-g32"]),
+    (["--kv-dtype", "fp8"], ["--kv-dtype 'fp8' is unknown", "int8"]),
+    (["--quant-embeddings"], ["--quant-embeddings needs a weight recipe", "--quant int8"]),
+])
+def test_bad_recipes_are_one_sentence_and_write_nothing(tiny_family, tmp_path, args, words):
+    _, folder, _ = tiny_family(FAMILY)
+    proc = run_llmc("compile", folder, "-o", tmp_path / "out", *args)
+    assert_process_error(proc, *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_int4_on_a_width_int4_cannot_take(tiny_family, tmp_path):
+    _, folder, _ = tiny_family("llama_gqa")                 # hidden 72
+    proc = run_llmc("compile", folder, "-o", tmp_path / "out", "--quant", "int4")
+    assert_process_error(proc, "int4 needs input features in multiples of 32", "72", "--quant int8")
+
+
+def test_recipes_parse_to_what_they_say():
+    assert QuantRecipe.parse("int4") == QuantRecipe(4, 32)
+    assert QuantRecipe.parse("int4-g128", "int8", True) == QuantRecipe(4, 128, "int8", True)
+    assert QuantRecipe.parse("int8").weights == "int8" and QuantRecipe.parse("int4-g64").weights == "int4-g64"
+    assert QuantRecipe.parse("none", "int8").active and not QuantRecipe.parse().active
+
+
+def test_plan_sizes_quantized_weights_and_int8_kv(llama3_config):  # noqa: F811
+    result = CliRunner().invoke(app, ["plan", str(llama3_config), "--memory", "80GiB", "--weight-dtype", "int4",
+                                      "--kv-dtype", "int8", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4)       # codes + a 4-byte scale per row
+    gemm = 32 * (4096 * 4096 * 2 + 1024 * 4096 * 2 + 14336 * 4096 * 3)   # q, o; k, v; gate, up, down
+    other = 2 * (2 * 128256 * 4096 + 4096 + 32 * 2 * 4096)               # embed, head, norms at 2 bytes
+    assert plan["weight_bytes"] == gemm // 2 + 4 * gemm // 32 + other
+    table = CliRunner().invoke(app, ["plan", str(llama3_config), "--memory", "80GiB", "--kv-dtype", "int8"]).output
+    assert "(128 int8 codes + a 4-byte scale) = 132 bytes" in table
+
+
+def test_plan_formula_matches_the_artifact(tiny_family, tmp_path):
+    """`llmc plan --weight-dtype int8` counts exactly the bytes a compile stores for the GEMM weights."""
+    _, folder, _ = tiny_family(FAMILY)
+    out = tmp_path / "art"
+    assert run_llmc("compile", folder, "-o", out, "--quant", "int8").returncode == 0
+    art = load_artifact(out)
+    stored = sum(t.numel() * t.element_size() for n, t in art.weights.items() if n.endswith((".codes", ".scales")))
+    cfg = art.config
+    shapes = [(cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
+              (cfg.hidden_size, cfg.num_heads * cfg.head_dim), (2 * cfg.intermediate_size, cfg.hidden_size),
+              (cfg.hidden_size, cfg.intermediate_size)]
+    assert stored == cfg.num_layers * sum(quantized_weight_bytes(n, k, 8, None) for n, k in shapes)
+    assert plan_memory(cfg, 10**9, "int8").weight_bytes > stored
+
+
+def test_quality_inspect_and_eval(tiny_family, tmp_path):
+    """--quality stores the report; eval of an artifact against itself is exactly neutral, and the
+    int8 + int8-KV compile against the float one moves the distributions a little, not a lot."""
+    _, folder, float_art = tiny_family(FAMILY)
+    out = tmp_path / "q8"
+    proc = run_llmc("compile", folder, "-o", out, "--quant", "int8", "--kv-dtype", "int8", "--quality",
+                    "--quality-tokens", "300")
+    assert proc.returncode == 0, proc.stderr
+    summary = run_llmc("inspect", out).stdout
+    assert "quant      weights int8 (quantized 8); kv cache int8; embeddings float" in summary
+    assert "weights    int8-channel" in summary and "quality    perplexity" in summary
+    report = json.loads((out / "report.json").read_text())["quality"]
+    assert report["tokens"] == 299 and 0 < report["mean_kl"] < 0.05 and report["top1_agreement"] > 0.8
+    same = json.loads(run_llmc("eval", float_art, "--against", float_art, "--tokens", "100", "--json").stdout)
+    assert same["mean_kl"] == 0 and same["top1_agreement"] == 1 and same["delta_perplexity_percent"] == 0
+    moved = json.loads(run_llmc("eval", out, "--against", float_art, "--tokens", "300", "--json").stdout)
+    assert moved["perplexity"] == pytest.approx(report["perplexity"], rel=1e-5)
+    assert moved["mean_kl"] == pytest.approx(report["mean_kl"], rel=1e-4)
+
+
+def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
+    _, folder, _ = tiny_family(FAMILY)
+    proc = run_llmc("bench-quant", folder, "--recipes", "none,int4+kv8", "--decode-tokens", "2", "--num-requests",
+                    "2", "--prompt-len", "8:40", "--output-len", "4", "--work-dir", tmp_path, "--json", tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    plain, quant = result["recipes"]["none"], result["recipes"]["int4+kv8"]
+    assert quant["stored_weight_bytes"] < plain["stored_weight_bytes"]
+    assert quant["decode_bytes"] < plain["decode_bytes"] and result["bandwidth"] > 0
+    rows = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
+    assert rows == ["none", "int4+kv8"]
+    bad = run_llmc("bench-quant", folder, "--recipes", "int8+kv4", "--work-dir", tmp_path)
+    assert_process_error(bad, "recipe 'int8+kv4'", "WEIGHTS[+kv8][+rtn]")

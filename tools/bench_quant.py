@@ -1,0 +1,98 @@
+"""`llmc bench-quant`: what each quantization recipe buys, measured in one run on this machine.
+
+For every recipe it compiles the model (once, into --work-dir) and measures, with the torch
+backend and native kernels: batch-1 decode (ms/token, tok/s), the bytes one decode step reads
+(weights + KV, tools/profile_steps.py's `decode_bytes`), the GB/s that is, and its fraction of a
+memory-read bandwidth measured in the same run (the floor: the best of a measurement before and
+after the recipes); and the default `llmc bench` workload's output tok/s. A recipe is WEIGHTS
+(none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
+round from the float values even where a GGUF's own blocks fit (`--requantize`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+
+from llmc.compiler.driver import CompileConfig, compile_model
+from llmc.compiler.quant_recipe import QuantRecipe
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.sampling_params import RequestError
+
+from .bench import Workload, parse_range, run_llmc
+from .profile_steps import cpu_name, decode_bytes, profile_decode, read_bandwidth
+
+DEFAULT_RECIPES = "none,int8,int4,int4+rtn,int8+kv8"
+
+
+def parse_recipe(text: str) -> QuantRecipe:
+    weights, *suffixes = text.split("+")
+    if unknown := [s for s in suffixes if s not in ("kv8", "rtn")]:
+        raise RequestError(f"recipe {text!r} has an unknown suffix {unknown[0]!r}; write WEIGHTS[+kv8][+rtn]")
+    return QuantRecipe.parse(weights, "int8" if "kv8" in suffixes else "auto", requantize="rtn" in suffixes)
+
+
+def compiled(model: Optional[str], recipe: str, dtype: str, work_dir: Path) -> Path:
+    """The artifact of `recipe`, compiled into work_dir once and reused."""
+    out = work_dir / f"{dtype}-{recipe.replace('+', '-')}"
+    if not (out / "manifest.json").is_file():
+        compile_model(model, out, CompileConfig(dtype=dtype, quant=parse_recipe(recipe)))
+    return out
+
+
+def measure(artifact: Path, decode_tokens: int, workload: Workload) -> dict:
+    engine = Engine(artifact, EngineConfig(kv_cache_bytes=2**30, kernels="native"))     # `llmc bench`'s defaults
+    decode, context = profile_decode(engine, decode_tokens)
+    art = engine.artifact
+    weight_bytes = sum(t.numel() * t.element_size() for t in art.weights.values())
+    bench = run_llmc(engine, workload.requests(art.config.vocab_size), lambda: None)
+    return {"decode_s": decode.seconds, "decode_bytes": decode_bytes(art.graphs["decode"], art, context),
+            "stored_weight_bytes": weight_bytes, "bench_output_tok_s": bench["output_tok_s"]}
+
+
+def format_table(result: dict) -> str:
+    floor = result["bandwidth"]
+    lines = [f"{result['cpu']} | torch threads {result['threads']} | {result['dtype']} | native kernels | "
+             f"read bandwidth floor {floor / 1e9:.1f} GB/s (torch.sum over 512 MiB, best of before/after)",
+             f"{'recipe':<12} {'weights MB':>10} {'MB/token':>9} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} "
+             f"{'of floor':>8} {'bench tok/s':>11}"]
+    for name, r in result["recipes"].items():
+        gbs = r["decode_bytes"] / r["decode_s"]
+        lines.append(f"{name:<12} {r['stored_weight_bytes'] / 1e6:>10.1f} {r['decode_bytes'] / 1e6:>9.1f} "
+                     f"{1000 * r['decode_s']:>9.2f} {1 / r['decode_s']:>7.1f} {gbs / 1e9:>6.1f} "
+                     f"{100 * gbs / floor:>7.0f}% {r['bench_output_tok_s']:>11.1f}")
+    return "\n".join(lines)
+
+
+def bench_quant_cmd(
+    model: Optional[str] = typer.Argument(None, help="HF folder or .gguf; omit for the embedded SmolLM2-135M-Instruct"),
+    recipes: str = typer.Option(DEFAULT_RECIPES, help="comma-separated recipes: WEIGHTS[+kv8][+rtn]"),
+    dtype: str = typer.Option("float32", help="compute dtype: float32 or bfloat16"),
+    decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode measurement"),
+    num_requests: int = typer.Option(64, help="requests in the `llmc bench` workload (its default)"),
+    prompt_len: str = typer.Option("32:256", help="the workload's prompt length: N or a uniform range LO:HI"),
+    output_len: str = typer.Option("16:192", help="the workload's output length: N or a uniform range LO:HI"),
+    work_dir: Path = typer.Option(Path("artifacts/bench-quant"), help="where the recipes' artifacts are kept"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
+) -> None:
+    """Per quantization recipe: batch-1 decode speed and bytes against the bandwidth floor, and bench throughput."""
+    names = [r.strip() for r in recipes.split(",") if r.strip()]
+    for name in names:
+        parse_recipe(name)                          # every recipe checked before minutes of work
+    work_dir.mkdir(parents=True, exist_ok=True)
+    workload = Workload(num_requests, parse_range(prompt_len, "prompt length"), parse_range(output_len, "output length"))
+    result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": dtype, "workload": asdict(workload),
+              "recipes": {}}
+    before = read_bandwidth()
+    for name in names:
+        artifact = compiled(model, name, dtype, work_dir)
+        result["recipes"][name] = measure(artifact, decode_tokens, workload)
+    result["bandwidth"] = max(before, read_bandwidth())
+    typer.echo(format_table(result))
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2, default=str))

@@ -1,0 +1,162 @@
+"""The quality of a quantized model against its unquantized reference, on a held text that needs no
+download: the English text of Python's own `pydoc_data.topics` (the help topics), first N tokens.
+
+Both models read the same tokens in windows of `window` tokens (each window a fresh sequence,
+one prefill step with logits at every position, so an int8 KV cache is written and read as in
+serving), through the torch reference kernels: the report measures what the recipe does to the
+numbers, not how two kernels order their sums (so weights kept bit for bit score exactly 0). Reported, as llama.cpp's `perplexity --kl-divergence` does:
+  perplexity       exp(mean negative log-likelihood of each next token), both models
+  mean KL          mean over positions of KL(P_reference || P_quantized)
+  top-1 agreement  fraction of positions where both models' most likely next token is the same
+`llmc compile --quality` stores this as report.json's "quality"; `llmc eval ART --against REF`
+prints it for two artifacts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass
+
+import torch
+import typer
+
+from llmc.compiler.artifact import graph_weights
+from llmc.compiler.driver import CompileConfig
+from llmc.compiler.dtypes import USER_DTYPES
+from llmc.compiler.frontend import trace
+from llmc.compiler.ir import Graph
+from llmc.kernels.native_ops import choose_op_impls
+from llmc.models.config import LoadedModel
+from llmc.passes.pipeline import run_pipeline
+from llmc.passes.rewrite import PassContext
+from llmc.runtime.artifact import ArtifactError, load_artifact
+from llmc.runtime.sampling_params import RequestError
+from llmc.runtime.tokenizer import Tokenizer
+from llmc.runtime.torch_backend import TorchProgram
+
+from .feeds import Step, step_feeds
+
+HELD_TEXT = f"pydoc_data.topics (Python {platform.python_version()})"
+
+
+@dataclass(frozen=True)
+class Quality:
+    against: str
+    text: str
+    tokens: int
+    text_sha256: str
+    perplexity: float
+    reference_perplexity: float
+    delta_perplexity_percent: float
+    mean_kl: float
+    top1_agreement: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def held_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
+
+
+def held_tokens(encode, count: int) -> list[int]:
+    """The first `count` tokens of the held text (RequestError if it is shorter)."""
+    ids = encode(held_text())
+    if len(ids) < count:
+        raise RequestError(f"the held text has {len(ids)} tokens, fewer than the {count} asked for")
+    return ids[:count]
+
+
+class WindowScorer:
+    """A prefill graph bound to its weights, giving logits [T, V] (fp32) at every token of a window."""
+
+    def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "reference"):
+        impls, _ = choose_op_impls(kernels)
+        self.graph = prefill
+        self.program = TorchProgram(prefill, weights, impls)
+
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        feeds = step_feeds(self.graph, Step.prefill("window", [tokens]))     # outside inference mode, as the
+        with torch.inference_mode():                                           # runner's buffers are
+            (logits,) = self.program(feeds)
+        return logits.float()
+
+
+def compare(model: WindowScorer, reference: WindowScorer, tokens: list[int], window: int,
+            against: str) -> Quality:
+    """Perplexities, mean KL and top-1 agreement of `model` against `reference` on `tokens`."""
+    nll = ref_nll = kl = agree = 0.0
+    count = 0
+    for start in range(0, len(tokens) - 1, window):
+        chunk = tokens[start:start + window + 1]
+        if len(chunk) < 2:
+            break
+        logp = torch.log_softmax(model(chunk[:-1]), -1)                     # [n, V]
+        ref_logp = torch.log_softmax(reference(chunk[:-1]), -1)
+        targets = torch.tensor(chunk[1:])
+        nll -= float(logp.gather(1, targets[:, None]).sum())
+        ref_nll -= float(ref_logp.gather(1, targets[:, None]).sum())
+        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        agree += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        count += len(targets)
+    ppl, ref_ppl = math.exp(nll / count), math.exp(ref_nll / count)
+    digest = hashlib.sha256(str(tokens).encode()).hexdigest()[:16]
+    return Quality(against, HELD_TEXT, count, digest, ppl, ref_ppl, 100 * (ppl / ref_ppl - 1), kl / count,
+                   agree / count)
+
+
+def reference_prefill(model: LoadedModel, config: CompileConfig, weights: dict) -> Graph:
+    """The prefill graph `config` compiles to without its quantization recipe (same dtype and passes)."""
+    traced = trace(model.config, "prefill", USER_DTYPES[config.dtype])
+    graph, _ = run_pipeline(traced, PassContext(weights=weights, quantized=dict(model.quantized)),
+                            config.disabled_passes)
+    return graph
+
+
+def compile_assessment(config: CompileConfig, tokens: int, window: int):
+    """An `assess` hook for compile_model: the compiled graphs against the unquantized ones."""
+    def assess(model: LoadedModel, graphs: dict[str, Graph], weights: dict) -> dict:
+        reference = reference_prefill(model, config, weights)
+        tokenizer = Tokenizer(model.tokenizer)
+        ids = held_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False), tokens)
+        span = min(window, model.config.max_position_embeddings)
+        scorer = WindowScorer(graphs["prefill"], graph_weights({"prefill": graphs["prefill"]}, weights))
+        ref_scorer = WindowScorer(reference, graph_weights({"prefill": reference}, weights))
+        return compare(scorer, ref_scorer, ids, span, f"the unquantized {config.dtype} compile").to_dict()
+
+    return assess
+
+
+def evaluate_artifacts(path: str, against: str, tokens: int, window: int) -> Quality:
+    """`llmc eval`: artifact `path` against artifact `against` on the held text."""
+    model, reference = load_artifact(path), load_artifact(against)
+    if model.config.vocab_size != reference.config.vocab_size or model.tokenizer != reference.tokenizer:
+        raise ArtifactError(f"{path} and {against} do not share a tokenizer and vocabulary, so their next-token "
+                            "distributions cannot be compared; compile both from the same model")
+    tokenizer = Tokenizer(model.tokenizer)
+    ids = held_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False), tokens)
+    span = min(window, model.config.max_position_embeddings)
+    scorer = WindowScorer(model.graphs["prefill"], model.weights)
+    ref_scorer = WindowScorer(reference.graphs["prefill"], reference.weights)
+    return compare(scorer, ref_scorer, ids, span, str(against))
+
+
+def eval_cmd(
+    artifact: str = typer.Argument(..., help="artifact to measure (e.g. a quantized compile)"),
+    against: str = typer.Option(..., "--against", help="reference artifact of the same model (e.g. unquantized)"),
+    tokens: int = typer.Option(1024, help="tokens of held text to read"),
+    window: int = typer.Option(512, help="tokens per sequence (each window a fresh prompt)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a line"),
+) -> None:
+    """Perplexity, mean KL and top-1 agreement of ARTIFACT against a reference, on Python's help text."""
+    from .inspect import quality_line
+
+    if tokens < 2 or window < 1:
+        raise RequestError(f"--tokens {tokens} and --window {window} must be at least 2 and 1")
+    quality = evaluate_artifacts(artifact, against, tokens, window)
+    typer.echo(json.dumps(quality.to_dict(), indent=2) if as_json else quality_line(quality.to_dict()))
