@@ -43,9 +43,12 @@ def native_op_impls() -> dict[str, OpImpl]:
         return F.linear(x[0], _plain(weight), bias)
 
     def qlinear(x, a):
+        codes = x[1]
+        if type(codes) is GemvWeight:          # x, codes, scales[, mins][, bias]: the bias comes after the mins
+            bias = x[-1] if len(x) > (4 if codes.bits == 4 else 3) else None
+            if gemv_fits(x[0], codes, bias):
+                return run_gemv(x[0], codes, bias)
         x0, codes, scales, mins, bias = split_qlinear_inputs(x, a["bits"])
-        if type(codes) is GemvWeight and gemv_fits(x0, codes, bias):
-            return run_gemv(x0, codes, bias)
         return qlinear_ref(x0, _plain(codes), scales, mins, bias, bits=a["bits"])
 
     def tables_for(a: dict) -> RopeTables:
