@@ -38,10 +38,13 @@ def test_prefill_flops_are_every_gemm_over_every_token_but_the_lm_head_and_causa
 
 def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_family, tmp_path):
     out = tmp_path / "profile.json"
-    proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--prompt-len", 64, "--json", out)
+    proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--prompt-len", 64, "--json", out,
+                    "--baseline", "hf")
     assert proc.returncode == 0, proc.stderr
     assert "of the read bandwidth" in proc.stdout and "of the matmul peak" in proc.stdout
+    assert "transformers, same run: decode" in proc.stdout
     result = json.loads(out.read_text())
+    assert result["hf"]["decode_s"] > 0 and result["hf"]["prefill_s"] > 0
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]

@@ -172,7 +172,16 @@ def format_profile(r: dict) -> str:
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
+        *_baseline_lines(r),
     ])
+
+
+def _baseline_lines(r: dict) -> list[str]:
+    if "hf" not in r:
+        return []
+    hf, d, p = r["hf"], r["decode"], r["prefill"]
+    return [f"transformers, same run: decode {1000 * hf['decode_s']:.1f} ms/token (llmc {hf['decode_s'] / d['seconds']:.2f}x "
+            f"as fast), prefill {1000 * hf['prefill_s']:.0f} ms (llmc takes {p['seconds'] / hf['prefill_s']:.2f}x its time)"]
 
 
 def profile_cmd(
@@ -181,9 +190,13 @@ def profile_cmd(
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
     kernels: str = typer.Option("auto", help="CPU kernels: native, reference (torch refs) or auto"),
     backend: str = typer.Option("torch", help="torch or triton (generated kernels: a GPU, or TRITON_INTERPRET=1)"),
+    baseline: Optional[str] = typer.Option(None, help="'hf': also time transformers' batch-1 decode and prefill"),
+    hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
+    if baseline not in (None, "hf"):
+        raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
     engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False))  # timed: eager
@@ -198,6 +211,9 @@ def profile_cmd(
     result["decode"] = {**decode.__dict__, "bytes": decode_bytes(art.graphs["decode"], art, context)}
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
+    if baseline == "hf":
+        from .profile_hf import hf_profile
+        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len)
     typer.echo(format_profile(result))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2))
