@@ -1,4 +1,4 @@
-"""GEMV benchmark: `python -m llmc.tools.bench_gemv [--tokens 1,2,4,8,16,32,64]`.
+"""GEMV benchmark: `python -m llmc.tools.bench_gemv [--tokens 1,2,4,8,16,32,64] [--resident ART]`.
 
 At SmolLM2-135M's GEMM shapes (hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocab 49152), batch 1:
 per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32) the time of one call of the
@@ -9,6 +9,9 @@ copied until the copies fill 256 MiB and the calls cycle through them, so every 
 memory, not from the 32 MiB-class caches, as a decode step does.
 Then the crossover: one layer's four GEMMs at several token counts, native against oneDNN packed
 and oneDNN with the per-call reorder (the path above GEMV_MAX_TOKENS).
+With --resident ART: the weight bytes an engine on the native kernels keeps for an artifact (the
+distinct tensor storages its programs hold, against the artifact's own) and the process's resident
+memory before the engine, after building it and after a prefill and 4 decode steps.
 A benchmark, not a test: the numbers depend on the machine; read them as ratios within one run.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -115,14 +119,44 @@ def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
     return rows
 
 
+def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
+def resident_rows(artifact: str) -> list[str]:
+    """Weight storage held by a native-kernel engine for `artifact`, and the process's RSS."""
+    from llmc.runtime.engine import Engine, EngineConfig
+    from llmc.tools.profile_steps import profile_decode
+
+    rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6  # noqa: E731
+    before = rss()
+    engine = Engine(artifact, EngineConfig(kernels="native"))
+    built = rss()
+    profile_decode(engine, 4)
+    storages = {}
+    for program in engine.runner.executor.programs.values():
+        for value in program._constants.values():
+            parts = [value.weight, value.scales, value.mins] if isinstance(value, GemvWeight) else [value]
+            storages.update(_storage_bytes(t) for t in parts if t is not None)
+    own = dict(_storage_bytes(t) for t in engine.artifact.weights.values())
+    return [f"artifact weights {sum(own.values()) / 1e6:.1f} MB; the programs hold "
+            f"{sum(storages.values()) / 1e6:.1f} MB in {len(storages)} storages, {'all' if set(storages) <= set(own) else 'not all'} the artifact's own",
+            f"RSS {before:.0f} MB before the engine, {built:.0f} MB built, {rss():.0f} MB after a prefill and 4 decode "
+            f"steps (+{rss() - before:.0f} MB)"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts of the crossover table")
     parser.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="x's dtype for the quantized formats")
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--resident", metavar="ART", help="only report the resident weight memory of an artifact")
     args = parser.parse_args(argv)
     load_native_kernels()
+    if args.resident:
+        print("\n".join(resident_rows(args.resident)))
+        return
     torch.manual_seed(0)
     bandwidth = read_bandwidth()
     rows = format_rows(1, getattr(torch, args.x_dtype), bandwidth)
