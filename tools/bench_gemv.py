@@ -139,8 +139,9 @@ def resident_rows(artifact: str) -> list[str]:
             parts = [value.weight, value.scales, value.mins] if isinstance(value, GemvWeight) else [value]
             storages.update(_storage_bytes(t) for t in parts if t is not None)
     own = dict(_storage_bytes(t) for t in engine.artifact.weights.values())
+    shared = "all" if set(storages) <= set(own) else "not all"
     return [f"artifact weights {sum(own.values()) / 1e6:.1f} MB; the programs hold "
-            f"{sum(storages.values()) / 1e6:.1f} MB in {len(storages)} storages, {'all' if set(storages) <= set(own) else 'not all'} the artifact's own",
+            f"{sum(storages.values()) / 1e6:.1f} MB in {len(storages)} storages, {shared} the artifact's own",
             f"RSS {before:.0f} MB before the engine, {built:.0f} MB built, {rss():.0f} MB after a prefill and 4 decode "
             f"steps (+{rss() - before:.0f} MB)"]
 
