@@ -22,7 +22,8 @@ from llmc.kernels.gemv import (GEMV_MAX_TOKENS, GemvWeight, gemv_cpu, gemv_ref, 
                                prepare_qlinear_weight)
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.native_ops import native_op_impls, prepare_weights
-from llmc.kernels.quant import dequantize_weight, quantize_int4, quantize_int8
+from llmc.kernels.quant import dequantize_weight, pack_int4, quantize_int4, quantize_int8
+from llmc.runtime.artifact import load_artifact
 from llmc.runtime.torch_backend import TorchProgram
 from tolerances import tolerance
 
@@ -106,7 +107,6 @@ def test_dequantization_reads_each_nibble_and_group():
     nibble or an off-by-one group changes the result."""
     n, k, group = 3, 128, 32
     codes = torch.arange(n * k).remainder(16).to(torch.uint8).view(n, k)
-    from llmc.kernels.quant import pack_int4
     scales = torch.arange(1, n * k // group + 1, dtype=torch.float16).view(n, k // group) / 8
     mins = -scales * 3
     w = prepare_qlinear_weight(pack_int4(codes), scales, mins, bits=4, group_size=group)
@@ -201,8 +201,6 @@ def storages(values) -> dict[int, int]:
 def test_prepared_weights_hold_one_copy_of_each_weight(tiny_family):
     """Preparing copies nothing (same storages, same bytes), the tied LM head is prepared over the
     embedding table itself, and the op table keeps no weight of its own after running."""
-    from llmc.runtime.artifact import load_artifact
-
     art = load_artifact(tiny_family("llama_tied")[2])
     prepared = prepare_weights(art.graphs.values(), art.weights)
     assert storages(prepared.values()) == storages(art.weights.values())
