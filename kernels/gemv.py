@@ -14,14 +14,22 @@ memory bandwidth, so preparing a weight copies nothing: one resident copy per we
 anything else that reads it (a tied embedding). What preparing decides, once, is the format, the
 group size and that the native kernel takes the weight at all.
 
-Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossover: on the
-2-core EPYC the native kernel beats oneDNN-with-a-reorder up to about 128 tokens, f32 and bf16):
-  T <= GEMV_MAX_TOKENS  kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
+A float weight may also carry a second copy packed once in oneDNN's blocked layout (`packed`,
+made by `prepare_linear_weight(..., pack=True)`): oneDNN's GEMM on it beats the native kernel
+from about 16 tokens on (0.66x its time at 64 tokens on the 2-core EPYC), which is what batched
+decode and prefill run at. It doubles a float weight's resident bytes; quantized weights never
+carry one.
+
+Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossovers: on the
+2-core EPYC the native kernel beats a packed copy up to about 8 tokens, and oneDNN with a
+per-call reorder up to about 128 tokens, f32 and bf16):
+  T <= PACKED_MIN_TOKENS - 1, or T <= GEMV_MAX_TOKENS without a packed copy:
+                        kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
                         registers (above 4 tokens each R-row block is dequantized once into an
                         L1 buffer), both cores streaming their own half of the rows; bf16 by
                         AVX512-BF16 pair products where the CPU has them, int4 in nibble order
                         (gemv.cpp says how)
-  larger T              oneDNN's GEMM on the weight reordered for that call, a quantized weight
+  larger T              oneDNN's GEMM on the packed copy, or on the weight reordered for that call, a quantized weight
                         first dequantized to fp32 (transient copies, freed after the call; the
                         resident weight stays the only one)
 """
@@ -33,9 +41,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .linear import PackedLinear, packable
 from .quant import dequantize_weight, qlinear_ref
 
 GEMV_MAX_TOKENS = 128
+PACKED_MIN_TOKENS = 9            # from here on a packed copy (where there is one) beats the native kernel
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -50,6 +60,7 @@ class GemvWeight:
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
+    packed: PackedLinear | None = None  # float only: the same weight in oneDNN's layout, for larger T
     bits: int = field(init=False)      # 8 or 4; 0 for float weights
     out_features: int = field(init=False)
     in_features: int = field(init=False)
@@ -80,11 +91,13 @@ def _native_layout(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.is_contiguous())
 
 
-def prepare_linear_weight(weight: torch.Tensor) -> GemvWeight | None:
-    """A float [N, K] weight for the native kernels, or None where they do not take it."""
+def prepare_linear_weight(weight: torch.Tensor, pack: bool = False) -> GemvWeight | None:
+    """A float [N, K] weight for the native kernels (with a oneDNN-packed copy for larger T if
+    `pack`), or None where they do not take it."""
     if weight.dim() != 2 or weight.dtype not in FLOAT_FORMATS or not _native_layout(weight) or not weight.numel():
         return None
-    return GemvWeight(FLOAT_FORMATS[weight.dtype], weight)
+    return GemvWeight(FLOAT_FORMATS[weight.dtype], weight, packed=PackedLinear(weight) if pack and packable(weight)
+                      else None)
 
 
 def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, *, bits: int,
@@ -118,6 +131,8 @@ def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
 
 def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`gemv_cpu` for inputs that `gemv_fits` has passed (the op table checks once, then runs this)."""
+    if w.packed is not None and x.shape[0] >= PACKED_MIN_TOKENS:
+        return w.packed(x, bias)
     if x.shape[0] <= GEMV_MAX_TOKENS:
         if w.bits:
             return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)

@@ -121,14 +121,16 @@ def _gemm_weights(graphs: Iterable[Graph]) -> dict[str, tuple | None]:
             for name, u in uses.items()}
 
 
-def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor], pack: bool = True) -> dict[str, Any]:
     """`weights` as the native table's GEMMs take them, decided once for all of an executor's graphs.
 
     The weight each `linear` multiplies by, and each `qlinear`'s codes (with its scales, mins, bits
-    and group size), becomes a GemvWeight over the same tensors; nothing is copied, so the result
-    holds exactly the storage `weights` holds. A weight that another op reads too (other than a
-    tied embedding's lookup), or one the kernels do not take, stays a plain tensor (its GEMM runs
-    the ref). The reference table takes plain tensors only: give it `weights` itself.
+    and group size), becomes a GemvWeight over the same tensors. With `pack`, a float weight also
+    gets a copy in oneDNN's layout for the larger token counts of batched decode and prefill
+    (kernels/gemv.py: a second resident copy of float weights, none for quantized ones); without
+    it nothing is copied, and the result holds exactly the storage `weights` holds. A weight that
+    another op reads too (other than a tied embedding's lookup), or one the kernels do not take,
+    stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
     """
     prepared = dict(weights)
     for name, use in _gemm_weights(graphs).items():
@@ -136,7 +138,7 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -
             continue
         op, operands, bits, group = use
         if op == "linear":
-            gemv_weight = prepare_linear_weight(weights[name])
+            gemv_weight = prepare_linear_weight(weights[name], pack)
         elif operands[1] is None or (bits == 4 and operands[2] is None):
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:

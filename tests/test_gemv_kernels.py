@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from llmc.compiler.ir import parse_graph
 from llmc.compiler.ops import verify
-from llmc.kernels.gemv import (GEMV_MAX_TOKENS, GemvWeight, gemv_cpu, gemv_ref, prepare_linear_weight,
+from llmc.kernels.gemv import (GEMV_MAX_TOKENS, PACKED_MIN_TOKENS, GemvWeight, gemv_cpu, gemv_ref, prepare_linear_weight,
                                prepare_qlinear_weight)
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.native_ops import native_op_impls, prepare_weights
@@ -159,7 +159,7 @@ def tiny_graph_weights():
             "up.bias": torch.randn(160, generator=g), "down": torch.randn(96, 160, generator=g) * 0.1}
 
 
-@pytest.mark.parametrize("tokens", [1, 5, GEMV_MAX_TOKENS + 4])
+@pytest.mark.parametrize("tokens", [1, 5, PACKED_MIN_TOKENS + 3, GEMV_MAX_TOKENS + 4])
 def test_native_program_on_prepared_weights_gives_the_ref_logits(tokens):
     graph = parse_graph(GRAPH)
     verify(graph)
@@ -173,9 +173,9 @@ def test_native_program_on_prepared_weights_gives_the_ref_logits(tokens):
     (want,) = TorchProgram(graph, weights)(feeds)
     torch.testing.assert_close(got, want, **tolerance(torch.float32, 160, want.abs().max().item()))
     ran = {e.name for e in prof.events()}
-    native = tokens <= GEMV_MAX_TOKENS
-    assert ("llmc::qgemv" in ran) == ("llmc::gemv" in ran) == native
-    assert ("mkldnn::_linear_pointwise" in ran) == (not native)
+    assert ("llmc::qgemv" in ran) == (tokens <= GEMV_MAX_TOKENS)          # quantized: native up to 128 tokens
+    assert ("llmc::gemv" in ran) == (tokens < PACKED_MIN_TOKENS)          # float: its packed copy from 9 on
+    assert ("mkldnn::_linear_pointwise" in ran) == (tokens >= PACKED_MIN_TOKENS)
 
 
 def test_an_unprepared_weight_runs_the_ref():
@@ -199,10 +199,15 @@ def storages(values) -> dict[int, int]:
 
 
 def test_prepared_weights_hold_one_copy_of_each_weight(tiny_family):
-    """Preparing copies nothing (same storages, same bytes), the tied LM head is prepared over the
-    embedding table itself, and the op table keeps no weight of its own after running."""
+    """Without packing, preparing copies nothing (same storages, same bytes), the tied LM head is
+    prepared over the embedding table itself, and the op table keeps no weight of its own after
+    running. With packing, float weights (only) carry a second, oneDNN-packed copy."""
     art = load_artifact(tiny_family("llama_tied")[2])
-    prepared = prepare_weights(art.graphs.values(), art.weights)
+    packed = prepare_weights(art.graphs.values(), art.weights)
+    assert all(v.packed is not None for v in packed.values() if isinstance(v, GemvWeight))
+    assert all(v.packed is None for v in prepare_weights([parse_graph(GRAPH)], tiny_graph_weights()).values()
+               if isinstance(v, GemvWeight) and v.bits)
+    prepared = prepare_weights(art.graphs.values(), art.weights, pack=False)
     assert storages(prepared.values()) == storages(art.weights.values())
     gemm_weights = {n.inputs[1].node[2:] for g in art.graphs.values() for n in g.nodes if n.op == "linear"}
     assert gemm_weights and all(isinstance(prepared[name], GemvWeight) for name in gemm_weights)
@@ -214,7 +219,7 @@ def test_prepared_weights_hold_one_copy_of_each_weight(tiny_family):
     impls = native_op_impls()
     watch = weakref.ref(weights["down"])
     with torch.inference_mode():
-        TorchProgram(graph, prepare_weights([graph], weights), impls)({"ids": torch.arange(3)})
+        TorchProgram(graph, prepare_weights([graph], weights, pack=False), impls)({"ids": torch.arange(3)})
     del weights
     gc.collect()
     assert watch() is None                                         # nothing in the table kept it
