@@ -20,9 +20,7 @@ from llmc.compiler.ops import verify
 from llmc.kernels.quant import quantize_int4, quantize_int8
 from llmc.passes.fusion_grouping import fusion_grouping
 from llmc.passes.rewrite import PassContext
-from llmc.runtime.torch_backend import interpret
-from test_codegen_kernels import run_generated
-from tolerances import tolerance
+from test_codegen_kernels import assert_generated_equals_interpreted
 
 CASES = {
     # int8 per output channel (K = 72, not a power of two), bias, then a residual add
@@ -110,15 +108,7 @@ def quantized_inputs(graph, tokens: int, seed: int = 0):
 def test_generated_quantized_kernels_equal_the_interpreted_graph(case, dtype, tokens, tmp_path):
     graph = graph_of(case, dtype)
     feeds, weights = quantized_inputs(graph, tokens)
-    expected = interpret(graph, weights, feeds)
-    torch.use_deterministic_algorithms(True)        # torch.empty fills NaN: unwritten elements show
-    try:
-        got, lowering = run_generated(graph, weights, feeds, tmp_path)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    for g_out, e_out in zip(got, expected, strict=True):
-        assert not g_out.isnan().any()
-        torch.testing.assert_close(g_out, e_out, **tolerance(e_out.dtype, 256, scale=4.0))
+    assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, reduction=256, scale=4.0)
 
 
 UNITS = {
