@@ -83,6 +83,8 @@ def test_quality_inspect_and_eval(tiny_family, tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = run_llmc("inspect", out).stdout
     assert "quant      weights int8 (quantized 8); kv cache int8; embeddings float" in summary
+    assert ("quantized: layers.*.down_proj.weight, layers.*.gate_up_proj.weight, layers.*.o_proj.weight, "
+            "layers.*.qkv_proj.weight") in summary
     assert "weights    int8-channel" in summary and "quality    perplexity" in summary
     report = json.loads((out / "report.json").read_text())["quality"]
     assert report["tokens"] == 299 and 0 < report["mean_kl"] < 0.05 and report["top1_agreement"] > 0.8

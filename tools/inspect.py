@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -81,15 +82,29 @@ def quant_lines(recipe: dict | None, graphs: dict[str, Graph], report: dict) -> 
     """The recipe, how each weight got its codes, bytes per format and the measured quality."""
     lines = []
     if recipe:
-        how = Counter(v.split(" to ")[0] for v in report.get("quantize_weights", {}).values())
+        records = report.get("quantize_weights", {})
+        how = Counter(v.split(" to ")[0] for v in records.values())
         ways = ", ".join(f"{way} {count}" for way, count in sorted(how.items()))
         lines.append(f"quant      weights {recipe['weights']}" + (f" ({ways})" if ways else "")
                      + f"; kv cache {recipe['kv_dtype']}; embeddings {'quantized' if recipe['embeddings'] else 'float'}")
+        lines += [f"           {way}: {names}" for way, names in weights_by_way(records).items()]
     for fmt, (size, count) in sorted(weight_bytes_by_format(graphs).items(), key=lambda kv: -kv[1][0]):
         lines.append(f"weights    {fmt:<10} {human_bytes(size):>10}  {count} tensors")
     if quality := report.get("quality"):
         lines.append(quality_line(quality))
     return lines
+
+
+def weights_by_way(records: dict[str, str]) -> dict[str, str]:
+    """'kept Q4_1' -> 'layers.*.down_proj.weight, layers.*.gate_up_proj.weight, ...': which weights
+    each way took, one pattern per weight of a layer."""
+    ways: dict[str, list[str]] = {}
+    for name, how in sorted(records.items()):
+        pattern = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+        names = ways.setdefault(how.split(" to ")[0], [])
+        if pattern not in names:
+            names.append(pattern)
+    return {way: ", ".join(names) for way, names in sorted(ways.items())}
 
 
 def quality_line(q: dict) -> str:
