@@ -88,8 +88,9 @@ CASES = {
 }
 
 
-def graph_of(case: str, dtype: str):
-    body = textwrap.indent(textwrap.dedent(CASES[case].format(dt=dtype)).strip(), "  ")
+def graph_of(case: str, dtype: str, cases: dict[str, str] | None = None):
+    """Case `case` of `cases` (default: this file's CASES) in `dtype`, verified and grouped."""
+    body = textwrap.indent(textwrap.dedent((cases or CASES)[case].format(dt=dtype)).strip(), "  ")
     graph = parse_graph(f"graph {case} {{\n{body}\n}}\n")
     verify(graph)
     return fusion_grouping(graph, PassContext())

@@ -8,19 +8,13 @@ deterministic mode, which fills them with NaN: an element a kernel forgets to wr
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 import torch
 
 from llmc.compiler.codegen import lower
 from llmc.compiler.dtypes import to_torch
-from llmc.compiler.ir import parse_graph
-from llmc.compiler.ops import verify
 from llmc.kernels.quant import quantize_int4, quantize_int8
-from llmc.passes.fusion_grouping import fusion_grouping
-from llmc.passes.rewrite import PassContext
-from test_codegen_kernels import assert_generated_equals_interpreted
+from test_codegen_kernels import assert_generated_equals_interpreted, graph_of as grouped_graph
 
 CASES = {
     # int8 per output channel (K = 72, not a power of two), bias, then a residual add
@@ -74,10 +68,7 @@ CASES = {
 
 
 def graph_of(case: str, dtype: str):
-    body = textwrap.indent(textwrap.dedent(CASES[case].format(dt=dtype)).strip(), "  ")
-    graph = parse_graph(f"graph {case} {{\n{body}\n}}\n")
-    verify(graph)
-    return fusion_grouping(graph, PassContext())
+    return grouped_graph(case, dtype, CASES)
 
 
 def quantized_inputs(graph, tokens: int, seed: int = 0):
