@@ -48,10 +48,18 @@ def _make(name: str, n: int, k: int, recipe: QuantRecipe, ctx: PassContext) -> Q
     ctx.records.setdefault("quantize_weights", {})[name] = f"{how} to {recipe.weights}"
     if ctx.weights is None:
         return None
+    if f"{name}.codes" in ctx.weights:         # the other entry graph of this compile rounded it already
+        return _stored(name, k, ctx.weights)
     w = ctx.weights[name]
     if recipe.bits == 8:
         return QuantizedWeight(8, k, *quantize_int8(w), source=recipe.weights)
     return QuantizedWeight(4, recipe.group_size, *quantize_int4(w, recipe.group_size), source=recipe.weights)
+
+
+def _stored(name: str, k: int, weights: dict) -> QuantizedWeight:
+    """The quantized weight an earlier run of this pass put into `weights`."""
+    codes, scales, mins = weights[f"{name}.codes"], weights[f"{name}.scales"], weights.get(f"{name}.mins")
+    return QuantizedWeight(4 if mins is not None else 8, k // scales.shape[1], codes, scales, mins, "stored")
 
 
 def _declare(name: str, n: int, k: int, recipe: QuantRecipe, state: RewriteState, ctx: PassContext,
