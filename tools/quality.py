@@ -29,7 +29,7 @@ from llmc.compiler.dtypes import USER_DTYPES
 from llmc.compiler.frontend import trace
 from llmc.compiler.ir import Graph
 from llmc.kernels.native_ops import choose_op_impls
-from llmc.models.config import LoadedModel
+from llmc.models.config import LoadedModel, TokenizerFiles
 from llmc.passes.pipeline import run_pipeline
 from llmc.passes.rewrite import PassContext
 from llmc.runtime.artifact import ArtifactError, load_artifact
@@ -64,9 +64,9 @@ def held_text() -> str:
     return "\n\n".join(topics[name] for name in sorted(topics))
 
 
-def held_tokens(encode, count: int) -> list[int]:
-    """The first `count` tokens of the held text (RequestError if it is shorter)."""
-    ids = encode(held_text())
+def held_tokens(files: TokenizerFiles, count: int) -> list[int]:
+    """The first `count` tokens of the held text in a model's tokenizer (RequestError if it is shorter)."""
+    ids = Tokenizer(files).encode(held_text(), add_special_tokens=False)
     if len(ids) < count:
         raise RequestError(f"the held text has {len(ids)} tokens, fewer than the {count} asked for")
     return ids[:count]
@@ -122,8 +122,7 @@ def compile_assessment(config: CompileConfig, tokens: int, window: int):
     """An `assess` hook for compile_model: the compiled graphs against the unquantized ones."""
     def assess(model: LoadedModel, graphs: dict[str, Graph], weights: dict) -> dict:
         reference = reference_prefill(model, config, weights)
-        tokenizer = Tokenizer(model.tokenizer)
-        ids = held_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False), tokens)
+        ids = held_tokens(model.tokenizer, tokens)
         span = min(window, model.config.max_position_embeddings)
         scorer = WindowScorer(graphs["prefill"], graph_weights({"prefill": graphs["prefill"]}, weights))
         ref_scorer = WindowScorer(reference, graph_weights({"prefill": reference}, weights))
@@ -138,8 +137,7 @@ def evaluate_artifacts(path: str, against: str, tokens: int, window: int) -> Qua
     if model.config.vocab_size != reference.config.vocab_size or model.tokenizer != reference.tokenizer:
         raise ArtifactError(f"{path} and {against} do not share a tokenizer and vocabulary, so their next-token "
                             "distributions cannot be compared; compile both from the same model")
-    tokenizer = Tokenizer(model.tokenizer)
-    ids = held_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False), tokens)
+    ids = held_tokens(model.tokenizer, tokens)
     span = min(window, model.config.max_position_embeddings)
     scorer = WindowScorer(model.graphs["prefill"], model.weights)
     ref_scorer = WindowScorer(reference.graphs["prefill"], reference.weights)
