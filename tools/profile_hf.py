@@ -16,7 +16,7 @@ import torch
 from llmc.runtime.artifact import Artifact
 
 from .bench_hf import load_hf_model
-from .profile_steps import PROMPT_FOR_DECODE
+from .profile_steps import PROMPT_FOR_DECODE, best_of
 
 
 def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
@@ -24,15 +24,8 @@ def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (1, length), generator=g)
 
 
-@torch.inference_mode()
 def _forward_seconds(model, ids: torch.Tensor) -> float:
-    model(ids, logits_to_keep=1)
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_of(lambda: model(ids, logits_to_keep=1), 2)
 
 
 @torch.inference_mode()
