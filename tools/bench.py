@@ -124,6 +124,11 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+# generate, serve and bench take the same switch
+CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
+                                  "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
+
+
 def bench_cmd(
     artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
     num_requests: int = typer.Option(64, help="requests in the workload"),
@@ -137,8 +142,7 @@ def bench_cmd(
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
     kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
-                                               "CUDA graphs (default: on a GPU with the triton backend)"),
+    cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),

@@ -27,7 +27,7 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import bench_cmd
+from .bench import CUDA_GRAPHS_OPTION, bench_cmd
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
@@ -134,9 +134,7 @@ def generate(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
-                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
-                                               "nothing to capture)"),
+    cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -193,9 +191,7 @@ def serve(
     kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as "
-                                               "CUDA graphs (default: on a GPU with the triton backend; the CPU has "
-                                               "nothing to capture)"),
+    cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
