@@ -11,7 +11,7 @@ import pytest
 from llmc.models.config import expected_weights
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.memory_plan import kv_bytes_per_token
-from llmc.tools.profile_steps import decode_bytes, prefill_flops
+from llmc.tools.profile_steps import StepProfile, decode_bytes, prefill_flops
 
 from test_bad_inputs import assert_process_error, run_llmc
 
@@ -46,6 +46,9 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     result = json.loads(out.read_text())
     assert result["hf"]["decode_s"] > 0 and result["hf"]["prefill_s"] > 0
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
+    assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round
+    assert result["decode"]["of_bandwidth"] == pytest.approx(
+        result["decode"]["bytes"] / result["decode"]["rounds"][0] / result["decode"]["floors"][0])
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]
         assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
@@ -55,3 +58,10 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
 def test_a_profile_longer_than_the_context_is_one_sentence(tiny_family):
     assert_process_error(run_llmc("profile", tiny_family("llama_hd32")[2], "--prompt-len", 100_000),
                          "100000 tokens", "--prompt-len")
+
+
+def test_the_fraction_of_bandwidth_pairs_each_round_with_its_own_floor():
+    # rounds at 1, 1 and 0.5 of the bandwidth beside them: a faster round on a busier floor counts as it is
+    profile = StepProfile(0.15, {}, rounds=(0.1, 0.2, 0.1), floors=(10.0, 5.0, 20.0))
+    assert profile.of_bandwidth(1) == pytest.approx(1.0)
+    assert StepProfile(0.15, {}, rounds=(0.1, 0.2), floors=(10.0, 20.0)).of_bandwidth(1) == pytest.approx(0.625)

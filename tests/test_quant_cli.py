@@ -103,7 +103,9 @@ def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     plain, quant = result["recipes"]["none"], result["recipes"]["int4+kv8"]
     assert quant["stored_weight_bytes"] < plain["stored_weight_bytes"]
-    assert quant["decode_bytes"] < plain["decode_bytes"] and result["bandwidth"] > 0
+    assert quant["decode_bytes"] < plain["decode_bytes"]
+    assert plain["bandwidth"] > 0 and plain["of_bandwidth"] == pytest.approx(
+        plain["decode_bytes"] / plain["decode_s"] / plain["bandwidth"], rel=0.5)
     rows = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
     assert rows == ["none", "int4+kv8"]
     bad = run_llmc("bench-quant", folder, "--recipes", "int8+kv4", "--work-dir", tmp_path)

@@ -3,8 +3,8 @@
 For every recipe it compiles the model (once, into --work-dir) and measures, with the torch
 backend and native kernels: batch-1 decode (ms/token, tok/s), the bytes one decode step reads
 (weights + KV, tools/profile_steps.py's `decode_bytes`), the GB/s that is, and its fraction of a
-memory-read bandwidth measured in the same run (the floor: the best of a measurement before and
-after the recipes); and the default `llmc bench` workload's output tok/s. A recipe is WEIGHTS
+memory-read bandwidth sampled beside every few decode steps (profile_steps.py: the median over
+the rounds, each against the samples beside it); and the default `llmc bench` workload's output tok/s. A recipe is WEIGHTS
 (none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
 round from the float values even where a GGUF's own blocks fit (`--requantize`).
 """
@@ -25,7 +25,7 @@ from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import RequestError
 
 from .bench import Workload, parse_range, run_llmc
-from .profile_steps import cpu_name, decode_bytes, profile_decode, read_bandwidth
+from .profile_steps import ROUND_TOKENS, ReadBandwidth, cpu_name, decode_bytes, profile_decode
 
 DEFAULT_RECIPES = "none,int8,int4,int4+rtn,int8+kv8"
 
@@ -45,27 +45,29 @@ def compiled(model: Optional[str], recipe: str, dtype: str, work_dir: Path) -> P
     return out
 
 
-def measure(artifact: Path, decode_tokens: int, workload: Workload) -> dict:
+def measure(artifact: Path, decode_tokens: int, workload: Workload, bandwidth: ReadBandwidth) -> dict:
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=2**30, kernels="native"))     # `llmc bench`'s defaults
-    decode, context = profile_decode(engine, decode_tokens)
+    decode, context = profile_decode(engine, decode_tokens, bandwidth=bandwidth)
     art = engine.artifact
     weight_bytes = sum(t.numel() * t.element_size() for t in art.weights.values())
+    step_bytes = decode_bytes(art.graphs["decode"], art, context)
     bench = run_llmc(engine, workload.requests(art.config.vocab_size), lambda: None)
-    return {"decode_s": decode.seconds, "decode_bytes": decode_bytes(art.graphs["decode"], art, context),
+    return {"decode_s": decode.seconds, "decode_bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes),
+            "bandwidth": sorted(decode.floors)[len(decode.floors) // 2],
             "stored_weight_bytes": weight_bytes, "bench_output_tok_s": bench["output_tok_s"]}
 
 
 def format_table(result: dict) -> str:
-    floor = result["bandwidth"]
     lines = [f"{result['cpu']} | torch threads {result['threads']} | {result['dtype']} | native kernels | "
-             f"read bandwidth floor {floor / 1e9:.1f} GB/s (torch.sum over 512 MiB, best of before/after)",
+             f"floor: read bandwidth (torch.sum over 512 MiB) sampled beside every {ROUND_TOKENS} decode steps; "
+             f"'of floor' is the median over those rounds",
              f"{'recipe':<12} {'weights MB':>10} {'MB/token':>9} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} "
-             f"{'of floor':>8} {'bench tok/s':>11}"]
+             f"{'floor GB/s':>10} {'of floor':>8} {'bench tok/s':>11}"]
     for name, r in result["recipes"].items():
         gbs = r["decode_bytes"] / r["decode_s"]
         lines.append(f"{name:<12} {r['stored_weight_bytes'] / 1e6:>10.1f} {r['decode_bytes'] / 1e6:>9.1f} "
                      f"{1000 * r['decode_s']:>9.2f} {1 / r['decode_s']:>7.1f} {gbs / 1e9:>6.1f} "
-                     f"{100 * gbs / floor:>7.0f}% {r['bench_output_tok_s']:>11.1f}")
+                     f"{r['bandwidth'] / 1e9:>10.1f} {100 * r['of_bandwidth']:>7.0f}% {r['bench_output_tok_s']:>11.1f}")
     return "\n".join(lines)
 
 
@@ -88,11 +90,10 @@ def bench_quant_cmd(
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"), parse_range(output_len, "output length"))
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": dtype, "workload": asdict(workload),
               "recipes": {}}
-    before = read_bandwidth()
+    bandwidth = ReadBandwidth()
     for name in names:
         artifact = compiled(model, name, dtype, work_dir)
-        result["recipes"][name] = measure(artifact, decode_tokens, workload)
-    result["bandwidth"] = max(before, read_bandwidth())
+        result["recipes"][name] = measure(artifact, decode_tokens, workload, bandwidth)
     typer.echo(format_table(result))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2, default=str))

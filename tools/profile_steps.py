@@ -1,9 +1,12 @@
 """`llmc profile ART`: where a step's time goes, against the machine's own floors measured in the
 same run.
 
-Floors: the read bandwidth (best of several `torch.sum` passes over 512 MiB) and the matmul peak
-in the artifact's dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a
-[512, 2048] x [2048, 2048] product).
+Floors: the read bandwidth (`torch.sum` passes over 512 MiB) and the matmul peak in the artifact's
+dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a [512, 2048] x [2048, 2048]
+product). On a shared machine the read bandwidth moves with the neighbours' load (20-80 GB/s
+within minutes on the 2-core EPYC), so the decode runs in rounds of `ROUND_TOKENS` steps with a
+bandwidth sample before and after each, and each round is compared with the mean of the two
+samples beside it: the fraction printed is the median over the rounds.
 Batch-1 decode: one sequence decodes `--decode-tokens` tokens after a short prompt; each step's
 time splits into GEMM/GEMV, attention, the other kernels (by the IR op kind of each launch) and
 Python/dispatch (the rest of the step: its metadata, the runner, the greedy pick; a serving
@@ -40,12 +43,21 @@ from llmc.runtime.step_inputs import build_step_inputs
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
 PROMPT_FOR_DECODE = 16
+ROUND_TOKENS = 8            # decode steps between two bandwidth samples
 
 
 @dataclass(frozen=True)
 class StepProfile:
     seconds: float                     # mean wall time of one step
     by_category: dict[str, float]      # mean seconds per step: GEMM/GEMV, attention, other kernels, python/dispatch
+    rounds: tuple[float, ...] = ()     # decode: the mean step time of each round of ROUND_TOKENS steps
+    floors: tuple[float, ...] = ()     # and the read bandwidth beside each round (bytes/s), where it was sampled
+
+    def of_bandwidth(self, step_bytes: int) -> float:
+        """Median over the rounds of (bytes per step / step time) / the bandwidth beside the round."""
+        ratios = sorted(step_bytes / s / floor for s, floor in zip(self.rounds, self.floors))
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def best_of(fn: Callable[[], None], repeats: int) -> float:
@@ -58,10 +70,20 @@ def best_of(fn: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
+class ReadBandwidth:
+    """The read bandwidth floor, sampled as often as asked: bytes per second of one full read of a
+    `mib` MiB fp32 tensor (torch.sum, all threads), the best of `repeats` passes."""
+
+    def __init__(self, mib: int = 512):
+        self.x = torch.ones(mib * 2**20 // 4)
+
+    def sample(self, repeats: int = 2) -> float:
+        return self.x.numel() * 4 / best_of(lambda: self.x.sum(), repeats)
+
+
 def read_bandwidth(mib: int = 512) -> float:
-    """Bytes per second one full read of a large fp32 tensor reaches (torch.sum, all threads)."""
-    x = torch.ones(mib * 2**20 // 4)
-    return x.numel() * 4 / best_of(lambda: x.sum(), 5)
+    """One sample of the read bandwidth, the best of 5 passes."""
+    return ReadBandwidth(mib).sample(5)
 
 
 def matmul_peak(dtype: torch.dtype, m: int = 512, n: int = 2048, k: int = 2048) -> float:
@@ -116,21 +138,28 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
     return StepProfile(elapsed, totals)
 
 
-def profile_decode(engine: Engine, tokens: int, seed: int = 0) -> tuple[StepProfile, int]:
-    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read."""
+def profile_decode(engine: Engine, tokens: int, seed: int = 0,
+                   bandwidth: ReadBandwidth | None = None) -> tuple[StepProfile, int]:
+    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. With
+    `bandwidth`, a sample of it is taken before and after every round of ROUND_TOKENS steps."""
     g = torch.Generator().manual_seed(seed)
     seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
                    SamplingParams(max_tokens=tokens + 1))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
     engine.blocks.append(seq.seq_id, seq.num_tokens + tokens + 1)
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
-    profiles = []
-    for _ in range(tokens):           # each step computes the sequence's newest token
+    profiles, samples = [], [bandwidth.sample()] if bandwidth else []
+    for i in range(tokens):           # each step computes the sequence's newest token
         chunk = Chunk(seq, seq.num_tokens - 1, seq.num_tokens)
         profiles.append(_profile_step(engine, "decode", [chunk], seq.output_ids.append))
+        if bandwidth and ((i + 1) % ROUND_TOKENS == 0 or i + 1 == tokens):
+            samples.append(bandwidth.sample())
     engine.blocks.free(seq.seq_id)
+    rounds = [profiles[i:i + ROUND_TOKENS] for i in range(0, tokens, ROUND_TOKENS)]
     mean = StepProfile(sum(p.seconds for p in profiles) / tokens,
-                       {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category})
+                       {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category},
+                       tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
+                       tuple((a + b) / 2 for a, b in zip(samples, samples[1:])))
     return mean, PROMPT_FOR_DECODE + tokens // 2
 
 
@@ -163,12 +192,15 @@ def format_profile(r: dict) -> str:
     d, p = r["decode"], r["prefill"]
     return "\n".join([
         f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels",
-        f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB), "
+        f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB beside "
+        f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
+        f"over the rounds), "
         f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s ({r['dtype']} 512x2048x2048, best GEMM path)",
         f"batch-1 decode, {r['decode_tokens']} tokens: {1000 * d['seconds']:.1f} ms/token = "
         f"{1 / d['seconds']:.1f} tok/s; {_split(d)}",
         f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
-        f"{100 * d['bytes'] / d['seconds'] / r['bandwidth']:.0f}% of the read bandwidth",
+        f"{100 * d['of_bandwidth']:.0f}% of the read bandwidth (median of {len(d['rounds'])} rounds of "
+        f"{ROUND_TOKENS} tokens, each against the samples beside it)",
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
@@ -206,9 +238,12 @@ def profile_cmd(
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "kernels": engine.kernels, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
-              "bandwidth": read_bandwidth(), "matmul_peak": matmul_peak(dtype)}
-    decode, context = profile_decode(engine, decode_tokens)
-    result["decode"] = {**decode.__dict__, "bytes": decode_bytes(art.graphs["decode"], art, context)}
+              "matmul_peak": matmul_peak(dtype)}
+    decode, context = profile_decode(engine, decode_tokens, bandwidth=ReadBandwidth())
+    step_bytes = decode_bytes(art.graphs["decode"], art, context)
+    result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes)}
+    result["bandwidth_samples"] = sorted(decode.floors)
+    result["bandwidth"] = result["bandwidth_samples"][len(decode.floors) // 2]
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
     if baseline == "hf":
