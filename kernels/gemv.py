@@ -1,37 +1,25 @@
-"""GEMV and small-batch GEMM for decode on the CPU, over weights prepared once when an executor is built.
+"""GEMV and GEMM for the CPU's decode and prefill, over weights prepared once when an executor is built.
 
 Contract: x [T, K] f32 or bf16; a weight [N, K] in one of four formats (`GemvWeight`):
-  f32 / bf16  the weight itself, in x's dtype                     meaning: F.linear
-  int8        codes i8 [N, K], scales f16 [N, K/G] (G % 16 == 0)  meaning: kernels/quant.py's qlinear_ref
-  int4        codes u4x2 [N, K/2], scales and mins f16 [N, K/G]   meaning: qlinear_ref
+  f32 / bf16  the weight in column panels (kernels/panels.py), x's dtype   meaning: F.linear
+  int8        codes i8 [N, K], scales f16 [N, K/G] (G % 16 == 0)          meaning: kernels/quant.py's qlinear_ref
+  int4        codes u4x2 [N, K/2], scales and mins f16 [N, K/G]           meaning: qlinear_ref
               (G % 32 == 0)
 bias [N] in x's dtype or None; returns [T, N] in x's dtype: products accumulated in fp32, bias added
 in fp32, rounded once. `gemv_ref` is the meaning (and the fallback).
 
-Layout: a weight stays as the artifact stores it, row-major [N, K]. Read a few whole rows per pass,
-a row-major matrix streams front to back, which is all that batch-1 decode needs to run at the
-memory bandwidth, so preparing a weight copies nothing: one resident copy per weight, shared with
-anything else that reads it (a tied embedding). What preparing decides, once, is the format, the
-group size and that the native kernel takes the weight at all.
-
-A float weight may also carry a second copy packed once in oneDNN's blocked layout (`packed`,
-made by `prepare_linear_weight(..., pack=True)`): oneDNN's GEMM on it beats the native kernel
-from about 16 tokens on (0.66x its time at 64 tokens on the 2-core EPYC), which is what batched
-decode and prefill run at. It doubles a float weight's resident bytes; quantized weights never
-carry one.
-
-Paths by the token count T (`python -m llmc.tools.bench_gemv` measures the crossovers: on the
-2-core EPYC the native kernel beats a packed copy up to about 8 tokens, and oneDNN with a
-per-call reorder up to about 128 tokens, f32 and bf16):
-  T <= PACKED_MIN_TOKENS - 1, or T <= GEMV_MAX_TOKENS without a packed copy:
-                        kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
-                        registers (above 4 tokens each R-row block is dequantized once into an
-                        L1 buffer), both cores streaming their own half of the rows; bf16 by
-                        AVX512-BF16 pair products where the CPU has them, int4 in nibble order
-                        (gemv.cpp says how)
-  larger T              oneDNN's GEMM on the packed copy, or on the weight reordered for that call, a quantized weight
-                        first dequantized to fp32 (transient copies, freed after the call; the
-                        resident weight stays the only one)
+Layouts, decided once (`prepare_linear_weight`, `prepare_qlinear_weight`), one resident copy each:
+  float       column panels of 32 outputs (kernels/panels.py), made from the artifact's weight when
+              the executor is built, which then keeps only the panels. One kernel
+              (kernels/cpu/panel_gemm.cpp) runs every token count: batch-1 decode streams the panels
+              front to back, larger counts run as tiles of 12 tokens x 32 outputs in registers, as
+              fast as oneDNN's GEMM on its own packed copy (`python -m llmc.tools.bench_gemv` prints
+              the ratios), so no such copy is kept beside the weight.
+  quantized   the codes as the artifact stores them, row-major: a few whole rows per pass, front to
+              back (kernels/cpu/gemv.cpp: R rows x up to 4 tokens per pass, dequantized in
+              registers, both cores streaming their own half of the rows; int4 in nibble order,
+              gemv.cpp says how); above GEMV_MAX_TOKENS tokens the weight is dequantized to fp32 for
+              the call (a transient copy) and oneDNN multiplies it.
 """
 
 from __future__ import annotations
@@ -41,26 +29,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .linear import PackedLinear, packable
+from .panels import panel_linear_ref, panels_fit, to_panels
 from .quant import dequantize_weight, qlinear_ref
 
-GEMV_MAX_TOKENS = 128
-PACKED_MIN_TOKENS = 9            # from here on a packed copy (where there is one) beats the native kernel
+GEMV_MAX_TOKENS = 128            # quantized weights: the native GEMV up to here, dequantized + oneDNN above
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True, eq=False)
 class GemvWeight:
-    """One GEMM weight as the native kernels take it. `weight` is the f32/bf16 [N, K] weight or the
-    int8 / int4 codes; scales (and int4 mins) f16 [N, K/G]. The tensors are the artifact's own.
-    The facts a call checks (x dtypes it takes, N, K) are worked out here, once."""
+    """One GEMM weight as the native kernels take it. `weight` is a float weight's panels (holding
+    `rows` outputs) or the int8 / int4 codes as the artifact stores them; scales (and int4 mins)
+    f16 [N, K/G]. The facts a call checks (x dtypes it takes, N, K) are worked out here, once."""
 
     format: str                        # "f32", "bf16", "int8" or "int4"
     weight: torch.Tensor
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
-    packed: PackedLinear | None = None  # float only: the same weight in oneDNN's layout, for larger T
+    rows: int = 0                      # float only: N, the outputs the panels hold
     bits: int = field(init=False)      # 8 or 4; 0 for float weights
     out_features: int = field(init=False)
     in_features: int = field(init=False)
@@ -68,15 +55,18 @@ class GemvWeight:
 
     def __post_init__(self):
         bits = {"int8": 8, "int4": 4}.get(self.format, 0)
-        x_dtypes = tuple(FLOAT_FORMATS) if bits else (self.weight.dtype,)
-        facts = dict(bits=bits, out_features=self.weight.shape[0], x_dtypes=x_dtypes,
-                     in_features=self.weight.shape[1] * (2 if bits == 4 else 1))
+        if bits:
+            n, k = self.weight.shape[0], self.weight.shape[1] * (2 if bits == 4 else 1)
+        else:                          # panels: f32 [P, K, 32], bf16 [P, K/2, 32, 2]
+            n, k = self.rows, self.weight.shape[1] * (2 if self.weight.dim() == 4 else 1)
+        facts = dict(bits=bits, out_features=n, in_features=k,
+                     x_dtypes=tuple(FLOAT_FORMATS) if bits else (self.weight.dtype,))
         for name, value in facts.items():
             object.__setattr__(self, name, value)
 
     @property
     def nbytes(self) -> int:
-        """Bytes one pass over the weight reads (codes, scales and mins)."""
+        """Bytes one pass over the weight reads (panels, or codes, scales and mins)."""
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scales, self.mins) if t is not None)
 
 
@@ -84,20 +74,19 @@ def gemv_ref(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
     """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one."""
     if w.bits:
         return qlinear_ref(x, w.weight, w.scales, w.mins, bias, bits=w.bits)
-    return F.linear(x, w.weight, bias)
+    return panel_linear_ref(x, w.weight, w.rows, bias)
 
 
 def _native_layout(t: torch.Tensor | None) -> bool:
     return t is None or (t.device.type == "cpu" and t.is_contiguous())
 
 
-def prepare_linear_weight(weight: torch.Tensor, pack: bool = False) -> GemvWeight | None:
-    """A float [N, K] weight for the native kernels (with a oneDNN-packed copy for larger T if
-    `pack`), or None where they do not take it."""
-    if weight.dim() != 2 or weight.dtype not in FLOAT_FORMATS or not _native_layout(weight) or not weight.numel():
+def prepare_linear_weight(weight: torch.Tensor) -> GemvWeight | None:
+    """A float [N, K] weight as panels for the native kernels (a new tensor, to be kept instead of
+    `weight`), or None where they do not take it."""
+    if not panels_fit(weight):
         return None
-    return GemvWeight(FLOAT_FORMATS[weight.dtype], weight, packed=PackedLinear(weight) if pack and packable(weight)
-                      else None)
+    return GemvWeight(FLOAT_FORMATS[weight.dtype], to_panels(weight), rows=weight.shape[0])
 
 
 def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, *, bits: int,
@@ -119,7 +108,8 @@ def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) 
 
 
 def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher: gemv_ref's meaning through kernels/cpu/gemv.cpp, or oneDNN above GEMV_MAX_TOKENS tokens."""
+    """Launcher: gemv_ref's meaning through kernels/cpu/panel_gemm.cpp (float) or gemv.cpp
+    (quantized; oneDNN on the dequantized weight above GEMV_MAX_TOKENS tokens)."""
     if not gemv_fits(x, w, bias):
         got = f"x {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if bias is None else f", bias {bias.dtype} "
                                                                 f"{tuple(bias.shape)}")
@@ -131,16 +121,12 @@ def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
 
 def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`gemv_cpu` for inputs that `gemv_fits` has passed (the op table checks once, then runs this)."""
-    if w.packed is not None and x.shape[0] >= PACKED_MIN_TOKENS:
-        return w.packed(x, bias)
+    if not w.bits:
+        return torch.ops.llmc.panel_gemm(x.contiguous(), w.weight, w.rows, bias)
     if x.shape[0] <= GEMV_MAX_TOKENS:
-        if w.bits:
-            return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)
-        return torch.ops.llmc.gemv(x, w.weight, bias)
-    if w.bits:                           # fp32 dequantization, fp32 GEMM: qlinear_ref's rounding
-        weight = dequantize_weight(w.weight, w.scales, w.mins, w.bits)
-        return onednn_linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
-    return onednn_linear(x, w.weight, bias)
+        return torch.ops.llmc.qgemv(x, w.weight, w.scales, w.mins, bias, w.bits, w.group_size)
+    weight = dequantize_weight(w.weight, w.scales, w.mins, w.bits)     # fp32: qlinear_ref's rounding
+    return onednn_linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

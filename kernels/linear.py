@@ -1,7 +1,8 @@
 """GEMM on weights packed once for oneDNN: the peer that benchmarks measure llmc's GEMV against
 (tools/bench_gemv.py, tools/bench_kernels.py) and a candidate for the matmul peak of `llmc profile`.
-The native op table does not keep packed copies (a second resident copy of every weight): its
-GEMMs run kernels/gemv.py, which reorders for oneDNN per call above its token threshold.
+The native op table keeps no packed copy (it would be a second resident copy of every weight):
+its float GEMMs run on column panels (kernels/panels.py), which replace the weight and match
+this at every token count (`python -m llmc.tools.bench_gemv` prints both).
 
 Contract: x [T, K], w [N, K], optional bias [N], one float dtype (f32 or bf16); returns
 x @ w.T + bias [T, N], as `linear` (F.linear) computes it.

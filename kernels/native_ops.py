@@ -5,8 +5,9 @@ inputs (dtype, block size, head_dim) and runs the op's torch ref where it does n
 artifact runs.
 
 The GEMMs take their weights as `prepare_weights` left them when the executor was built: a
-linear's weight or a qlinear's codes become a kernels/gemv.py `GemvWeight` over the same tensors
-(one resident copy per weight). A GEMM given a plain tensor runs its ref.
+linear's weight becomes a kernels/gemv.py `GemvWeight` holding it in column panels (which replace
+it), a qlinear's codes one over the same tensors; either way one resident copy per weight. A GEMM
+given a plain tensor runs its ref; a tied embedding reads its rows out of the panels.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
 from .gemv import GemvWeight, gemv_fits, prepare_linear_weight, prepare_qlinear_weight, run_gemv
 from .native import NativeBuildError, load_native_kernels
+from .panels import from_panels, panel_rows
 from .quant import qlinear_ref, split_qlinear_inputs
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
@@ -85,7 +87,7 @@ def native_op_impls() -> dict[str, OpImpl]:
     def silu_mul(x, a):
         return silu_mul_cpu(*x) if native_silu_mul_fits(*x) else OP_IMPLS["silu_mul"](x, a)
 
-    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": lambda x, a: F.embedding(x[1], _plain(x[0])),
+    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": lambda x, a: embedding_rows(x[0], x[1]),
             "qembedding": lambda x, a: OP_IMPLS["qembedding"]([_plain(x[0]), *x[1:]], a),
             "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
             "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
@@ -93,8 +95,18 @@ def native_op_impls() -> dict[str, OpImpl]:
 
 
 def _plain(t: Any) -> torch.Tensor:
-    """The tensor under a prepared weight (a tied embedding's table lookup reads it as it is)."""
-    return t.weight if isinstance(t, GemvWeight) else t
+    """The tensor under a prepared weight: a quantized weight's codes (a tied embedding's lookup
+    reads them as they are), or a float weight unpacked from its panels (for a ref; transient)."""
+    if not isinstance(t, GemvWeight):
+        return t
+    return from_panels(t.weight, t.rows) if not t.bits else t.weight
+
+
+def embedding_rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding op: rows `ids` of a plain table, or of a tied float table kept as panels."""
+    if isinstance(table, GemvWeight) and not table.bits:
+        return panel_rows(table.weight, ids)
+    return F.embedding(ids, _plain(table))
 
 
 # (op, input position) of the reads a prepared weight serves: the GEMM's weight, and the table
@@ -121,16 +133,15 @@ def _gemm_weights(graphs: Iterable[Graph]) -> dict[str, tuple | None]:
             for name, u in uses.items()}
 
 
-def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor], pack: bool = True) -> dict[str, Any]:
+def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     """`weights` as the native table's GEMMs take them, decided once for all of an executor's graphs.
 
-    The weight each `linear` multiplies by, and each `qlinear`'s codes (with its scales, mins, bits
-    and group size), becomes a GemvWeight over the same tensors. With `pack`, a float weight also
-    gets a copy in oneDNN's layout for the larger token counts of batched decode and prefill
-    (kernels/gemv.py: a second resident copy of float weights, none for quantized ones); without
-    it nothing is copied, and the result holds exactly the storage `weights` holds. A weight that
-    another op reads too (other than a tied embedding's lookup), or one the kernels do not take,
-    stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
+    The weight each `linear` multiplies by becomes a GemvWeight holding it in column panels (a new
+    tensor in its place: the caller keeps the result, not `weights`, so one copy stays resident);
+    each `qlinear`'s codes (with its scales, mins, bits and group size) a GemvWeight over the same
+    tensors. A weight that another op reads too (other than a tied embedding's lookup), or one the
+    kernels do not take, stays a plain tensor (its GEMM runs the ref). The reference table takes
+    plain tensors only.
     """
     prepared = dict(weights)
     for name, use in _gemm_weights(graphs).items():
@@ -138,7 +149,7 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor], p
             continue
         op, operands, bits, group = use
         if op == "linear":
-            gemv_weight = prepare_linear_weight(weights[name], pack)
+            gemv_weight = prepare_linear_weight(weights[name])
         elif operands[1] is None or (bits == 4 and operands[2] is None):
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:

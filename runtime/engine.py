@@ -97,6 +97,10 @@ class Engine:
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
         self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels,
                                   config.device, config.cuda_graphs, config.max_num_seqs)
+        if not isinstance(artifact, Artifact):
+            # loaded here, so nobody else reads its weights: the executor holds them now (in the layouts it
+            # chose) and the artifact keeps their shapes and dtypes, so no second copy stays resident
+            self.artifact.weights = {name: w.to("meta") for name, w in self.artifact.weights.items()}
         self.kernels = self.runner.kernels
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}

@@ -111,10 +111,11 @@ def test_native_runner_runs_the_native_kernels_where_shapes_fit(tiny_family):
         run_all_positions(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
     ran = {e.name for e in prof.events()}
     assert {"llmc::paged_attention", "llmc::rope_kv_write", "llmc::add_rmsnorm", "llmc::rmsnorm",
-            "llmc::silu_mul", "mkldnn::_linear_pointwise"} <= ran          # 21 tokens: the packed GEMM
+            "llmc::silu_mul", "llmc::panel_gemm"} <= ran                   # 21 tokens
+    assert not {"mkldnn::_linear_pointwise", "aten::linear"} & ran          # no GEMM outside the panels
     with torch.profiler.profile() as prof:
-        run_all_positions(runner, blocks, [(seqs[1], 0, seqs[1].num_tokens)])   # one token: the GEMV
-    assert "llmc::gemv" in {e.name for e in prof.events()}
+        run_all_positions(runner, blocks, [(seqs[1], 0, seqs[1].num_tokens)])   # one token: the same kernel
+    assert "llmc::panel_gemm" in {e.name for e in prof.events()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

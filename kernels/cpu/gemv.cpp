@@ -1,5 +1,7 @@
 // GEMV and small-batch GEMM on the CPU: out = x @ w.T (+ bias) over row-major weights of f32, bf16,
-// int8 or int4, each weight dequantized in registers and every product accumulated in fp32.
+// int8 or int4, each weight dequantized in registers and every product accumulated in fp32. The
+// runtime keeps float weights as panels (panel_gemm.cpp); `gemv` over row-major float weights is
+// the kernel those replaced, kept as the benchmarks' baseline (tools/bench_gemv.py).
 //
 // Contract (the meaning of kernels/gemv.py's gemv_ref: F.linear for float weights, kernels/quant.py's
 // qlinear_ref for quantized ones):
