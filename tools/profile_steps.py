@@ -7,10 +7,11 @@ product). On a shared machine the read bandwidth moves with the neighbours' load
 within minutes on the 2-core EPYC), so the decode runs in rounds of `ROUND_TOKENS` steps with a
 bandwidth sample before and after each, and each round is compared with the mean of the two
 samples beside it: the fraction printed is the median over the rounds.
-Batch-1 decode: one sequence decodes `--decode-tokens` tokens after a short prompt; each step's
-time splits into GEMM/GEMV, attention, the other kernels (by the IR op kind of each launch) and
-Python/dispatch (the rest of the step: its metadata, the runner, the greedy pick; a serving
-engine's scheduler and sampler are not in it). The bytes one decode step must read are every
+Batch-1 decode: one sequence decodes `--decode-tokens` tokens after a short prompt, each token
+twice: with every launch timed, which splits a step into GEMM/GEMV, attention and the other
+kernels (by the IR op kind of each launch), and untimed, which gives the step time; Python/dispatch
+is the rest of that time (its metadata, the runner, the greedy pick; a serving engine's scheduler
+and sampler are not in it). The bytes one decode step must read are every
 weight it multiplies by (the embedding table only for its one row) plus the sequence's K/V;
 bytes / step time, against the bandwidth, is how near the step is to memory speed.
 Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x rows x every GEMM weight (rows:
@@ -138,20 +139,36 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
     return StepProfile(elapsed, totals)
 
 
+def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
+    """One decode step as a serving engine runs it (no per-launch timing), then a greedy pick; its seconds."""
+    start = time.perf_counter()
+    logits = engine.runner.run("decode", build_step_inputs(chunks, engine.blocks))
+    for c in chunks:
+        c.seq.num_computed = c.end
+    on_token(int(logits[-1].argmax()))
+    return time.perf_counter() - start
+
+
 def profile_decode(engine: Engine, tokens: int, seed: int = 0,
                    bandwidth: ReadBandwidth | None = None) -> tuple[StepProfile, int]:
-    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. With
-    `bandwidth`, a sample of it is taken before and after every round of ROUND_TOKENS steps."""
+    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. Each token
+    is decoded twice in a row: once with every launch timed (the split by kind) and once as
+    serving runs it (the step time; timing each launch costs ~10% of a decode step), and the
+    Python/dispatch share is the plain step's time beyond the kernels'. With `bandwidth`, a
+    sample of it is taken before and after every round of ROUND_TOKENS tokens."""
     g = torch.Generator().manual_seed(seed)
     seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
-                   SamplingParams(max_tokens=tokens + 1))
+                   SamplingParams(max_tokens=2 * tokens + 1))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    engine.blocks.append(seq.seq_id, seq.num_tokens + tokens + 1)
+    engine.blocks.append(seq.seq_id, seq.num_tokens + 2 * tokens + 1)
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
+    newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
     profiles, samples = [], [bandwidth.sample()] if bandwidth else []
-    for i in range(tokens):           # each step computes the sequence's newest token
-        chunk = Chunk(seq, seq.num_tokens - 1, seq.num_tokens)
-        profiles.append(_profile_step(engine, "decode", [chunk], seq.output_ids.append))
+    for i in range(tokens):
+        kernels = {k: v for k, v in _profile_step(engine, "decode", newest(), seq.output_ids.append).by_category.items()
+                   if k != "python/dispatch"}
+        plain = _plain_step(engine, newest(), seq.output_ids.append)
+        profiles.append(StepProfile(plain, {**kernels, "python/dispatch": plain - sum(kernels.values())}))
         if bandwidth and ((i + 1) % ROUND_TOKENS == 0 or i + 1 == tokens):
             samples.append(bandwidth.sample())
     engine.blocks.free(seq.seq_id)
@@ -160,7 +177,7 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0,
                        {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category},
                        tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
                        tuple((a + b) / 2 for a, b in zip(samples, samples[1:])))
-    return mean, PROMPT_FOR_DECODE + tokens // 2
+    return mean, PROMPT_FOR_DECODE + tokens
 
 
 def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
@@ -232,8 +249,8 @@ def profile_cmd(
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
     engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False))  # timed: eager
-    if max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1) > engine.max_sequence_tokens:
-        raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + decode_tokens + 1)} tokens of "
+    if max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1) > engine.max_sequence_tokens:
+        raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
