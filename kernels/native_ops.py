@@ -30,13 +30,13 @@ from .panels import from_panels, panel_rows
 from .quant import qlinear_ref, split_qlinear_inputs
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
-from .rope_kv_write import native_rope_kv_write_fits, rope_kv_write_cpu
+from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write, unpack_inputs
 from .torch_ops import OP_IMPLS, OpImpl
 
 
 def native_op_impls() -> dict[str, OpImpl]:
     """A fresh op table (its RoPE tables are its own); load_native_kernels() must have run."""
-    rope_tables: dict[str, RopeTables] = {}
+    rope_tables: dict[tuple, RopeTables] = {}
 
     def linear(x, a):
         weight, bias = x[1], (x[2] if len(x) > 2 else None)
@@ -54,17 +54,17 @@ def native_op_impls() -> dict[str, OpImpl]:
         return qlinear_ref(x0, _plain(codes), scales, mins, bias, bits=a["bits"])
 
     def tables_for(a: dict) -> RopeTables:
-        key = json.dumps([a["head_dim"], a["theta"], a["scaling"]], sort_keys=True)
+        scaling = a["scaling"] and json.dumps(a["scaling"], sort_keys=True)     # a dict: keyed by its text
+        key = (a["head_dim"], a["theta"], scaling)
         if key not in rope_tables:
             rope_tables[key] = RopeTables(a["head_dim"], a["theta"], a["scaling"])
         return rope_tables[key]
 
     def rope_kv_write(x, a):
-        cache = x[-2]
-        if not native_rope_kv_write_fits(cache, x[0].dtype):
+        q, k, v, positions, cache, slots = unpack_inputs(x, a["num_heads"], a["num_kv_heads"], a["head_dim"])
+        if not native_rope_kv_write_fits(cache, q.dtype, a["head_dim"]):
             return OP_IMPLS["rope_kv_write"](x, a)
-        return rope_kv_write_cpu(*x, layer=a["layer"], num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"],
-                                 head_dim=a["head_dim"], tables=tables_for(a))
+        return run_rope_kv_write(q, k, v, positions, cache, slots, a["layer"], tables_for(a))
 
     def paged_attention(x, a):
         if not native_attention_fits(x[0], x[1]):

@@ -37,11 +37,12 @@ def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
 
 
-def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether kernels/cpu/rope_kv_write.cpp takes this cache with q, k, v of `dtype` (else use
-    rope_kv_write_ref): f32 or bf16 inputs, a cache of their dtype or int8, head_dim a multiple of 32."""
+def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether kernels/cpu/rope_kv_write.cpp takes this cache with q, k, v of `dtype` and heads of
+    `head_dim` (else use rope_kv_write_ref): f32 or bf16 inputs, a cache of their dtype or int8
+    whose rows hold head_dim, a multiple of 32."""
     return (kv_cache.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and kv_cache.dtype in (dtype, torch.int8) and cache_head_dim(kv_cache) % 32 == 0)
+            and kv_cache.dtype in (dtype, torch.int8) and head_dim % 32 == 0 and cache_head_dim(kv_cache) == head_dim)
 
 
 def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -51,9 +52,17 @@ def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     quantized from the fp32 rotation, where the ref rounds it to q's dtype first: for bf16 inputs
     a code can differ from the ref's by 1 where that rounding crosses a rounding boundary."""
     q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
-    if not native_rope_kv_write_fits(kv_cache, q.dtype) or cache_head_dim(kv_cache) != head_dim:
+    if not native_rope_kv_write_fits(kv_cache, q.dtype, head_dim):
         raise ValueError(f"native rope_kv_write takes f32/bf16 q with a cache of its dtype or int8, head_dim a "
                          f"multiple of 32; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    return run_rope_kv_write(q, k, v, positions, kv_cache, slot_mapping, layer, tables)
+
+
+def run_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int,
+                      tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_kv_write_cpu` for unpacked inputs that `native_rope_kv_write_fits` has passed (the op
+    table checks once, then runs this)."""
     cos, sin = tables(positions)
     q_rot = torch.ops.llmc.rope_kv_write(q, k, v, cos, sin, kv_cache, slot_mapping.long().contiguous(), layer)
     return q_rot, kv_cache
