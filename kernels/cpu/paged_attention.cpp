@@ -17,11 +17,13 @@
 // computed in fp32.
 //
 // Work items are (sequence, KV head, up to kQueries queries of its chunk): a decode (one query)
-// runs block by block (attention_items.h's run_rows; its G rows padded to a 16-row tile ran
-// 1.3-1.6x slower), a longer chunk in tiles of queries x keys as small GEMMs (run_tiles; from
-// 2 queries on faster than run_rows, 3.5-5x from 8). Items differ in cost (causal: later queries see more keys), so
+// runs attention_decode.h's run_decode (K/V read in place, 16 scores reduced at once, 64 keys
+// per softmax step, the next blocks prefetched: 2.5-4x run_rows, near the read bandwidth), a
+// longer chunk in tiles of queries x keys as small GEMMs (run_tiles; from 2 queries on faster
+// than run_rows, 3.5-5x from 8). Items differ in cost (causal: later queries see more keys), so
 // the threads take them one at a time, largest first. `paged_attention_rows` runs every item
-// block by block: the one-query-at-a-time kernel, kept as the benchmarks' baseline.
+// block by block (attention_items.h's run_rows: a block widened into scratch, a horizontal sum
+// per key): the one-query-at-a-time kernel, kept as the benchmarks' baseline.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_decode.h"
 #include "attention_items.h"
 
 namespace {
@@ -142,10 +145,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
                                     tables, width, lens, qsl, g, static_cast<float>(scale)};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
-      if (tiled && it.num_queries > 1)
-        llmc_cpu::run_chunk(in, it, w);
-      else
+      if (!tiled)
         llmc_cpu::run_rows(in, it, w);
+      else if (it.num_queries == 1)
+        llmc_cpu::run_decode(in, it, w);
+      else
+        llmc_cpu::run_chunk(in, it, w);
     });
   };
   with_types(q, kv_cache, run);

@@ -1,0 +1,151 @@
+// A decode work item of paged_attention.cpp: one query of one sequence against its whole cached
+// context, for the G query heads that share a KV head (the item's G rows). Made to run at the
+// speed the cache can be read, not at the speed of its arithmetic:
+//
+//   * K and V are read where they lie in the cache (f32 as is; bf16 K straight into vdpbf16ps
+//     where the CPU has AVX512_BF16 and D % 32 == 0; otherwise a block widened once into L1
+//     scratch, int8 rows dequantized as code * scale, for all G rows). V rows are widened in
+//     registers (an int8 row's scale is folded into its probability).
+//   * A block's 16 scores are 16 partial vectors reduced together by one transposing tree
+//     (transpose_sum: 15 shuffle-add steps), not 16 horizontal sums.
+//   * The online softmax steps over tiles of kTile keys (four blocks): one max, one rescale of
+//     the accumulators per tile; the weighted sum of V keeps each row's output in registers
+//     (strips of NV x 16 dimensions for R <= 8 rows).
+//   * Blocks of a sequence are scattered over the cache, so the hardware prefetchers miss each
+//     jump: the next tile's K and V blocks are prefetched in software while this tile computes.
+//
+// Numerics: scores, softmax and the weighted sum in fp32 (bf16 q.k products are exact in fp32);
+// only the order of the additions differs from the ref. Keys past the sequence's length are
+// never read (those cache rows may hold anything, NaN included).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_tiles.h"
+#include "decode_blocks.h"
+#include "kv_rows.h"
+#include "vec16.h"
+
+namespace llmc_cpu {
+
+namespace decode {
+
+constexpr int64_t kTile = 64;  // keys per online-softmax step: four cache blocks
+constexpr int kMaxRows = 8;    // rows whose accumulators live in registers at once
+
+// The softmax step over one row's scores s [keys] (lanes past `keys` are -inf): probabilities
+// back into s, the row's max and sum updated; returns the factor for its earlier output.
+inline float softmax_tile(float* s, int64_t keys, float& max, float& sum) {
+  Vec16 m = splat(max);
+  for (int64_t n = 0; n < keys; n += 16) m = vmax(m, load16(s + n));
+  const float new_max = hmax(m);
+  const float alpha = std::exp(max - new_max);  // 0 on the first tile (max = -inf)
+  Vec16 total{};
+  for (int64_t n = 0; n < keys; n += 16) {
+    const Vec16 p = tiles::exp_nonpositive(load16(s + n) - new_max);
+    total += p;
+    store16(s + n, p);
+  }
+  max = new_max;
+  sum = sum * alpha + hsum(total);
+  return alpha;
+}
+
+// o[r][c0 ..] = o[r][c0 ..] * alpha[r] + sum_n p[r][n] v[n][c0 ..] for R rows and NV vectors
+// of dimensions from c0, the accumulators in registers; p rows kTile apart.
+template <typename C, int R, int NV>
+inline void accumulate_strip(const float* p, const float* alpha, const C* const* v, int64_t keys, int64_t c0,
+                             float* o, int64_t d) {
+  Vec16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = load16(o + r * d + c0 + 16 * c) * alpha[r];
+  for (int64_t n = 0; n < keys; ++n) {
+    Vec16 x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = tiles::in_register(value16(v[n] + c0 + 16 * c));
+    for (int r = 0; r < R; ++r) {
+      const Vec16 pr = splat(p[r * kTile + n]);
+      for (int c = 0; c < NV; ++c) acc[r][c] += pr * x[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) store16(o + r * d + c0 + 16 * c, acc[r][c]);
+}
+
+// accumulate_strip over all d dimensions of R rows, strips of up to 24 / R vectors.
+template <typename C, int R>
+inline void accumulate_rows(const float* p, const float* alpha, const C* const* v, int64_t keys, float* o,
+                            int64_t d) {
+  constexpr int kWide = R <= 6 ? 4 : 3;
+  int64_t c0 = 0;
+  for (; c0 + 16 * kWide <= d; c0 += 16 * kWide) accumulate_strip<C, R, kWide>(p, alpha, v, keys, c0, o, d);
+  switch ((d - c0) / 16) {
+    case 3: return accumulate_strip<C, R, 3>(p, alpha, v, keys, c0, o, d);
+    case 2: return accumulate_strip<C, R, 2>(p, alpha, v, keys, c0, o, d);
+    case 1: return accumulate_strip<C, R, 1>(p, alpha, v, keys, c0, o, d);
+    default: return;
+  }
+}
+
+// All `rows` rows, kMaxRows at a time.
+template <typename C>
+void accumulate(const float* p, const float* alpha, int64_t rows, const C* const* v, int64_t keys, float* o,
+                int64_t d) {
+  for (int64_t r = 0; r < rows; r += kMaxRows) {
+    const float* pr = p + r * kTile;
+    const float* ar = alpha + r;
+    float* orow = o + r * d;
+    switch (std::min<int64_t>(kMaxRows, rows - r)) {
+      case 1: accumulate_rows<C, 1>(pr, ar, v, keys, orow, d); break;
+      case 2: accumulate_rows<C, 2>(pr, ar, v, keys, orow, d); break;
+      case 3: accumulate_rows<C, 3>(pr, ar, v, keys, orow, d); break;
+      case 4: accumulate_rows<C, 4>(pr, ar, v, keys, orow, d); break;
+      case 5: accumulate_rows<C, 5>(pr, ar, v, keys, orow, d); break;
+      case 6: accumulate_rows<C, 6>(pr, ar, v, keys, orow, d); break;
+      case 7: accumulate_rows<C, 7>(pr, ar, v, keys, orow, d); break;
+      default: accumulate_rows<C, 8>(pr, ar, v, keys, orow, d); break;
+    }
+  }
+}
+
+}  // namespace decode
+
+// One decode item: G rows, seq_len keys, tile by tile.
+template <typename T, typename C>
+void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+  using namespace decode;
+  const int64_t d = in.g.head_dim, rows = in.g.groups, keys_total = in.lens[it.seq];
+  const int64_t row = row_elems<C>(d);
+  BlockScorer<T, C> scorer(in, it, w);
+  w.o.assign(rows * d, 0.f);
+  w.max.assign(rows, tiles::kNegInf);
+  w.sum.assign(rows, 0.f);
+  w.alpha.resize(rows);
+  w.s.resize(rows * kTile);
+  w.v.resize(kTile);
+  const C* v_rows[kTile];
+  for (int64_t first = 0; first < keys_total; first += kTile) {
+    const int64_t keys = std::min(kTile, keys_total - first);
+    for (int64_t b = (first + kTile) / kBlock; b < (first + 2 * kTile) / kBlock && b * kBlock < keys_total; ++b)
+      prefetch_block(in, it, b);
+    for (int64_t n = 0; n < keys; n += kBlock) {
+      const int64_t at = in.block_offset(it, (first + n) / kBlock);
+      scorer.score_block(in.k_cache + at, std::min(kBlock, keys - n), w.s.data() + n, kTile);
+      for (int64_t t = 0; t < kBlock; ++t) v_rows[n + t] = in.v_cache + at + t * row;
+    }
+    const int64_t padded = (keys + 15) / 16 * 16;
+    for (int64_t r = 0; r < rows; ++r)
+      w.alpha[r] = softmax_tile(w.s.data() + r * kTile, padded, w.max[r], w.sum[r]);
+    if constexpr (std::is_same_v<C, int8_t>) fold_value_scales(v_rows, keys, d, rows, w.s.data(), kTile);
+    accumulate<C>(w.s.data(), w.alpha.data(), rows, v_rows, keys, w.o.data(), d);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = in.out + (in.token(it, 0) * in.g.heads + in.head(it, r)) * d;
+    const float inv = 1.f / w.sum[r];
+    for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16(w.o.data() + r * d + j) * inv);
+  }
+}
+
+}  // namespace llmc_cpu
