@@ -1,15 +1,18 @@
 // The reads of attention_decode.h: one cache block's 16 scores for each of an item's rows, a V
-// row's 16 dimensions as fp32, the software prefetch of a block.
+// row's 16 dimensions as fp32, the reads that bring blocks into L2 ahead of them.
 //
 //   transpose_sum(part)      lane t = the sum of part[t]'s lanes, for 16 vectors at once: four
 //                            levels of (shuffle, shuffle, add) halve the vectors and the lanes
-//   BlockScorer<T, C>        the item's queries, prepared once; score_block(k, visible, s,
-//                            s_row) writes row r's scores of a block of keys k [16][row] to
-//                            s[r * s_row ..], scaled; lanes from `visible` on are -inf and the
-//                            cache rows behind them are not read
+//   BlockScorer<T, C>        the item's queries, prepared once; score_block(k, visible, first,
+//                            s, s_row) writes the scores of rows first .. first + G - 1 (one
+//                            KV head's) against its block of keys k [16][row] to s[r * s_row
+//                            ..], scaled; lanes from `visible` on are -inf and the cache rows
+//                            behind them are not read
+//   TileRows<C>              where a tile's V rows of one KV head lie
 //   value16(row + j)         16 values of a V row as fp32 (int8: the codes; the caller applies
 //                            the row's scale, fold_value_scales)
-//   prefetch_block(in, it, b) all cache lines of the item's K and V rows in block b
+//   touch_blocks(in, it, b0, b1)  every cache line of the item's K and V rows (all its
+//                            heads) in blocks b0 .. b1 - 1, loaded and dropped
 #pragma once
 
 #include <algorithm>
@@ -77,22 +80,40 @@ inline Vec16 value16(const float* p) { return load16(p); }
 inline Vec16 value16(const c10::BFloat16* p) { return load16(p); }
 inline Vec16 value16(const int8_t* p) { return load16_codes(p); }
 
+// The V rows of a tile of keys for one KV head: key n is row n % 16 of the tile's block n / 16.
+template <typename C>
+struct TileRows {
+  const C* block[4];
+  int64_t row;  // elements per cache row
+  const C* operator()(int64_t n) const { return block[n / kBlock] + (n % kBlock) * row; }
+};
+
+// Reads every cache line of the item's K and V rows in blocks b0 .. b1 - 1 and drops them:
+// a loop of nothing but independent loads keeps many more misses in flight than the kernel's
+// own loads between its arithmetic do, so it brings the blocks into L2 at the read bandwidth.
 template <typename T, typename C>
-void prefetch_block(const Inputs<T, C>& in, const Item& it, int64_t b) {
-  const int64_t at = in.block_offset(it, b), bytes = kBlock * row_elems<C>(in.g.head_dim) * sizeof(C);
-  const char* k = reinterpret_cast<const char*>(in.k_cache + at);
-  const char* v = reinterpret_cast<const char*>(in.v_cache + at);
-  for (int64_t i = 0; i < bytes; i += 64) {
-    __builtin_prefetch(k + i, 0, 3);
-    __builtin_prefetch(v + i, 0, 3);
+void touch_blocks(const Inputs<T, C>& in, const Item& it, int64_t b0, int64_t b1) {
+  const int64_t bytes = it.kv_heads * kBlock * row_elems<C>(in.g.head_dim) * sizeof(C);
+  Uint16 seen{};
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t at = in.block_offset(it, b);
+    const char* k = reinterpret_cast<const char*>(in.k_cache + at);
+    const char* v = reinterpret_cast<const char*>(in.v_cache + at);
+    for (int64_t i = 0; i < bytes; i += 64) {
+      Uint16 a, c;
+      std::memcpy(&a, k + i, 64);
+      std::memcpy(&c, v + i, 64);
+      seen |= a | c;
+    }
   }
+  asm volatile("" : : "v"(seen));
 }
 
 // Each row's probabilities s[r * s_row + n] times V row n's int8 scale.
-inline void fold_value_scales(const int8_t* const* v, int64_t keys, int64_t d, int64_t rows, float* s,
+inline void fold_value_scales(const TileRows<int8_t>& v, int64_t keys, int64_t d, int64_t rows, float* s,
                               int64_t s_row) {
   float scales[64];
-  for (int64_t n = 0; n < keys; ++n) scales[n] = row_scale(v[n], d);
+  for (int64_t n = 0; n < keys; ++n) scales[n] = row_scale(v(n), d);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t n = 0; n < keys; ++n) s[r * s_row + n] *= scales[n];
 }
@@ -100,33 +121,34 @@ inline void fold_value_scales(const int8_t* const* v, int64_t keys, int64_t d, i
 template <typename T, typename C>
 class BlockScorer {
  public:
-  // q rows of the item's query, scaled, as fp32 in w.q [G][D] (bf16 pairs: unscaled in w.qp).
-  BlockScorer(const Inputs<T, C>& in, const Item& it, Scratch& w) : d_(in.g.head_dim), rows_(in.g.groups),
+  // The item's rows (G per KV head, query head it.kv_head * G + r for row r) of its one
+  // query, scaled, as fp32 in w.q [rows][D] (bf16 pairs: unscaled in w.qp).
+  BlockScorer(const Inputs<T, C>& in, const Item& it, Scratch& w) : d_(in.g.head_dim), groups_(in.g.groups),
                                                                      scale_(in.scale), w_(w) {
-    w.q.resize(rows_ * d_);
+    const int64_t rows = it.kv_heads * groups_;
+    const T* q = in.q + (in.token(it, 0) * in.g.heads + it.kv_head * groups_) * d_;
+    w.q.resize(rows * d_);
     w.k.resize(kBlock * d_);
-    for (int64_t r = 0; r < rows_; ++r) {
-      const T* src = in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d_;
-      for (int64_t j = 0; j < d_; j += 16) store16(w.q.data() + r * d_ + j, load16(src + j) * scale_);
-    }
+    for (int64_t i = 0; i < rows * d_; i += 16) store16(w.q.data() + i, load16(q + i) * scale_);
 #ifdef __AVX512BF16__
     if constexpr (kPairs) {
       pairs_ = d_ % 32 == 0;
-      w.qp.resize(rows_ * d_ / 2);
+      w.qp.resize(rows * d_ / 2);
       w.kp.resize(kBlock * d_ / 2);
-      for (int64_t r = 0; r < rows_; ++r)
-        std::memcpy(w.qp.data() + r * d_ / 2, in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d_, 2 * d_);
+      std::memcpy(w.qp.data(), q, rows * d_ * sizeof(T));
     }
 #endif
   }
 
-  void score_block(const C* k, int64_t visible, float* s, int64_t s_row) {
+  // Rows first .. first + G - 1 (one KV head's) against that head's block of keys k.
+  void score_block(const C* k, int64_t visible, int64_t first, float* s, int64_t s_row) {
 #ifdef __AVX512BF16__
     if constexpr (kPairs)
-      if (pairs_) return score_pairs(k, visible, s, s_row);
+      if (pairs_) return score_pairs(k, visible, first, s, s_row);
 #endif
     const float* rows = widened(k, visible);
-    for (int64_t r = 0; r < rows_; ++r) store16(s + r * s_row, masked(scores16(w_.q.data() + r * d_, rows, d_), visible));
+    for (int64_t r = first; r < first + groups_; ++r)
+      store16(s + r * s_row, masked(scores16(w_.q.data() + r * d_, rows, d_), visible));
   }
 
  private:
@@ -151,20 +173,20 @@ class BlockScorer {
   }
 
 #ifdef __AVX512BF16__
-  void score_pairs(const C* k, int64_t visible, float* s, int64_t s_row) {
+  void score_pairs(const C* k, int64_t visible, int64_t first, float* s, int64_t s_row) {
     if (visible < kBlock) {
       auto* copy = reinterpret_cast<C*>(w_.kp.data());
       std::memcpy(copy, k, visible * d_ * sizeof(C));
       std::fill(copy + visible * d_, copy + kBlock * d_, C(0.f));
       k = copy;
     }
-    for (int64_t r = 0; r < rows_; ++r)
+    for (int64_t r = first; r < first + groups_; ++r)
       store16(s + r * s_row, masked(scores16(w_.qp.data() + r * d_ / 2, k, d_) * scale_, visible));
   }
   bool pairs_ = false;
 #endif
 
-  int64_t d_, rows_;
+  int64_t d_, groups_;
   float scale_;
   Scratch& w_;
 };

@@ -46,12 +46,19 @@ using llmc_cpu::kBlock;
 
 constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 
-std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads) {
+// `whole_decodes`: a sequence's single query is one item over all KV heads (run_decode reads
+// each block's heads, adjacent in the cache, as one stream), else one item per KV head.
+std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool whole_decodes) {
   std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (whole_decodes && qsl[s + 1] - qsl[s] == 1) {
+      items.push_back({s, 0, 0, 1, kv_heads});
+      continue;
+    }
     for (int64_t first = 0; first < qsl[s + 1] - qsl[s]; first += kQueries)
       for (int64_t h = 0; h < kv_heads; ++h)
         items.push_back({s, h, first, std::min<int64_t>(kQueries, qsl[s + 1] - qsl[s] - first)});
+  }
   return items;
 }
 
@@ -61,7 +68,7 @@ template <typename T, typename C, typename Fn>
 void run_items(const std::vector<Item>& items, const llmc_cpu::Inputs<T, C>& in, Fn fn) {
   std::vector<int64_t> cost(items.size()), order(items.size());
   for (size_t i = 0; i < items.size(); ++i)
-    cost[i] = items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
+    cost[i] = items[i].kv_heads * items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
@@ -136,7 +143,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
   check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
-  const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads);
+  const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads, tiled);
   const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     using C = std::remove_pointer_t<decltype(cache_typed)>;
