@@ -1,28 +1,31 @@
 // A decode work item of paged_attention.cpp: one query of one sequence against its whole cached
-// context, for the G query heads that share a KV head (the item's G rows). Made to run at the
-// speed the cache can be read, not at the speed of its arithmetic:
+// context, for all its KV heads (rows h * G + g: the G query heads sharing KV head h). Made to
+// run at the speed the cache can be read, not at the speed of its arithmetic:
 //
-//   * K and V are read where they lie in the cache (f32 as is; bf16 K straight into vdpbf16ps
-//     where the CPU has AVX512_BF16 and D % 32 == 0; otherwise a block widened once into L1
-//     scratch, int8 rows dequantized as code * scale, for all G rows). V rows are widened in
-//     registers (an int8 row's scale is folded into its probability).
+//   * K and V are read where they lie in the cache: f32 as is; bf16 K straight into vdpbf16ps
+//     and bf16 V as pairs of keys (decode_pairs.h) where the CPU has AVX512_BF16 and
+//     D % 32 == 0; otherwise a K block widened once into L1 scratch for the G rows (int8:
+//     dequantized) and V rows widened in registers (an int8 row's scale folded into its
+//     probability).
 //   * A block's 16 scores are 16 partial vectors reduced together by one transposing tree
 //     (transpose_sum: 15 shuffle-add steps), not 16 horizontal sums.
 //   * The online softmax steps over tiles of kTile keys (four blocks): one max, one rescale of
 //     the accumulators per tile; the weighted sum of V keeps each row's output in registers
 //     (strips of NV x 16 dimensions for R <= 8 rows).
-//   * An item takes all KV heads of its sequence: a block's heads lie next to each other, so K
-//     and V are read as streams of KVH x 16 rows, not 16.
+//   * A block's KV heads lie next to each other, so an item reads K and V in runs of
+//     KVH x 16 rows.
 //   * The reads are kept apart from the arithmetic: touch_blocks loads every line of the next
 //     kTouched keys' blocks in a loop of nothing but loads (many misses in flight), then the
 //     tiles compute from L2. Loads spread through the arithmetic keep few misses in flight; on
 //     the Zen 5 VM measured, that ran at 7-8 GB/s on one core, and software prefetches ahead
-//     (one or two tiles, one to eight blocks, t0 or nta) did not change it; touching first
-//     doubled it.
+//     (one or two tiles, one to eight blocks, t0 or nta, or the next 128-256 keys) did not
+//     help or were slower; touching first doubled it.
 //
-// Numerics: scores, softmax and the weighted sum in fp32 (bf16 q.k products are exact in fp32);
-// only the order of the additions differs from the ref. Keys past the sequence's length are
-// never read (those cache rows may hold anything, NaN included).
+// Numerics: scores, softmax and the weighted sum in fp32 (bf16 products are exact in fp32; a
+// bf16 cache's probabilities are rounded to bf16 for V, as the ref rounds them to q's dtype);
+// only the order of the additions differs from the ref. Values of keys past the sequence's
+// length are never used (touch_blocks loads whole blocks and drops what it loads; those rows
+// may hold anything, NaN included).
 #pragma once
 
 #include <algorithm>
@@ -32,6 +35,7 @@
 
 #include "attention_tiles.h"
 #include "decode_blocks.h"
+#include "decode_pairs.h"
 #include "kv_rows.h"
 #include "vec16.h"
 
@@ -96,25 +100,61 @@ inline void accumulate_rows(const float* p, const float* alpha, const TileRows<C
   }
 }
 
+// Calls fn(std::integral_constant<int, R>{}) with R = rows, 1 .. kMaxRows.
+template <typename Fn>
+void with_rows(int64_t rows, Fn fn) {
+  switch (rows) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    default: return fn(std::integral_constant<int, 8>{});
+  }
+}
+
 // All `rows` rows, kMaxRows at a time.
 template <typename C>
 void accumulate(const float* p, const float* alpha, int64_t rows, const TileRows<C>& v, int64_t keys, float* o,
                 int64_t d) {
-  for (int64_t r = 0; r < rows; r += kMaxRows) {
-    const float* pr = p + r * kTile;
-    const float* ar = alpha + r;
-    float* orow = o + r * d;
-    switch (std::min<int64_t>(kMaxRows, rows - r)) {
-      case 1: accumulate_rows<C, 1>(pr, ar, v, keys, orow, d); break;
-      case 2: accumulate_rows<C, 2>(pr, ar, v, keys, orow, d); break;
-      case 3: accumulate_rows<C, 3>(pr, ar, v, keys, orow, d); break;
-      case 4: accumulate_rows<C, 4>(pr, ar, v, keys, orow, d); break;
-      case 5: accumulate_rows<C, 5>(pr, ar, v, keys, orow, d); break;
-      case 6: accumulate_rows<C, 6>(pr, ar, v, keys, orow, d); break;
-      case 7: accumulate_rows<C, 7>(pr, ar, v, keys, orow, d); break;
-      default: accumulate_rows<C, 8>(pr, ar, v, keys, orow, d); break;
+  for (int64_t r = 0; r < rows; r += kMaxRows)
+    with_rows(std::min<int64_t>(kMaxRows, rows - r), [&](auto n) {
+      accumulate_rows<C, decltype(n)::value>(p + r * kTile, alpha + r, v, keys, o + r * d, d);
+    });
+}
+
+// One tile's weighted sum of V for the G rows of one KV head (p, alpha, o at its rows): bf16
+// pairs (decode_pairs.h) where `pairs`, else fp32 (an int8 row's scale folded into p).
+template <typename C>
+void weigh_values(float* p, const float* alpha, int64_t groups, const TileRows<C>& v, int64_t keys, float* o,
+                  int64_t d, bool pairs, Scratch& w) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
+    if (pairs) {
+      constexpr int64_t kPairsRow = kTile / 2;
+      w.pp.resize(groups * kPairsRow);
+      pair_probabilities(p, kTile, groups, keys, w.pp.data(), kPairsRow);
+      for (int64_t r = 0; r < groups; r += kMaxRows)
+        with_rows(std::min<int64_t>(kMaxRows, groups - r), [&](auto n) {
+          accumulate_pairs_rows<decltype(n)::value>(w.pp.data() + r * kPairsRow, kPairsRow, alpha + r, v, keys,
+                                                    o + r * d, d);
+        });
+      return;
     }
-  }
+#endif
+  if constexpr (std::is_same_v<C, int8_t>) fold_value_scales(v, keys, d, groups, p, kTile);
+  accumulate<C>(p, alpha, groups, v, keys, o, d);
+}
+
+// Row r of o divided by its softmax sum, in q's dtype.
+template <typename T>
+void finish_row(const float* o, int64_t d, float sum, bool pairs, T* out) {
+#ifdef __AVX512BF16__
+  if (pairs) return store_unpaired(o, d, 1.f / sum, out);
+#endif
+  for (int64_t j = 0; j < d; j += 16) store16(out + j, load16(o + j) * (1.f / sum));
 }
 
 }  // namespace decode
@@ -133,6 +173,7 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   w.alpha.resize(rows);
   w.s.resize(rows * kTile);
   TileRows<C> v{{}, row};
+  const bool pairs = std::is_same_v<C, c10::BFloat16> && d % 32 == 0;  // used where AVX512_BF16 is
   for (int64_t first = 0; first < keys_total; first += kTile) {
     const int64_t keys = std::min(kTile, keys_total - first), padded = (keys + 15) / 16 * 16;
     if (first % kTouched == 0)
@@ -146,17 +187,13 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
     }
     for (int64_t r = 0; r < rows; ++r) w.alpha[r] = softmax_tile(w.s.data() + r * kTile, padded, w.max[r], w.sum[r]);
     for (int64_t h = 0; h < it.kv_heads; ++h) {
-      float* p = w.s.data() + h * groups * kTile;
-      if constexpr (std::is_same_v<C, int8_t>) fold_value_scales(v, keys, d, groups, p, kTile);
-      accumulate<C>(p, w.alpha.data() + h * groups, groups, v, keys, w.o.data() + h * groups * d, d);
+      weigh_values(w.s.data() + h * groups * kTile, w.alpha.data() + h * groups, groups, v, keys,
+                   w.o.data() + h * groups * d, d, pairs, w);
       for (int64_t i = 0; i < padded / kBlock; ++i) v.block[i] += head_rows;  // the next head's rows
     }
   }
   T* out = in.out + (in.token(it, 0) * in.g.heads + it.kv_head * groups) * d;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / w.sum[r];
-    for (int64_t j = 0; j < d; j += 16) store16(out + r * d + j, load16(w.o.data() + r * d + j) * inv);
-  }
+  for (int64_t r = 0; r < rows; ++r) finish_row(w.o.data() + r * d, d, w.sum[r], pairs, out + r * d);
 }
 
 }  // namespace llmc_cpu
