@@ -4,8 +4,9 @@
 //
 //   * K and V are read where they lie in the cache: f32 as is; bf16 K straight into vdpbf16ps
 //     and bf16 V as pairs of keys (decode_pairs.h) where the CPU has AVX512_BF16 and
-//     D % 32 == 0; otherwise a K block widened once into L1 scratch for the G rows (int8:
-//     dequantized) and V rows widened in registers (an int8 row's scale folded into its
+//     D % 32 == 0; int8 K codes (exact in bf16) into vdpbf16ps with bf16 q, the rows' scales
+//     applied to the scores; otherwise a K block widened once into L1 scratch for the G rows
+//     (int8: dequantized) and V rows widened in registers (an int8 row's scale folded into its
 //     probability).
 //   * A block's 16 scores are 16 partial vectors reduced together by one transposing tree
 //     (transpose_sum: 15 shuffle-add steps), not 16 horizontal sums.

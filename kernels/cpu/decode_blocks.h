@@ -152,7 +152,9 @@ class BlockScorer {
   }
 
  private:
-  static constexpr bool kPairs = std::is_same_v<C, c10::BFloat16>;
+  // bf16 q.k as vdpbf16ps: a bf16 cache's rows as they are; int8 codes (exact in bf16) with
+  // bf16 q, the rows' scales applied to the scores.
+  static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && !std::is_same_v<C, float>;
 
   static Vec16 masked(Vec16 x, int64_t visible) {
     if (visible == kBlock) return x;
@@ -174,14 +176,37 @@ class BlockScorer {
 
 #ifdef __AVX512BF16__
   void score_pairs(const C* k, int64_t visible, int64_t first, float* s, int64_t s_row) {
-    if (visible < kBlock) {
-      auto* copy = reinterpret_cast<C*>(w_.kp.data());
-      std::memcpy(copy, k, visible * d_ * sizeof(C));
-      std::fill(copy + visible * d_, copy + kBlock * d_, C(0.f));
-      k = copy;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      score_codes(k, visible, first, s, s_row);
+    } else {
+      if (visible < kBlock) {
+        auto* copy = reinterpret_cast<C*>(w_.kp.data());
+        std::memcpy(copy, k, visible * d_ * sizeof(C));
+        std::fill(copy + visible * d_, copy + kBlock * d_, C(0.f));
+        k = copy;
+      }
+      for (int64_t r = first; r < first + groups_; ++r)
+        store16(s + r * s_row, masked(scores16(w_.qp.data() + r * d_ / 2, k, d_) * scale_, visible));
     }
+  }
+
+  // The block's codes as bf16 rows in w.kp (rows past `visible` zero), their scales times
+  // the op's scale as a vector.
+  void score_codes(const int8_t* k, int64_t visible, int64_t first, float* s, int64_t s_row) {
+    auto* rows = reinterpret_cast<c10::BFloat16*>(w_.kp.data());
+    float scales[kBlock] = {};
+    for (int64_t t = 0; t < visible; ++t) {
+      const int8_t* row = k + t * row_elems<int8_t>(d_);
+      scales[t] = row_scale(row, d_) * scale_;
+      for (int64_t j = 0; j < d_; j += 32) {
+        const __m512bh pair = _mm512_cvtne2ps_pbh((__m512)load16_codes(row + j + 16), (__m512)load16_codes(row + j));
+        std::memcpy(rows + t * d_ + j, &pair, sizeof(pair));
+      }
+    }
+    std::fill(rows + visible * d_, rows + kBlock * d_, c10::BFloat16(0.f));
+    const Vec16 scale = load16(scales);
     for (int64_t r = first; r < first + groups_; ++r)
-      store16(s + r * s_row, masked(scores16(w_.qp.data() + r * d_ / 2, k, d_) * scale_, visible));
+      store16(s + r * s_row, masked(scores16(w_.qp.data() + r * d_ / 2, rows, d_) * scale, visible));
   }
   bool pairs_ = false;
 #endif
