@@ -14,10 +14,12 @@ the ratios.
 `--decode` times batched decode steps instead (one query per sequence, as the serving loop's
 decode attention runs): per entry S:LO:HI, S sequences of random lengths LO..HI whose blocks
 are scattered over a cache of several layers (each call reads the next layer, so the K/V come
-from memory, not from the last call's L3). It prints ms per call for `paged_attention` (new)
-and `paged_attention_rows` (old: block by block, a horizontal sum per key), the K/V bytes one
-call reads, the new kernel's GB/s and its fraction of the read bandwidth measured in the same
-run (`profile_steps.read_bandwidth`), and old/new.
+from memory, not from the last call's L3). It prints ms per call for `paged_attention` (new:
+attention_decode.h) and `paged_attention_rows` (old: the row-by-row decode it replaced, a
+block widened into scratch and a horizontal sum per key), the K/V bytes one call reads, both
+kernels' GB/s, the new one's fraction of the read bandwidth measured in the same run
+(`profile_steps.read_bandwidth`, torch.sum over 512 MiB), and old/new. `--dtype float32
+--kv-dtype int8` times an int8 cache under f32 q.
 A benchmark, not a test: the numbers depend on the machine and its load.
 """
 

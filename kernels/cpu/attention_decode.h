@@ -47,6 +47,7 @@ namespace decode {
 constexpr int64_t kTile = 64;  // keys per online-softmax step: four cache blocks
 constexpr int kMaxRows = 8;    // rows whose accumulators live in registers at once
 constexpr int64_t kTouched = 2 * kTile;  // keys brought into L2 by one touch_blocks
+static_assert(sizeof(TileRows<float>::block) / sizeof(float*) == kTile / kBlock, "TileRows holds one tile");
 
 // The softmax step over one row's scores s [keys] (lanes past `keys` are -inf): probabilities
 // back into s, the row's max and sum updated; returns the factor for its earlier output.

@@ -16,14 +16,16 @@
 // D must be a multiple of 16 and H a multiple of KVH. Scores, softmax and the weighted sum are
 // computed in fp32.
 //
-// Work items are (sequence, KV head, up to kQueries queries of its chunk): a decode (one query)
-// runs attention_decode.h's run_decode (K/V read in place, 16 scores reduced at once, 64 keys
-// per softmax step, the next blocks prefetched: 2.5-4x run_rows, near the read bandwidth), a
-// longer chunk in tiles of queries x keys as small GEMMs (run_tiles; from 2 queries on faster
-// than run_rows, 3.5-5x from 8). Items differ in cost (causal: later queries see more keys), so
-// the threads take them one at a time, largest first. `paged_attention_rows` runs every item
-// block by block (attention_items.h's run_rows: a block widened into scratch, a horizontal sum
-// per key): the one-query-at-a-time kernel, kept as the benchmarks' baseline.
+// Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
+// (one query) is one item over all KV heads: attention_decode.h's run_decode (K/V read in
+// place, a block's 16 scores reduced at once, 64 keys per softmax step, each run of blocks read
+// ahead of its arithmetic; tools/bench_attention.py --decode: 2-2.9x run_rows, 55-70% of the
+// read bandwidth for f32 and bf16 caches on a 2-core Zen 5). A longer chunk runs in tiles of
+// queries x keys as small GEMMs (run_tiles; from 2 queries on faster than run_rows, 3.5-5x
+// from 8). Items differ in cost (causal: later queries see more keys), so the threads take them
+// one at a time, largest first. `paged_attention_rows` runs every item per KV head, block by
+// block (attention_items.h's run_rows: a block widened into scratch, a horizontal sum per key):
+// the one-query-at-a-time kernel, kept as the benchmarks' baseline.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
