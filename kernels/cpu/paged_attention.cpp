@@ -17,7 +17,8 @@
 // computed in fp32.
 //
 // Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
-// (one query) is one item over all KV heads: attention_decode.h's run_decode (K/V read in
+// (one query) is one item over all KV heads where there are kDecodesPerThread decodes per
+// thread (plan_items). Decodes run attention_decode.h's run_decode (K/V read in
 // place, a block's 16 scores reduced at once, 64 keys per softmax step, each run of blocks read
 // ahead of its arithmetic; tools/bench_attention.py --decode: 2-2.9x run_rows, 55-70% of the
 // read bandwidth for f32 and bf16 caches on a 2-core Zen 5). A longer chunk runs in tiles of
@@ -47,10 +48,19 @@ using llmc_cpu::Item;
 using llmc_cpu::kBlock;
 
 constexpr int64_t kQueries = 32;  // queries of one chunk per work item
+// Single-query sequences per thread from which a decode is one item over all KV heads: with
+// fewer, items per KV head keep both threads busy (one sequence of 4000 tokens: 0.155 ms per
+// head, 0.21 ms whole), with 8 or more the whole sequences read faster (64 of 100-500 tokens:
+// 0.57 ms whole, 0.61-0.69 ms per head).
+constexpr int64_t kDecodesPerThread = 4;
 
-// `whole_decodes`: a sequence's single query is one item over all KV heads (run_decode reads
-// each block's heads, adjacent in the cache, as one stream), else one item per KV head.
-std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool whole_decodes) {
+// `decode_items`: a sequence's single query is one item over all KV heads (run_decode reads
+// each block's heads, adjacent in the cache, as one run) where there are kDecodesPerThread
+// such sequences per thread, enough to keep the threads busy; else every item is one KV head's.
+std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool decode_items) {
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) decodes += qsl[s + 1] - qsl[s] == 1;
+  const bool whole_decodes = decode_items && decodes >= kDecodesPerThread * at::get_num_threads();
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (whole_decodes && qsl[s + 1] - qsl[s] == 1) {
