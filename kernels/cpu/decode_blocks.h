@@ -106,7 +106,7 @@ void touch_blocks(const Inputs<T, C>& in, const Item& it, int64_t b0, int64_t b1
       seen |= a | c;
     }
   }
-  asm volatile("" : : "v"(seen));
+  asm volatile("" : : "m"(seen));  // the loads stay: their result is used
 }
 
 // Each row's probabilities s[r * s_row + n] times V row n's int8 scale.
