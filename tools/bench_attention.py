@@ -1,5 +1,5 @@
-"""Prompt attention benchmark: `python -m llmc.tools.bench_attention [--dtype bfloat16|float32]
-[--kv-dtype auto|int8] [--lens 512,1024,2048,4096] [--threads N]`.
+"""Attention benchmark: `python -m llmc.tools.bench_attention [--dtype bfloat16|float32]
+[--kv-dtype auto|int8] [--lens 512,1024,2048,4096] [--decode [S:LO:HI,...]] [--threads N]`.
 
 At SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), one prompt of T
 tokens read from a paged KV cache, and a mixed step (a 512-token chunk over 512 cached tokens
@@ -9,12 +9,24 @@ plus 32 decodes of 300-700 tokens). Times, in the same run:
   sdpa      the peer: torch's F.scaled_dot_product_attention(is_causal=True) on contiguous
             q, k, v (no paging; not run for the mixed step)
 and prints milliseconds, GFLOP/s of the tiled kernel (4 * D * H per causal query-key pair) and
-the ratios. A benchmark, not a test: the numbers depend on the machine and its load.
+the ratios.
+
+`--decode` times batched decode steps instead (one query per sequence, as the serving loop's
+decode attention runs): per entry S:LO:HI, S sequences of random lengths LO..HI whose blocks
+are scattered over a cache of several layers (each call reads the next layer, so the K/V come
+from memory, not from the last call's L3). It prints ms per call for `paged_attention` (new:
+attention_decode.h) and `paged_attention_rows` (old: the row-by-row decode it replaced, a
+block widened into scratch and a horizontal sum per key), the K/V bytes one call reads, both
+kernels' GB/s, the new one's fraction of the read bandwidth measured in the same run
+(`profile_steps.read_bandwidth`, torch.sum over 512 MiB), and old/new. `--dtype float32
+--kv-dtype int8` times an int8 cache under f32 q.
+A benchmark, not a test: the numbers depend on the machine and its load.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 from typing import Callable
@@ -25,6 +37,10 @@ import torch.nn.functional as F
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_kv_rows
 from llmc.tools.bench_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, step_layout
+from llmc.tools.profile_steps import read_bandwidth
+
+DECODE_STEPS = "64:100:500,8:1000:4000"
+COLD_BYTES = 256 * 2**20        # K/V cycled through per decode step: well past the L3
 
 
 def seconds_per_call(fn: Callable[[], object], budget: float = 1.0) -> float:
@@ -63,11 +79,60 @@ def time_step(chunks: list[int], lens: list[int], dtype: torch.dtype, kv_dtype: 
     return tiled, rows, sdpa, flops / tiled / 1e9
 
 
+def decode_layout(lens: list[int], dtype: torch.dtype, kv_dtype: str, rng: random.Random):
+    """A cache of enough layers to hold COLD_BYTES, each sequence's blocks in random places,
+    and the int32 block tables; returns (cache, tables, bytes of K/V one layer's call reads)."""
+    needed = [-(-n // BLOCK) for n in lens]
+    order = list(range(sum(needed)))
+    rng.shuffle(order)
+    starts = list(itertools.accumulate(needed, initial=0))
+    width = max(needed)
+    tables = torch.tensor([order[a:b] + [0] * (width - (b - a)) for a, b in zip(starts, starts[1:])],
+                          dtype=torch.int32)
+    row = HEAD_DIM * torch.finfo(dtype).bits // 8 if kv_dtype != "int8" else HEAD_DIM + 4
+    layer_bytes = 2 * len(order) * KV_HEADS * BLOCK * row
+    layers = max(1, min(64, COLD_BYTES // layer_bytes))
+    cache = torch.randn(layers, 2, len(order), KV_HEADS, BLOCK, HEAD_DIM).to(dtype)
+    if kv_dtype == "int8":
+        cache = quantize_kv_rows(cache)
+    return cache, tables, 2 * sum(lens) * KV_HEADS * row
+
+
+def time_decode(seqs: int, lo: int, hi: int, dtype: torch.dtype, kv_dtype: str, rng: random.Random) -> tuple:
+    """(new s, old s, K/V bytes) per call of a decode step of `seqs` sequences of lo..hi tokens."""
+    lens = [rng.randint(lo, hi) for _ in range(seqs)]
+    cache, tables, kv_bytes = decode_layout(lens, dtype, kv_dtype, rng)
+    q = torch.randn(seqs, HEADS * HEAD_DIM).to(dtype)
+    seq_lens, qsl = torch.tensor(lens, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32)
+    layers = itertools.cycle(range(cache.shape[0]))
+
+    def call(op):
+        return lambda: op(q, cache, tables, seq_lens, qsl, next(layers), HEAD_DIM ** -0.5)
+    return (seconds_per_call(call(torch.ops.llmc.paged_attention)),
+            seconds_per_call(call(torch.ops.llmc.paged_attention_rows)), kv_bytes)
+
+
+def run_decode(spec: str, dtype: torch.dtype, kv_dtype: str) -> None:
+    rng = random.Random(0)
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (torch.sum over 512 MiB fp32): {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'decode step':<22}{'new ms':>9}{'old ms':>9}{'KV MB':>8}{'new GB/s':>10}{'of read':>9}"
+          f"{'old GB/s':>10}{'old/new':>9}")
+    for entry in spec.split(","):
+        seqs, lo, hi = map(int, entry.split(":"))
+        new, old, kv_bytes = time_decode(seqs, lo, hi, dtype, kv_dtype, rng)
+        print(f"{f'{seqs} x {lo}-{hi} tokens':<22}{1e3 * new:>9.3f}{1e3 * old:>9.3f}{kv_bytes / 1e6:>8.2f}"
+              f"{kv_bytes / new / 1e9:>10.1f}{kv_bytes / new / bandwidth:>8.0%}{kv_bytes / old / 1e9:>10.1f}"
+              f"{old / new:>8.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--lens", default="512,1024,2048", help="prompt lengths, comma-separated")
+    parser.add_argument("--decode", nargs="?", const=DECODE_STEPS, default="",
+                        help=f"time decode steps S:LO:HI,... instead (default {DECODE_STEPS})")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -75,6 +140,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     load_native_kernels()
     torch.manual_seed(0)
+    if args.decode:
+        print(f"decode attention, {args.dtype} q, {args.kv_dtype} KV cache, {torch.get_num_threads()} threads, "
+              f"{HEADS} heads / {KV_HEADS} KV heads / head_dim {HEAD_DIM}, block {BLOCK}")
+        return run_decode(args.decode, dtype, args.kv_dtype)
     rng = random.Random(0)
     steps = [(f"prompt {n}", [n], [n], True) for n in map(int, args.lens.split(","))]
     decodes = [rng.randint(300, 700) for _ in range(32)]

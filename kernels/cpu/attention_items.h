@@ -29,8 +29,9 @@ struct Geometry {
   int64_t heads, kv_heads, head_dim, groups;
 };
 
+// A decode item (one query) may take several KV heads, kv_head .. kv_head + kv_heads - 1.
 struct Item {
-  int64_t seq, kv_head, first_query, num_queries;
+  int64_t seq, kv_head, first_query, num_queries, kv_heads = 1;
 };
 
 // The op's inputs, `layer`'s K and V halves of the cache, as raw pointers.

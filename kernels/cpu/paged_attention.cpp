@@ -16,12 +16,17 @@
 // D must be a multiple of 16 and H a multiple of KVH. Scores, softmax and the weighted sum are
 // computed in fp32.
 //
-// Work items are (sequence, KV head, up to kQueries queries of its chunk): a decode (one query)
-// runs block by block (attention_items.h's run_rows; its G rows padded to a 16-row tile ran
-// 1.3-1.6x slower), a longer chunk in tiles of queries x keys as small GEMMs (run_tiles; from
-// 2 queries on faster than run_rows, 3.5-5x from 8). Items differ in cost (causal: later queries see more keys), so
-// the threads take them one at a time, largest first. `paged_attention_rows` runs every item
-// block by block: the one-query-at-a-time kernel, kept as the benchmarks' baseline.
+// Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
+// (one query) is one item over all KV heads where there are kDecodesPerThread decodes per
+// thread (plan_items). Decodes run attention_decode.h's run_decode (K/V read in
+// place, a block's 16 scores reduced at once, 64 keys per softmax step, each run of blocks read
+// ahead of its arithmetic; tools/bench_attention.py --decode: 2-2.9x run_rows, 55-70% of the
+// read bandwidth for f32 and bf16 caches on a 2-core Zen 5). A longer chunk runs in tiles of
+// queries x keys as small GEMMs (run_tiles; from 2 queries on faster than run_rows, 3.5-5x
+// from 8). Items differ in cost (causal: later queries see more keys), so the threads take them
+// one at a time, largest first. `paged_attention_rows` runs every item per KV head, block by
+// block (attention_items.h's run_rows: a block widened into scratch, a horizontal sum per key):
+// the one-query-at-a-time kernel, kept as the benchmarks' baseline.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_decode.h"
 #include "attention_items.h"
 
 namespace {
@@ -42,13 +48,29 @@ using llmc_cpu::Item;
 using llmc_cpu::kBlock;
 
 constexpr int64_t kQueries = 32;  // queries of one chunk per work item
+// Single-query sequences per thread from which a decode is one item over all KV heads: with
+// fewer, items per KV head keep both threads busy (one sequence of 4000 tokens: 0.155 ms per
+// head, 0.21 ms whole), with 8 or more the whole sequences read faster (64 of 100-500 tokens:
+// 0.57 ms whole, 0.61-0.69 ms per head).
+constexpr int64_t kDecodesPerThread = 4;
 
-std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads) {
+// `decode_items`: a sequence's single query is one item over all KV heads (run_decode reads
+// each block's heads, adjacent in the cache, as one run) where there are kDecodesPerThread
+// such sequences per thread, enough to keep the threads busy; else every item is one KV head's.
+std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool decode_items) {
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) decodes += qsl[s + 1] - qsl[s] == 1;
+  const bool whole_decodes = decode_items && decodes >= kDecodesPerThread * at::get_num_threads();
   std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (whole_decodes && qsl[s + 1] - qsl[s] == 1) {
+      items.push_back({s, 0, 0, 1, kv_heads});
+      continue;
+    }
     for (int64_t first = 0; first < qsl[s + 1] - qsl[s]; first += kQueries)
       for (int64_t h = 0; h < kv_heads; ++h)
         items.push_back({s, h, first, std::min<int64_t>(kQueries, qsl[s + 1] - qsl[s] - first)});
+  }
   return items;
 }
 
@@ -58,7 +80,7 @@ template <typename T, typename C, typename Fn>
 void run_items(const std::vector<Item>& items, const llmc_cpu::Inputs<T, C>& in, Fn fn) {
   std::vector<int64_t> cost(items.size()), order(items.size());
   for (size_t i = 0; i < items.size(); ++i)
-    cost[i] = items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
+    cost[i] = items[i].kv_heads * items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
@@ -133,7 +155,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
   check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
-  const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads);
+  const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads, tiled);
   const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     using C = std::remove_pointer_t<decltype(cache_typed)>;
@@ -142,10 +164,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
                                     tables, width, lens, qsl, g, static_cast<float>(scale)};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
-      if (tiled && it.num_queries > 1)
-        llmc_cpu::run_chunk(in, it, w);
-      else
+      if (!tiled)
         llmc_cpu::run_rows(in, it, w);
+      else if (it.num_queries == 1)
+        llmc_cpu::run_decode(in, it, w);
+      else
+        llmc_cpu::run_chunk(in, it, w);
     });
   };
   with_types(q, kv_cache, run);

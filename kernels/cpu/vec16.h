@@ -13,6 +13,10 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace llmc_cpu {
 
 typedef float Vec16 __attribute__((vector_size(64)));
@@ -29,12 +33,17 @@ inline Vec16 load16(const float* p) {
 }
 
 inline Vec16 load16(const c10::BFloat16* p) {
+#ifdef __AVX512F__  // GCC 12 widens the vector in two 256-bit halves: 5 instructions, not 2
+  return (Vec16)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
   Half16 raw;
   std::memcpy(&raw, p, sizeof(raw));
   Uint16 bits = __builtin_convertvector(raw, Uint16) << 16;  // bf16 is the top half of an fp32
   Vec16 v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+#endif
 }
 
 inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
