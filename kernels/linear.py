@@ -39,3 +39,12 @@ def packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy): the peer a
+    weight kept only in its plain layout would get; F.linear where this torch build has no oneDNN."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return F.linear(x, w, bias)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

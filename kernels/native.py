@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "cpu"
 EXTENSION_NAME = "llmc_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+STALE_LOCK_SECONDS = 600          # a build takes about a minute
 
 
 class NativeBuildError(RuntimeError):
@@ -48,6 +50,19 @@ def cache_dir() -> Path:
     return cache_root() / "kernels" / f"torch-{torch.__version__}" / f"cpu-{cpu_tag()}"
 
 
+def clear_stale_lock(build: Path, older_than: float = STALE_LOCK_SECONDS) -> None:
+    """torch's extension builder waits, forever, while the build folder holds a `lock` file; a
+    build stopped midway (Ctrl-C) leaves one behind. A build takes about a minute, so a lock older
+    than `older_than` seconds is such a leftover: remove it (and say so)."""
+    lock = build / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > older_than:
+            logging.getLogger("llmc").warning("removing %s, left behind by a build that was stopped", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def native_kernels_loaded() -> bool:
     return hasattr(torch.ops.llmc, "paged_attention")
 
@@ -60,6 +75,7 @@ def load_native_kernels() -> None:
 
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(build)
     if not any(build.glob(f"{EXTENSION_NAME}*.so")):
         logging.getLogger("llmc").info("building the native CPU kernels into %s (once per machine, about 30 s)", build)
     builder_log = logging.getLogger("torch.utils.cpp_extension")

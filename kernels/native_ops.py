@@ -5,9 +5,9 @@ inputs (dtype, block size, head_dim) and runs the op's torch ref where it does n
 artifact runs.
 
 The GEMMs take their weights as `prepare_weights` left them when the executor was built: a
-linear's weight becomes a kernels/gemv.py `GemvWeight` holding it in column panels (which replace
-it), a qlinear's codes one over the same tensors; either way one resident copy per weight. A GEMM
-given a plain tensor runs its ref; a tied embedding reads its rows out of the panels.
+linear's weight, or a qlinear's codes with their scales and mins, become a kernels/gemv.py
+`GemvWeight` holding them in column panels, which replace them (one resident copy per weight). A
+GEMM given a plain tensor runs its ref; a tied embedding reads its rows out of the panels.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from typing import Any, Iterable
 import torch
 import torch.nn.functional as F
 
+from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
 
 from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
-from .gemv import GemvWeight, gemv_fits, prepare_linear_weight, prepare_qlinear_weight, run_gemv
+from .gemv import GemvWeight, gemv_fits, gemv_ref, prepare_linear_weight, prepare_qlinear_weight, run_gemv
 from .native import NativeBuildError, load_native_kernels
-from .panels import from_panels, panel_rows
-from .quant import qlinear_ref, split_qlinear_inputs
+from .panels import from_panels, panel_rows, quantized_rows
+from .quant import dequantize_weight
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
 from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write, unpack_inputs
@@ -46,12 +47,10 @@ def native_op_impls() -> dict[str, OpImpl]:
 
     def qlinear(x, a):
         codes = x[1]
-        if type(codes) is GemvWeight:          # x, codes, scales[, mins][, bias]: the bias comes after the mins
-            bias = x[-1] if len(x) > (4 if codes.bits == 4 else 3) else None
-            if gemv_fits(x[0], codes, bias):
-                return run_gemv(x[0], codes, bias)
-        x0, codes, scales, mins, bias = split_qlinear_inputs(x, a["bits"])
-        return qlinear_ref(x0, _plain(codes), scales, mins, bias, bits=a["bits"])
+        if type(codes) is GemvWeight:          # x, codes, scales[, mins][, bias]: the bias comes after the mins;
+            bias = x[-1] if len(x) > (4 if codes.bits == 4 else 3) else None   # scales and mins are in `codes`
+            return run_gemv(x[0], codes, bias) if gemv_fits(x[0], codes, bias) else gemv_ref(x[0], codes, bias)
+        return OP_IMPLS["qlinear"](x, a)
 
     def tables_for(a: dict) -> RopeTables:
         scaling = a["scaling"] and json.dumps(a["scaling"], sort_keys=True)     # a dict: keyed by its text
@@ -87,48 +86,61 @@ def native_op_impls() -> dict[str, OpImpl]:
     def silu_mul(x, a):
         return silu_mul_cpu(*x) if native_silu_mul_fits(*x) else OP_IMPLS["silu_mul"](x, a)
 
-    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": lambda x, a: embedding_rows(x[0], x[1]),
-            "qembedding": lambda x, a: OP_IMPLS["qembedding"]([_plain(x[0]), *x[1:]], a),
+    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": embedding_rows,
+            "qembedding": qembedding_rows,
             "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
             "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
             "silu_mul": silu_mul}
 
 
 def _plain(t: Any) -> torch.Tensor:
-    """The tensor under a prepared weight: a quantized weight's codes (a tied embedding's lookup
-    reads them as they are), or a float weight unpacked from its panels (for a ref; transient)."""
-    if not isinstance(t, GemvWeight):
-        return t
-    return from_panels(t.weight, t.rows) if not t.bits else t.weight
+    """A float weight unpacked from its panels (for a ref; transient), or a plain tensor as it is."""
+    return from_panels(t.weight, t.rows) if isinstance(t, GemvWeight) else t
 
 
-def embedding_rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
+def embedding_rows(x: list, a: dict) -> torch.Tensor:
     """The embedding op: rows `ids` of a plain table, or of a tied float table kept as panels."""
-    if isinstance(table, GemvWeight) and not table.bits:
-        return panel_rows(table.weight, ids)
-    return F.embedding(ids, _plain(table))
+    table, ids = x
+    return panel_rows(table.weight, ids) if isinstance(table, GemvWeight) else F.embedding(ids, table)
+
+
+def qembedding_rows(x: list, a: dict) -> torch.Tensor:
+    """The qembedding op; a tied table kept as panels gives its rows (codes, scales, mins) back in
+    the artifact's layout for qembedding_ref."""
+    codes = x[0]
+    if not isinstance(codes, GemvWeight):
+        return OP_IMPLS["qembedding"](x, a)
+    rows = quantized_rows(codes.weight, codes.scales, codes.mins, x[-1].long(), codes.bits)
+    return dequantize_weight(*rows, codes.bits).to(to_torch(a["dtype"]))      # qembedding_ref's fp32 rounding
 
 
 # (op, input position) of the reads a prepared weight serves: the GEMM's weight, and the table
 # lookups of a tied embedding, which unwrap it
 GEMM_WEIGHT_READS = {"linear": {("linear", 1), ("embedding", 0)}, "qlinear": {("qlinear", 1), ("qembedding", 0)}}
+# the reads of a quantized weight's scales and mins, which its prepared weight serves too
+PARAM_READS = {"scales": {("qlinear", 2), ("qembedding", 1)}, "mins": {("qlinear", 3), ("qembedding", 2)}}
 
 
-def _gemm_weights(graphs: Iterable[Graph]) -> dict[str, tuple | None]:
-    """Weight name -> (op, names of its weight operands, bits, group size) for every weight a GEMM
-    multiplies by; None where it cannot be prepared: two different GEMMs over it, or another op
-    (other than a tied embedding's lookup) reading it."""
+def _weight_reads(graphs: Iterable[Graph]) -> dict[str, set[tuple[str, int]]]:
+    """Weight name -> every (op, input position) that reads it."""
     reads: dict[str, set[tuple[str, int]]] = defaultdict(set)
-    uses: dict[str, set[tuple]] = defaultdict(set)
     for graph in graphs:
         for node in graph.nodes:
             for i, v in enumerate(node.inputs):
                 if v.node.startswith("w."):
                     reads[v.node[2:]].add((node.op, i))
-            if node.op in GEMM_WEIGHT_READS and node.inputs[1].node.startswith("w."):
-                operands = tuple(v.node[2:] if v.node.startswith("w.") else None for v in node.inputs[1:])
-                uses[node.inputs[1].node[2:]].add((node.op, operands, node.attrs.get("bits"),
-                                                   node.attrs.get("group_size")))
+    return reads
+
+
+def _gemm_weights(graphs: Iterable[Graph], reads: dict[str, set[tuple[str, int]]]) -> dict[str, tuple | None]:
+    """Weight name -> (op, names of its weight operands, bits, group size) for every weight a GEMM
+    multiplies by; None where it cannot be prepared: two different GEMMs over it, or another op
+    (other than a tied embedding's lookup) reading it."""
+    uses: dict[str, set[tuple]] = defaultdict(set)
+    for node in (n for g in graphs for n in g.nodes if n.op in GEMM_WEIGHT_READS):
+        if node.inputs[1].node.startswith("w."):
+            operands = tuple(v.node[2:] if v.node.startswith("w.") else None for v in node.inputs[1:])
+            uses[node.inputs[1].node[2:]].add((node.op, operands, node.attrs.get("bits"), node.attrs.get("group_size")))
     return {name: next(iter(u)) if len(u) == 1 and reads[name] <= GEMM_WEIGHT_READS[next(iter(u))[0]] else None
             for name, u in uses.items()}
 
@@ -136,28 +148,34 @@ def _gemm_weights(graphs: Iterable[Graph]) -> dict[str, tuple | None]:
 def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     """`weights` as the native table's GEMMs take them, decided once for all of an executor's graphs.
 
-    The weight each `linear` multiplies by becomes a GemvWeight holding it in column panels (a new
-    tensor in its place: the caller keeps the result, not `weights`, so one copy stays resident);
-    each `qlinear`'s codes (with its scales, mins, bits and group size) a GemvWeight over the same
-    tensors. A weight that another op reads too (other than a tied embedding's lookup), or one the
-    kernels do not take, stays a plain tensor (its GEMM runs the ref). The reference table takes
-    plain tensors only.
+    The weight each `linear` multiplies by, and each `qlinear`'s codes with their scales (and
+    mins), become a GemvWeight holding them in column panels: new tensors in their place (the
+    caller keeps the result, not `weights`, so one copy stays resident). Where only quantized GEMMs
+    and the tied table's lookup read the scales and mins, their entries become that GemvWeight too
+    (those ops read them from it). A weight that another op reads too, or one the kernels do not
+    take, stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
     """
-    prepared = dict(weights)
-    for name, use in _gemm_weights(graphs).items():
+    graphs = list(graphs)
+    reads, prepared = _weight_reads(graphs), dict(weights)
+    for name, use in _gemm_weights(graphs, reads).items():
         if use is None:
             continue
         op, operands, bits, group = use
+        params = {"scales": operands[1], "mins": operands[2] if bits == 4 else None} if op == "qlinear" else {}
         if op == "linear":
             gemv_weight = prepare_linear_weight(weights[name])
-        elif operands[1] is None or (bits == 4 and operands[2] is None):
+        elif params["scales"] is None or (bits == 4 and params["mins"] is None):
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:
-            gemv_weight = prepare_qlinear_weight(weights[name], weights[operands[1]],
-                                                 weights[operands[2]] if bits == 4 else None,
+            gemv_weight = prepare_qlinear_weight(weights[name], weights[params["scales"]],
+                                                 weights[params["mins"]] if bits == 4 else None,
                                                  bits=bits, group_size=group)
-        if gemv_weight is not None:
-            prepared[name] = gemv_weight
+        if gemv_weight is None:
+            continue
+        prepared[name] = gemv_weight
+        for kind, param in params.items():
+            if param is not None and reads[param] <= PARAM_READS[kind]:
+                prepared[param] = gemv_weight
     return prepared
 
 

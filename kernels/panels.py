@@ -1,18 +1,25 @@
-"""Float GEMM weights in column panels: the one layout the native CPU kernels keep for a linear's
-weight, read by one kernel (kernels/cpu/panel_gemm.cpp) at every token count.
+"""GEMM weights in column panels: the one layout the native CPU kernels keep for a linear's or a
+qlinear's weight, read by one kernel per kind (kernels/cpu/panel_gemm.cpp for f32/bf16,
+kernels/cpu/qpanel_gemm.cpp for int8/int4, dequantizing in registers) at every token count.
 
-Layout (`to_panels`): a weight w [N, K] becomes P = ceil(N / 32) panels of 32 output rows (rows
-past N zero); within a panel, input k's 32 weights sit together:
-  f32   [P, K, 32]        panels[p, k, j] = w[32p + j, k]
-  bf16  [P, K/2, 32, 2]   panels[p, i, j, h] = w[32p + j, 2i + h]   (inputs in pairs, K even)
+Layout (`column_panels`): a matrix [N, X] becomes P = ceil(N / 32) panels of 32 rows (rows past N
+zero) with each column's 32 values together: panels[p, x, j] = m[32p + j, x]. Applied to
+  f32 weight [N, K]          -> [P, K, 32]
+  bf16 weight [N, K]         -> [P, K/2, 32, 2]   (inputs in pairs, K even: the pair is one column)
+  int8 codes [N, K]          -> [P, K, 32]
+  int4 codes [N, K/2]        -> [P, K/2, 32]      bytes re-paired first: input 2i in the low nibble,
+                                                  2i + 1 in the high (`int4_pairs`; the artifact
+                                                  keeps GGUF's block order, kernels/quant.py)
+  scales, mins [N, K/G] f16  -> [P, K/G, 32]
 A batch-1 decode then streams each thread's panels front to back, and a tile of tokens x 32
 outputs accumulates with the outputs as vector lanes (no horizontal sums); oneDNN's blocked
 layouts are the same idea, but opaque, so a second copy would have to be kept beside the weight.
 
-Contract of `panel_linear` (the meaning is `panel_linear_ref`: F.linear on the weight the panels
-hold): x [T, K] in the panels' dtype, bias [N] in that dtype or None; returns [T, N] in x's dtype,
-products accumulated in fp32, bias added in fp32, rounded once. `panel_rows` reads weight rows
-back (a tied embedding's lookup).
+Contracts: `panel_linear` (float) and `qpanel_linear` (quantized) take x [T, K] (float panels:
+in their dtype; quantized: f32 or bf16) and bias [N] in x's dtype or None; they return [T, N] in
+x's dtype, products accumulated in fp32, bias added in fp32, rounded once. The meanings are the
+`_ref`s: F.linear, and kernels/quant.py's qlinear_ref, on the weight the panels hold.
+`panel_rows` reads rows back (a tied embedding's lookup; the refs).
 """
 
 from __future__ import annotations
@@ -20,43 +27,85 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .quant import pack_int4, qlinear_ref, unpack_int4
+
 PANEL = 32                       # output rows per panel
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def column_panels(m: torch.Tensor) -> torch.Tensor:
+    """m [N, X] -> panels [P, X, 32] (a new tensor; rows past N zero)."""
+    n, x = m.shape
+    return F.pad(m, (0, 0, 0, -n % PANEL)).view(-1, PANEL, x).transpose(1, 2).contiguous()
+
+
+def panel_rows(panels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int, any shape) of the matrix the panels hold: [*rows.shape, X] (bf16 weight
+    panels: [*rows.shape, K])."""
+    flat = rows.reshape(-1)
+    picked = panels[flat // PANEL, :, flat % PANEL]                      # [R, X] (bf16 pairs: [R, K/2, 2])
+    return picked.reshape(*rows.shape, -1)
+
+
 def panels_fit(weight: torch.Tensor) -> bool:
-    """Whether `to_panels` takes this weight: 2-D f32 or bf16 on the CPU (bf16 with an even K)."""
+    """Whether `to_panels` takes this float weight: 2-D f32 or bf16 on the CPU (bf16 with an even K)."""
     return (weight.dim() == 2 and weight.dtype in PANEL_DTYPES and weight.device.type == "cpu"
             and weight.numel() > 0 and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> its panels (a new tensor; the layout above)."""
+    """A float weight [N, K] -> its panels (a new tensor; the layout above)."""
     if not panels_fit(weight):
         raise ValueError(f"panels take a 2-D f32 or bf16 CPU weight (bf16 with an even K), not {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
-    n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL))                        # [P*32, K]
     if weight.dtype == torch.float32:
-        return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()    # [P, K, 32]
-    return padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()  # [P, K/2, 32, 2]
-
-
-def panel_rows(panels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` (int, any shape) of the weight the panels hold: [*rows.shape, K]."""
-    flat = rows.reshape(-1)
-    picked = panels[flat // PANEL, :, flat % PANEL]                      # f32 [R, K]; bf16 [R, K/2, 2]
-    return picked.reshape(*rows.shape, -1)
+        return column_panels(weight)                                      # [P, K, 32]
+    pairs = column_panels(weight.view(torch.int32))                       # [P, K/2, 32] pairs as int32
+    return pairs.view(torch.bfloat16).view(*pairs.shape, 2)               # [P, K/2, 32, 2]
 
 
 def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight [N, K] back (a new tensor)."""
+    """The float weight [N, K] back (a new tensor)."""
     return panel_rows(panels, torch.arange(n))
+
+
+def int4_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K/2] in GGUF's block order -> the same codes with input 2i in byte i's low
+    nibble and 2i + 1 in its high."""
+    q = unpack_int4(codes)                                                # [N, K] in 0..15
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def gguf_order(pairs: torch.Tensor) -> torch.Tensor:
+    """`int4_pairs` undone: paired codes [R, K/2] -> GGUF's block order."""
+    q = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)   # [R, K]
+    return pack_int4(q)
+
+
+def quantized_panels(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                     bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A quantized weight as the artifact stores it -> (codes, scales, mins) panels (new tensors)."""
+    codes = column_panels(int4_pairs(codes) if bits == 4 else codes)
+    return codes, column_panels(scales), None if mins is None else column_panels(mins)
+
+
+def quantized_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: torch.Tensor,
+                   bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows `rows` [R] of a quantized weight held as panels, in the artifact's layout."""
+    picked = panel_rows(codes, rows)
+    return ((gguf_order(picked) if bits == 4 else picked), panel_rows(scales, rows),
+            None if mins is None else panel_rows(mins, rows))
 
 
 def panel_linear_ref(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The meaning: F.linear on the unpacked weight."""
     return F.linear(x, from_panels(panels, n), bias)
+
+
+def qpanel_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int,
+                      bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """The meaning: qlinear_ref on the weight the panels hold."""
+    return qlinear_ref(x, *quantized_rows(codes, scales, mins, torch.arange(n), bits), bias, bits=bits)
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

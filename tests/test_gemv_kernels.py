@@ -1,10 +1,11 @@
-"""The native GEMMs (kernels/cpu/panel_gemm.cpp and gemv.cpp via kernels/gemv.py) against their refs,
-and the seam that prepares GEMM weights once (kernels/native_ops.py's prepare_weights).
+"""The native GEMMs over panels (kernels/cpu/panel_gemm.cpp, qpanel_gemm.cpp via kernels/gemv.py)
+against their refs, and the seam that prepares GEMM weights once (kernels/native_ops.py's
+prepare_weights).
 
-Every weight format (f32 and bf16 panels, int8 per channel and per 32, int4 per 32/64/128) at T = 1,
-3, 8, 37 and GEMV_MAX_TOKENS + 3 (quantized: the oneDNN path; panels: two token blocks), odd N, K not
-a power of two (and for float weights K not a multiple of 16, and odd for f32), f32 and bf16 x,
-with and without bias. The refs themselves against float64 math on the dequantized weight.
+Every weight format (f32, bf16, int8 per channel and per 16/32, int4 per 32/64/128) at T = 1, 3, 8,
+37 and 131 (tiles with a remainder; two token blocks), odd N, K not a power of two (and for float
+weights K not a multiple of 16, and odd for f32), f32 and bf16 x, with and without bias. The refs
+themselves against float64 math on the dequantized weight.
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ import torch.nn.functional as F
 
 from llmc.compiler.ir import parse_graph
 from llmc.compiler.ops import verify
-from llmc.kernels.gemv import (GEMV_MAX_TOKENS, GemvWeight, gemv_cpu, gemv_ref, prepare_linear_weight,
-                               prepare_qlinear_weight)
+from llmc.kernels.gemv import GemvWeight, gemv_cpu, gemv_ref, prepare_linear_weight, prepare_qlinear_weight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.native_ops import native_op_impls, prepare_weights
-from llmc.kernels.panels import PANEL, from_panels, panel_rows
+from llmc.kernels.panels import PANEL, from_panels, panel_rows, quantized_rows
 from llmc.kernels.quant import dequantize_weight, pack_int4, quantize_int4, quantize_int8
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.torch_backend import TorchProgram
 from tolerances import tolerance
 
-TOKENS = [1, 3, 8, 37, GEMV_MAX_TOKENS + 3]
+TOKENS = [1, 3, 8, 37, 131]
 XDTYPES = [torch.float32, torch.bfloat16]
 # (format, N, K, G): odd N, K not a power of two, every group size the formats take
 QUANT_CASES = [("int8", 97, 576, 576), ("int8", 33, 96, 32), ("int8", 5, 48, 16), ("int4", 97, 576, 32),
@@ -51,7 +51,8 @@ def quantized(fmt: str, n: int, k: int, group: int, seed: int) -> GemvWeight:
 def exact(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T + bias in float64 on the dequantized weight."""
     if w.bits:
-        wd = dequantize_weight(w.weight, w.scales, w.mins, w.bits, torch.float64)
+        rows = quantized_rows(w.weight, w.scales, w.mins, torch.arange(w.rows), w.bits)
+        wd = dequantize_weight(*rows, w.bits, torch.float64)
     else:
         wd = from_panels(w.weight, w.rows).double()
     return F.linear(x.double(), wd, None if bias is None else bias.double())
@@ -175,23 +176,22 @@ def tiny_graph_weights():
             "up.bias": torch.randn(160, generator=g), "down": torch.randn(96, 160, generator=g) * 0.1}
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 15, GEMV_MAX_TOKENS + 4])
+@pytest.mark.parametrize("tokens", [1, 5, 15, 132])
 def test_native_program_on_prepared_weights_gives_the_ref_logits(tokens):
     graph = parse_graph(GRAPH)
     verify(graph)
     weights = tiny_graph_weights()
     prepared = prepare_weights([graph], weights)
     assert isinstance(prepared["emb.codes"], GemvWeight) and isinstance(prepared["up.codes"], GemvWeight)
-    assert isinstance(prepared["down"], GemvWeight) and prepared["up.scales"] is weights["up.scales"]
+    assert isinstance(prepared["down"], GemvWeight) and prepared["up.scales"] is prepared["up.codes"]
     feeds = {"ids": torch.randint(0, 97, (tokens,), generator=torch.Generator().manual_seed(tokens))}
     with torch.inference_mode(), torch.profiler.profile() as prof:
         (got,) = TorchProgram(graph, prepared, native_op_impls())(feeds)
     (want,) = TorchProgram(graph, weights)(feeds)
     torch.testing.assert_close(got, want, **tolerance(torch.float32, 160, want.abs().max().item()))
     ran = {e.name for e in prof.events()}
-    assert ("llmc::qgemv" in ran) == (tokens <= GEMV_MAX_TOKENS)          # quantized: native up to 128 tokens
-    assert ("mkldnn::_linear_pointwise" in ran) == (tokens > GEMV_MAX_TOKENS)
-    assert "llmc::panel_gemm" in ran                                      # float: the panels at every T
+    assert {"llmc::qpanel_gemm", "llmc::panel_gemm"} <= ran              # the panels at every T
+    assert not {"mkldnn::_linear_pointwise", "aten::linear"} & ran
 
 
 def test_an_unprepared_weight_runs_the_ref():
@@ -214,24 +214,33 @@ def storages(values) -> dict[int, int]:
     return found
 
 
-def test_prepared_weights_hold_one_copy_of_each_weight(tiny_family):
-    """Float GEMM weights become panels in their place (their bytes, plus the zero rows that round N
-    up to 32), quantized ones keep the artifact's tensors, the tied LM head and the embedding lookup
-    share one prepared weight, and the op table keeps no weight of its own after running."""
-    art = load_artifact(tiny_family("llama_tied")[2])
-    prepared = prepare_weights(art.graphs.values(), art.weights)
-    gemm_weights = {n.inputs[1].node[2:] for g in art.graphs.values() for n in g.nodes if n.op == "linear"}
-    assert gemm_weights and all(isinstance(prepared[name], GemvWeight) for name in gemm_weights)
-    assert not storages(prepared[name] for name in gemm_weights).keys() & storages(art.weights.values()).keys()
-    padding = sum(-w.shape[0] % PANEL * w.shape[1] * w.element_size()
-                  for name, w in art.weights.items() if name in gemm_weights)
-    assert sum(storages(prepared.values()).values()) == sum(storages(art.weights.values()).values()) + padding
-    tables = {n.inputs[0].node[2:] for g in art.graphs.values() for n in g.nodes if n.op == "embedding"}
-    assert tables & gemm_weights                                   # tied: the LM head is the table
-    quantized_graph, quantized_weights = parse_graph(GRAPH), tiny_graph_weights()
-    kept = prepare_weights([quantized_graph], quantized_weights)
-    assert kept["up.codes"].weight is quantized_weights["up.codes"] and kept["emb.codes"].scales is \
-        quantized_weights["emb.scales"]
+def padding_bytes(prepared) -> int:
+    """Bytes of the zero rows that round each prepared weight's N up to a multiple of 32."""
+    found = {id(v): v for v in prepared if isinstance(v, GemvWeight)}.values()
+    return sum(t.numel() * t.element_size() * (t.shape[0] * PANEL - v.rows) // (t.shape[0] * PANEL)
+               for v in found for t in (v.weight, v.scales, v.mins) if t is not None)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "quantized"])
+def test_prepared_weights_hold_one_copy_of_each_weight(tiny_family, family):
+    """GEMM weights (float, and quantized codes with their scales and mins) become panels in their
+    place: the prepared weights hold none of the originals, and their bytes plus the zero rows
+    that round N up to 32; the tied LM head and the table lookup share one prepared weight; the
+    op table keeps no weight of its own after running."""
+    if family == "quantized":
+        graphs, weights = [parse_graph(GRAPH)], tiny_graph_weights()
+    else:
+        art = load_artifact(tiny_family(family)[2])
+        graphs, weights = list(art.graphs.values()), art.weights
+    prepared = prepare_weights(graphs, weights)
+    gemm = {n.inputs[1].node[2:] for g in graphs for n in g.nodes if n.op in ("linear", "qlinear")}
+    assert gemm and all(isinstance(prepared[name], GemvWeight) for name in gemm)
+    replaced = [name for name, v in prepared.items() if isinstance(v, GemvWeight)]
+    assert not storages(prepared.values()).keys() & storages(weights[name] for name in replaced).keys()
+    assert sum(storages(prepared.values()).values()) == sum(storages(weights.values()).values()) + \
+        padding_bytes(prepared.values())
+    tables = {n.inputs[0].node[2:] for g in graphs for n in g.nodes if n.op in ("embedding", "qembedding")}
+    assert tables & gemm                                           # tied: the LM head is the table
 
     graph, weights = parse_graph(GRAPH), tiny_graph_weights()
     impls = native_op_impls()
@@ -256,10 +265,8 @@ def test_an_engine_keeps_one_copy_of_the_weights(tiny_family):
     engine = Engine(folder, EngineConfig(kernels="native"))
     assert all(w.is_meta for w in engine.artifact.weights.values())
     held = [v for p in engine.runner.executor.programs.values() for v in p._constants.values()]
-    panels = {id(v): v for v in held if isinstance(v, GemvWeight) and not v.bits}.values()
-    padding = sum((v.weight.shape[0] * PANEL - v.rows) * v.in_features * v.weight.element_size() for v in panels)
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
-    assert sum(storages(held).values()) == stored + padding
+    assert sum(storages(held).values()) == stored + padding_bytes(held)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     reference = Engine(folder, EngineConfig(kernels="reference"))
     assert engine.generate(["a b c"], greedy)[0].token_ids == reference.generate(["a b c"], greedy)[0].token_ids

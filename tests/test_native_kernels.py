@@ -6,6 +6,9 @@ over a cached context, sequences ending exactly on a block boundary, and padding
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +17,7 @@ from llmc.kernels.activation import silu_mul_cpu, silu_mul_ref
 from llmc.kernels.attention import (kv_write_ref, paged_attention_cpu, paged_attention_ref,
                                     paged_decode_attention_cpu, paged_decode_attention_ref)
 from llmc.kernels.linear import PackedLinear
-from llmc.kernels.native import load_native_kernels
+from llmc.kernels.native import clear_stale_lock, load_native_kernels
 from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref, rmsnorm_cpu, rmsnorm_ref
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
@@ -183,3 +186,16 @@ def test_attention_kernel_refuses_reads_outside_its_inputs(case, words):
     with pytest.raises(RuntimeError, match=words):
         torch.ops.llmc.paged_attention(q, cache, tables, torch.tensor(lens, dtype=torch.int32),
                                        torch.tensor(qsl, dtype=torch.int32), 0, 1.0)
+
+
+def test_a_build_lock_left_by_a_stopped_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's builder would wait forever on the lock a build killed midway leaves behind."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    clear_stale_lock(tmp_path)
+    assert lock.exists()                                   # a build may be running right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    clear_stale_lock(tmp_path)                             # no lock: nothing to do

@@ -1,15 +1,15 @@
 """GEMV benchmark: `python -m llmc.tools.bench_gemv [--tokens 1,2,4,...,512] [--resident ART]`.
 
 At SmolLM2-135M's GEMM shapes (hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocab 49152), batch 1:
-per weight format (f32 and bf16 panels, int8 per channel, int8-g32, int4-g32) the time of one
-call of the native kernel (kernels/gemv.py), the bytes it must read (panels, or codes, scales,
+per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32, all in panels) the time of one
+call of the native kernel (kernels/gemv.py), the bytes it must read (panels, or codes, scales and
 mins; x is noise), the GB/s that makes and its fraction of the read bandwidth measured in the same
 run (tools/profile_steps.py's floor); oneDNN's packed GEMM (kernels/linear.py) at f32 and bf16 is
 the peer. Each weight is copied until the copies fill 256 MiB and the calls cycle through them, so
 every call reads from memory, not from the 32 MiB-class caches, as a decode step does.
 Then the crossover: one layer's four GEMMs at several token counts, the panels against oneDNN on
-its own packed copy (what llmc kept beside every float weight before the panels), oneDNN with a
-per-call reorder, and the row-major kernel the panels replaced (`torch.ops.llmc.gemv`).
+its own packed copy (what llmc kept beside every float weight before the panels) and oneDNN with
+a per-call reorder (what a weight kept only in its plain layout would get).
 With --resident ART: the weight bytes an engine on the native kernels keeps for an artifact (the
 distinct tensor storages its programs hold, against the artifact's stored bytes) and the process's
 resident memory before the engine, after building it and after a prefill and 4 decode steps.
@@ -27,9 +27,8 @@ from typing import Callable
 
 import torch
 
-from llmc.kernels.gemv import (GEMV_MAX_TOKENS, GemvWeight, gemv_cpu, onednn_linear, prepare_linear_weight,
-                               prepare_qlinear_weight)
-from llmc.kernels.linear import PackedLinear
+from llmc.kernels.gemv import GemvWeight, gemv_cpu, prepare_linear_weight, prepare_qlinear_weight
+from llmc.kernels.linear import PackedLinear, onednn_linear
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_int4, quantize_int8
 from llmc.tools.profile_steps import cpu_name, read_bandwidth
@@ -80,8 +79,7 @@ def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
             xdtype = torch.float32 if fmt == "f32" else dtype if fmt != "bf16" else torch.bfloat16
             x = torch.randn(tokens, k).to(xdtype)
             s = seconds_per_call([lambda w=w: gemv_cpu(x, w) for w in ws])
-            rows.append(_row(shape_name, fmt, "panels" if fmt in ("f32", "bf16") else "native", s, ws[0].nbytes,
-                             bandwidth))
+            rows.append(_row(shape_name, fmt, "panels", s, ws[0].nbytes, bandwidth))
             del ws
         for fmt, fdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             w_f = w.to(fdtype)
@@ -108,8 +106,7 @@ def _row(shape: str, fmt: str, path: str, seconds: float, nbytes: int, bandwidth
 
 def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
     """One layer's four GEMMs (warm: they fit the L3 cache) at each token count: the panels, oneDNN
-    packed (a second copy beside the weight), oneDNN with a per-call reorder (no second copy), and
-    the row-major kernel (up to GEMV_MAX_TOKENS)."""
+    packed (a second copy beside the weight), oneDNN with a per-call reorder (no second copy)."""
     layer = [SHAPES[s] for s in ("qkv", "q/o", "gate_up", "down")]
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in layer]
     panels = [prepare_linear_weight(w) for w in weights]
@@ -120,11 +117,8 @@ def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
         ours = seconds_per_call([lambda: [gemv_cpu(x, w) for x, w in zip(xs, panels)]], 20)
         peer = seconds_per_call([lambda: [p(x) for p, x in zip(packed, xs)]], 20)
         reorder = seconds_per_call([lambda: [onednn_linear(x, w, None) for x, w in zip(xs, weights)]], 20)
-        row_major = float("nan")
-        if t <= GEMV_MAX_TOKENS:
-            row_major = seconds_per_call([lambda: [torch.ops.llmc.gemv(x, w, None) for x, w in zip(xs, weights)]], 20)
-        rows.append(f"T={t:<5}{1e3 * ours:>10.3f}{1e3 * peer:>10.3f}{1e3 * reorder:>10.3f}{1e3 * row_major:>10.3f}"
-                    f"{peer / ours:>9.2f}x{reorder / ours:>9.2f}x{row_major / ours:>9.2f}x")
+        rows.append(f"T={t:<5}{1e3 * ours:>10.3f}{1e3 * peer:>10.3f}{1e3 * reorder:>10.3f}{peer / ours:>9.2f}x"
+                    f"{reorder / ours:>9.2f}x")
     return rows
 
 
@@ -150,7 +144,7 @@ def resident_rows(artifact: str) -> list[str]:
     stored = sum(t.numel() * t.element_size() for t in engine.artifact.weights.values())
     held = sum(storages.values())
     return [f"artifact weights {stored / 1e6:.1f} MB stored; the programs hold {held / 1e6:.1f} MB in "
-            f"{len(storages)} storages ({held / stored:.3f}x: one copy, float GEMM weights as panels of 32 rows)",
+            f"{len(storages)} storages ({held / stored:.3f}x: one copy, GEMM weights as panels of 32 rows)",
             f"RSS {before:.0f} MB before the engine, {built:.0f} MB built, {rss():.0f} MB after a prefill and 4 decode "
             f"steps (+{rss() - before:.0f} MB)"]
 
@@ -184,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     for dtype in (torch.float32, torch.bfloat16):
         print(f"\none layer's GEMMs (qkv, o, gate_up, down), {str(dtype)[6:]}, ms per layer: panels | oneDNN packed | "
-              f"oneDNN reorder per call | row-major | packed/panels | reorder/panels | row-major/panels")
+              f"oneDNN reorder per call | packed/panels | reorder/panels")
         for row in crossover_rows([int(t) for t in args.tokens.split(",")], dtype):
             print(row)
 

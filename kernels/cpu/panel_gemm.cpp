@@ -32,42 +32,17 @@
 #include <immintrin.h>
 #endif
 
-#include "vec16.h"
+#include "panel_tiles.h"
 
 namespace {
 
 using llmc_cpu::load16;
-using llmc_cpu::store16;
 using llmc_cpu::Vec16;
+using llmc_panels::kAhead;
+using llmc_panels::kPanel;
+using llmc_panels::store_tile;
 
-constexpr int64_t kPanel = 32;           // outputs per panel: two 16-lane vectors
 constexpr int kTile = 12;                // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
-constexpr int64_t kBlockBytes = 256 << 10;  // x of one token block (L2-resident)
-constexpr int64_t kAhead = 4096;         // bytes of software prefetch ahead in the weight stream
-
-// The tile's sums into out rows t0 .. t0 + TT - 1, columns n0 .. n0 + 31 (those below N), plus bias.
-template <int TT, typename Out>
-void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim) {
-  Vec16 b[2] = {Vec16{}, Vec16{}};
-  const int64_t cols = std::min(kPanel, n_dim - n0);
-  if (bias) {
-    float tmp[kPanel] = {};
-    for (int64_t c = 0; c < cols; ++c) tmp[c] = static_cast<float>(bias[n0 + c]);
-    b[0] = load16(tmp), b[1] = load16(tmp + 16);
-  }
-  for (int t = 0; t < TT; ++t) {
-    Out* row = out + (t0 + t) * n_dim + n0;
-    if (cols == kPanel) {
-      store16(row, acc[t][0] + b[0]);
-      store16(row + 16, acc[t][1] + b[1]);
-    } else {
-      Out tmp[kPanel];
-      store16(tmp, acc[t][0] + b[0]);
-      store16(tmp + 16, acc[t][1] + b[1]);
-      std::memcpy(row, tmp, cols * sizeof(Out));
-    }
-  }
-}
 
 // f32: TT tokens (rows of x from x0, stride K) times one panel [K, 32].
 template <int TT, typename Out>
@@ -164,8 +139,7 @@ void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
   const X* wp = panels.const_data_ptr<X>();
   const X* bp = bias.defined() ? bias.const_data_ptr<X>() : nullptr;
   X* op = out.data_ptr<X>();
-  const int64_t block_tokens =
-      std::max<int64_t>(kTile, kBlockBytes / (k_dim * static_cast<int64_t>(sizeof(X))) / kTile * kTile);
+  const int64_t block_tokens = llmc_panels::block_tokens(k_dim, sizeof(X), kTile);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b0 = 0; b0 < tokens; b0 += block_tokens) {
       const int64_t b1 = std::min(tokens, b0 + block_tokens);

@@ -1,0 +1,54 @@
+// What the panel GEMMs share (panel_gemm.cpp for float weights, qpanel_gemm.cpp for quantized
+// ones): the panel width, the blocking constants and the store of a finished tile.
+//
+// A panel holds 32 output rows; a tile is up to TT tokens x those 32 outputs, in 2 TT fp32
+// accumulator vectors (lanes are outputs). store_tile adds the bias (fp32) and rounds each sum
+// once to the output dtype; a last panel past N stores only the columns below N.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vec16.h"
+
+namespace llmc_panels {
+
+using llmc_cpu::load16;
+using llmc_cpu::store16;
+using llmc_cpu::Vec16;
+
+constexpr int64_t kPanel = 32;              // outputs per panel: two 16-lane vectors
+constexpr int64_t kBlockBytes = 256 << 10;  // fp32/bf16 x of one token block (L2-resident)
+constexpr int64_t kAhead = 4096;            // bytes of software prefetch ahead in the weight stream
+
+// Tokens per block of x that fits kBlockBytes, a multiple of `tile` (at least one tile).
+inline int64_t block_tokens(int64_t k_dim, int64_t element_bytes, int64_t tile) {
+  return std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
+}
+
+// The tile's sums into out rows t0 .. t0 + TT - 1, columns n0 .. n0 + 31 (those below N), plus bias.
+template <int TT, typename Out>
+void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim) {
+  Vec16 b[2] = {Vec16{}, Vec16{}};
+  const int64_t cols = std::min(kPanel, n_dim - n0);
+  if (bias) {
+    float tmp[kPanel] = {};
+    for (int64_t c = 0; c < cols; ++c) tmp[c] = static_cast<float>(bias[n0 + c]);
+    b[0] = load16(tmp), b[1] = load16(tmp + 16);
+  }
+  for (int t = 0; t < TT; ++t) {
+    Out* row = out + (t0 + t) * n_dim + n0;
+    if (cols == kPanel) {
+      store16(row, acc[t][0] + b[0]);
+      store16(row + 16, acc[t][1] + b[1]);
+    } else {
+      Out tmp[kPanel];
+      store16(tmp, acc[t][0] + b[0]);
+      store16(tmp + 16, acc[t][1] + b[1]);
+      std::memcpy(row, tmp, cols * sizeof(Out));
+    }
+  }
+}
+
+}  // namespace llmc_panels
