@@ -31,4 +31,8 @@ class TorchExecutor(Executor):
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
         if self.kernels == "native":        # the GEMMs' weight layouts, decided once for both graphs
             weights = prepare_weights(artifact.graphs.values(), weights)
+        if device.type == "cpu":
+            # Own memory: a tensor as the artifact loaded it is a view of the weights file's mapping,
+            # which stays mapped (its pages resident) while any such view lives.
+            weights = {name: w.clone() if isinstance(w, torch.Tensor) else w for name, w in weights.items()}
         self.programs = {entry: TorchProgram(g, weights, impls) for entry, g in artifact.graphs.items()}
