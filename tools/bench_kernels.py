@@ -3,7 +3,8 @@
 Times each native CPU kernel against its torch ref (the peer, in the same run) at SmolLM2-135M
 shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, MLP 1536): a decode step of 64
 sequences with 40-400 cached tokens, and a 512-token prompt step (two prompts of 256), and the
-packed GEMM against F.linear over the model's four layer GEMMs at several token counts. Prints
+panel GEMM (kernels/panels.py) against F.linear over the model's four layer GEMMs at several token
+counts (`bench_gemv` compares it with oneDNN's packed GEMM). Prints
 milliseconds per call and the ratio. A benchmark, not a test: the numbers depend on the machine.
 """
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from llmc.kernels.activation import silu_mul_cpu, silu_mul_ref
 from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
-from llmc.kernels.linear import PackedLinear
+from llmc.kernels.gemv import gemv_cpu, prepare_linear_weight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref
 from llmc.kernels.rope import RopeTables
@@ -75,13 +76,13 @@ def kernel_rows(name: str, tokens: int, chunks: list[int], lens: list[int], dtyp
 
 def gemm_rows(dtype: torch.dtype) -> list[tuple]:
     weights = [torch.randn(n, k).to(dtype) for n, k in LAYER_GEMMS]
-    packed = [PackedLinear(w) for w in weights]
+    panels = [prepare_linear_weight(w) for w in weights]
     rows = []
     for tokens in (1, 16, 64, 512):
         xs = [torch.randn(tokens, w.shape[1]).to(dtype) for w in weights]
-        fast = ms_per_call(lambda: [p(x) for p, x in zip(packed, xs)])
+        fast = ms_per_call(lambda: [gemv_cpu(x, p) for p, x in zip(panels, xs)])
         peer = ms_per_call(lambda: [F.linear(x, w) for w, x in zip(weights, xs)])
-        rows.append((f"layer GEMMs, packed (T={tokens})", fast, peer))
+        rows.append((f"layer GEMMs, panels (T={tokens})", fast, peer))
     return rows
 
 
