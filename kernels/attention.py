@@ -180,6 +180,17 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 def paged_decode_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """The decode case of `paged_attention_cpu`: one query per sequence."""
-    one_each = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention_cpu(q, kv_cache, block_tables, seq_lens, one_each, layer, scale)
+    """The decode case of `paged_attention_cpu`: one query per sequence (the kernel numbers them)."""
+    if not native_attention_fits(q, kv_cache):
+        raise ValueError(f"native paged attention takes f32/bf16 q on the CPU, a cache of q's dtype or int8, "
+                         f"block size 16 and head_dim a multiple of 16; got q {q.dtype}, "
+                         f"cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    return run_paged_decode_attention(q, kv_cache, block_tables, seq_lens, layer, scale)
+
+
+def run_paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """`paged_decode_attention_cpu` for inputs that `native_attention_fits` has passed (the op
+    table checks once, then runs this)."""
+    return torch.ops.llmc.paged_decode_attention(q.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(),
+                                                 seq_lens.to(torch.int32).contiguous(), layer, scale)

@@ -24,7 +24,7 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
 
 from .activation import native_silu_mul_fits, silu_mul_cpu
-from .attention import native_attention_fits, paged_attention_cpu, paged_decode_attention_cpu
+from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
 from .gemv import GemvWeight, gemv_fits, gemv_ref, prepare_linear_weight, prepare_qlinear_weight, run_gemv
 from .native import NativeBuildError, load_native_kernels
 from .panels import from_panels, panel_rows, quantized_rows
@@ -73,7 +73,7 @@ def native_op_impls() -> dict[str, OpImpl]:
     def paged_decode_attention(x, a):
         if not native_attention_fits(x[0], x[1]):
             return OP_IMPLS["paged_decode_attention"](x, a)
-        return paged_decode_attention_cpu(*x, a["layer"], a["scale"])
+        return run_paged_decode_attention(*x, a["layer"], a["scale"])
 
     def add_rmsnorm(x, a):
         fits = native_norm_fits(x[0]) and x[0].dtype == x[1].dtype == x[2].dtype

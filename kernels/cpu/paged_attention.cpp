@@ -182,6 +182,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, cons
   return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, true);
 }
 
+// The decode case: one query per sequence, so query_start_loc is 0, 1, ..., S (made here, not by
+// the caller once per layer).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, int64_t layer, double scale) {
+  const at::Tensor one_each = at::arange(seq_lens.numel() + 1, seq_lens.options().dtype(at::kInt));
+  return attend(q, kv_cache, block_tables, seq_lens, one_each, layer, scale, true);
+}
+
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
                                 double scale) {
@@ -193,11 +201,14 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache,
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int layer, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int layer, "
+        "float scale) -> Tensor");
   m.def("paged_attention_rows(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, int layer, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmc, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_attention_rows", &paged_attention_rows);
 }
