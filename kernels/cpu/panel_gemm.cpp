@@ -139,14 +139,8 @@ void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
   const X* wp = panels.const_data_ptr<X>();
   const X* bp = bias.defined() ? bias.const_data_ptr<X>() : nullptr;
   X* op = out.data_ptr<X>();
-  const int64_t block_tokens = llmc_panels::block_tokens(k_dim, sizeof(X), kTile);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = 0; b0 < tokens; b0 += block_tokens) {
-      const int64_t b1 = std::min(tokens, b0 + block_tokens);
-      for (int64_t p = begin; p < end; ++p)
-        for (int64_t t0 = b0; t0 < b1; t0 += kTile)
-          run_tile(xp, wp, k_dim, bp, op, t0, std::min<int64_t>(kTile, b1 - t0), p, n_dim);
-    }
+  llmc_panels::for_each_tile(num_panels, tokens, k_dim, sizeof(X), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
+    run_tile(xp, wp, k_dim, bp, op, t0, tt, p, n_dim);
   });
 }
 

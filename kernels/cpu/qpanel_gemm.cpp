@@ -146,14 +146,8 @@ void qpanel_gemm_typed(const at::Tensor& xf, const at::Tensor& xsum, const QPane
   const float* s = xsum.defined() ? xsum.const_data_ptr<float>() : nullptr;
   const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
   Out* o = out.data_ptr<Out>();
-  const int64_t block = llmc_panels::block_tokens(w.k_dim, sizeof(float), kTile);
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = 0; b0 < tokens; b0 += block) {
-      const int64_t b1 = std::min(tokens, b0 + block);
-      for (int64_t p = begin; p < end; ++p)
-        for (int64_t t0 = b0; t0 < b1; t0 += kTile)
-          run_tile<Bits>(x, s, w, p, b, o, t0, std::min<int64_t>(kTile, b1 - t0), n_dim);
-    }
+  llmc_panels::for_each_tile(num_panels, tokens, w.k_dim, sizeof(float), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
+    run_tile<Bits>(x, s, w, p, b, o, t0, tt, n_dim);
   });
 }
 
