@@ -163,16 +163,21 @@ def native_attention_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and cache_head_dim(kv_cache) > 0 and cache_head_dim(kv_cache) % 16 == 0)
 
 
+def _check_native(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """The launchers' check: ValueError naming the inputs where the native kernel does not take them."""
+    if not native_attention_fits(q, kv_cache):
+        raise ValueError(f"native paged attention takes f32/bf16 q on the CPU, a cache of q's dtype or int8, "
+                         f"block size 16 and head_dim a multiple of 16; got q {q.dtype}, "
+                         f"cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+
+
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
                         scale: float) -> torch.Tensor:
     """Launcher of the native kernel (kernels/cpu/paged_attention.cpp states its contract):
     paged_attention_ref's meaning, reading K/V blocks in place (an int8 cache's rows dequantized
     as they are read) with an online softmax."""
-    if not native_attention_fits(q, kv_cache):
-        raise ValueError(f"native paged attention takes f32/bf16 q on the CPU, a cache of q's dtype or int8, "
-                         f"block size 16 and head_dim a multiple of 16; got q {q.dtype}, "
-                         f"cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    _check_native(q, kv_cache)
     as_int = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
     return torch.ops.llmc.paged_attention(q.contiguous(), kv_cache, as_int(block_tables), as_int(seq_lens),
                                           as_int(query_start_loc), layer, scale)
@@ -181,10 +186,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 def paged_decode_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """The decode case of `paged_attention_cpu`: one query per sequence (the kernel numbers them)."""
-    if not native_attention_fits(q, kv_cache):
-        raise ValueError(f"native paged attention takes f32/bf16 q on the CPU, a cache of q's dtype or int8, "
-                         f"block size 16 and head_dim a multiple of 16; got q {q.dtype}, "
-                         f"cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    _check_native(q, kv_cache)
     return run_paged_decode_attention(q, kv_cache, block_tables, seq_lens, layer, scale)
 
 
