@@ -106,7 +106,7 @@ def embedding_rows(x: list, a: dict) -> torch.Tensor:
 
 def qembedding_rows(x: list, a: dict) -> torch.Tensor:
     """The qembedding op; a tied table kept as panels gives its rows (codes, scales, mins) back in
-    the artifact's layout for qembedding_ref."""
+    the artifact's layout, dequantized as qembedding_ref does."""
     codes = x[0]
     if not isinstance(codes, GemvWeight):
         return OP_IMPLS["qembedding"](x, a)

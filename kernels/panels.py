@@ -15,11 +15,11 @@ A batch-1 decode then streams each thread's panels front to back, and a tile of 
 outputs accumulates with the outputs as vector lanes (no horizontal sums); oneDNN's blocked
 layouts are the same idea, but opaque, so a second copy would have to be kept beside the weight.
 
-Contracts: `panel_linear` (float) and `qpanel_linear` (quantized) take x [T, K] (float panels:
-in their dtype; quantized: f32 or bf16) and bias [N] in x's dtype or None; they return [T, N] in
-x's dtype, products accumulated in fp32, bias added in fp32, rounded once. The meanings are the
-`_ref`s: F.linear, and kernels/quant.py's qlinear_ref, on the weight the panels hold.
-`panel_rows` reads rows back (a tied embedding's lookup; the refs).
+The kernels' contract: x [T, K] (float panels: in their dtype; quantized: f32 or bf16) and bias
+[N] in x's dtype or None give [T, N] in x's dtype, products accumulated in fp32, bias added in
+fp32, rounded once. The meanings are the `_ref`s here: F.linear, and kernels/quant.py's
+qlinear_ref, on the weight the panels hold; the launcher that checks a call is kernels/gemv.py's
+`gemv_cpu`. `panel_rows` reads rows back (a tied embedding's lookup; the refs).
 """
 
 from __future__ import annotations
@@ -107,14 +107,3 @@ def qpanel_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """The meaning: qlinear_ref on the weight the panels hold."""
     return qlinear_ref(x, *quantized_rows(codes, scales, mins, torch.arange(n), bits), bias, bits=bits)
 
-
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher of kernels/cpu/panel_gemm.cpp (load_native_kernels() must have run)."""
-    k = x.shape[-1] if x.dim() == 2 else -1
-    want = (-(-n // PANEL), k, PANEL) if panels.dtype == torch.float32 else (-(-n // PANEL), k // 2, PANEL, 2)
-    if x.dim() != 2 or x.dtype != panels.dtype or not x.is_cpu or tuple(panels.shape) != want:
-        raise ValueError(f"panel_linear takes x [T, K] in the panels' dtype {panels.dtype} for panels of "
-                         f"{tuple(panels.shape)} and n={n}; got x {x.dtype} {tuple(x.shape)} on {x.device}")
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,)):
-        raise ValueError(f"bias must be [{n}] in {x.dtype}, not {bias.dtype} {tuple(bias.shape)}")
-    return torch.ops.llmc.panel_gemm(x.contiguous(), panels, n, bias)
