@@ -13,8 +13,9 @@ The panels are made from the artifact's tensors when the executor is built (`pre
 kernel per kind runs every token count: batch-1 decode streams the panels front to back, larger
 counts run as tiles of tokens x 32 outputs in registers (kernels/cpu/panel_gemm.cpp: 12 tokens,
 float; kernels/cpu/qpanel_gemm.cpp: 4 tokens, codes widened in registers into per-group partial
-sums, scaled once per group). Float panels run as fast as oneDNN's GEMM on its own packed copy
-(`python -m llmc.tools.bench_gemv` prints the ratios), so no such copy is kept beside the weight.
+sums, scaled once per group). Float panels run within a few percent of oneDNN's GEMM on its own
+packed copy at large token counts and faster below (`python -m llmc.tools.bench_gemv` prints the
+ratios), so no such copy is kept beside the weight.
 """
 
 from __future__ import annotations
