@@ -23,6 +23,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "cpu"
 EXTENSION_NAME = "llmc_cpu_kernels"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]    # libgomp.so.1: the process already has torch's, which the step plan's team shares
 STALE_LOCK_SECONDS = 600          # a build takes about a minute
 
 
@@ -83,7 +84,7 @@ def load_native_kernels() -> None:
     builder_log.setLevel(logging.ERROR)        # its compiler-ABI banner is noise next to our sentence
     try:
         load(name=EXTENSION_NAME, sources=[str(p) for p in sorted(SOURCE_DIR.glob("*.cpp"))],
-             extra_cflags=CFLAGS, extra_include_paths=[str(SOURCE_DIR)], build_directory=str(build),
+             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(SOURCE_DIR)], build_directory=str(build),
              is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError):
         compiler = os.environ.get("CXX", "c++")

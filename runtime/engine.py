@@ -52,6 +52,7 @@ class EngineConfig:
     backend: str = "auto"           # "torch", "triton", or "auto": triton on a GPU if the artifact has kernels
     device: str = "auto"            # "cpu", "cuda", or "auto" (the backend's: torch runs on the CPU unless told)
     cuda_graphs: bool | None = None  # decode as CUDA graphs: None = where the backend can (a GPU), False = never
+    step_plans: bool = True         # native kernels: each graph that lowers whole runs as one native call per step
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -96,7 +97,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
         self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels,
-                                  config.device, config.cuda_graphs, config.max_num_seqs)
+                                  config.device, config.cuda_graphs, config.max_num_seqs, config.step_plans)
         if not isinstance(artifact, Artifact):
             # loaded here, so nobody else reads its weights: the executor holds them now (in the layouts it
             # chose) and the artifact keeps their shapes and dtypes, so no second copy stays resident

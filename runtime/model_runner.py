@@ -25,10 +25,10 @@ log = logging.getLogger("llmc")
 
 
 def make_executor(backend: str, artifact: Artifact, device: torch.device, kv: KVCacheSpec,
-                  kernels: str) -> Executor:
+                  kernels: str, step_plans: bool = True) -> Executor:
     if backend == "triton":
         return TritonExecutor(artifact, device, kv)
-    return TorchExecutor(artifact, device, kv, kernels)
+    return TorchExecutor(artifact, device, kv, kernels, step_plans)
 
 
 class ModelRunner:
@@ -40,12 +40,12 @@ class ModelRunner:
 
     def __init__(self, artifact: Artifact, num_blocks: int, block_size: int, backend: str = "torch",
                  kernels: str = "auto", device: str = "auto", cuda_graphs: bool | None = None,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, step_plans: bool = True):
         self.artifact = artifact
         self.backend, self.device = resolve_backend(backend, artifact, device)
         cache_type = artifact.graphs["prefill"].node_map()["kv_cache"].type
         kv = KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size)
-        self.executor = make_executor(self.backend, artifact, self.device, kv, kernels)
+        self.executor = make_executor(self.backend, artifact, self.device, kv, kernels, step_plans)
         self.buffers = StepBuffers(self.device)
         self.graph_error: str | None = None
         self.graph_report = self._capture(cuda_graphs, max_num_seqs, num_blocks, block_size)

@@ -8,21 +8,29 @@ native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weigh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from llmc.compiler.ir import Graph
 from llmc.kernels.native_ops import choose_op_impls, prepare_weights
 from llmc.kernels.torch_ops import OP_IMPLS
 
 from .artifact import Artifact
 from .executor import Executor, KVCacheSpec
+from .slot_program import SlotProgram
+from .step_plan import NotPlannable, StepPlanProgram, lower_step_plan
 from .torch_backend import TorchProgram
+
+log = logging.getLogger("llmc")
 
 
 class TorchExecutor(Executor):
     backend = "torch"
     graph_safe = False      # the torch refs read lengths and slots on the host (.tolist(), masks)
 
-    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, kernels: str = "auto"):
+    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, kernels: str = "auto",
+                 step_plans: bool = True):
         super().__init__(artifact, device, kv)
         if device.type == "cpu":
             impls, self.kernels = choose_op_impls(kernels)
@@ -35,4 +43,16 @@ class TorchExecutor(Executor):
             # Own memory: a tensor as the artifact loaded it is a view of the weights file's mapping,
             # which stays mapped (its pages resident) while any such view lives.
             weights = {name: w.clone() if isinstance(w, torch.Tensor) else w for name, w in weights.items()}
-        self.programs = {entry: TorchProgram(g, weights, impls) for entry, g in artifact.graphs.items()}
+        plans = step_plans and self.kernels == "native" and device.type == "cpu"
+        self.programs = {entry: self._program(g, weights, impls, kv.block_size, plans)
+                         for entry, g in artifact.graphs.items()}
+
+    @staticmethod
+    def _program(graph: Graph, weights: dict, impls: dict, block_size: int, plans: bool) -> SlotProgram | StepPlanProgram:
+        """The graph as one native step plan where every op lowers to one (with `plans`), else op by op."""
+        if plans:
+            try:
+                return lower_step_plan(graph, weights, block_size)
+            except NotPlannable as why:
+                log.debug("graph %s runs op by op: %s", graph.name, why)
+        return TorchProgram(graph, weights, impls)

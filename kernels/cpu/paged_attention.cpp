@@ -34,12 +34,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include "attention_decode.h"
 #include "attention_items.h"
+#include "attention_work.h"
 
 namespace {
 
@@ -47,42 +47,11 @@ using llmc_cpu::Geometry;
 using llmc_cpu::Item;
 using llmc_cpu::kBlock;
 
-constexpr int64_t kQueries = 32;  // queries of one chunk per work item
-// Single-query sequences per thread from which a decode is one item over all KV heads: with
-// fewer, items per KV head keep both threads busy (one sequence of 4000 tokens: 0.155 ms per
-// head, 0.21 ms whole), with 8 or more the whole sequences read faster (64 of 100-500 tokens:
-// 0.57 ms whole, 0.61-0.69 ms per head).
-constexpr int64_t kDecodesPerThread = 4;
-
-// `decode_items`: a sequence's single query is one item over all KV heads (run_decode reads
-// each block's heads, adjacent in the cache, as one run) where there are kDecodesPerThread
-// such sequences per thread, enough to keep the threads busy; else every item is one KV head's.
-std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool decode_items) {
-  int64_t decodes = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) decodes += qsl[s + 1] - qsl[s] == 1;
-  const bool whole_decodes = decode_items && decodes >= kDecodesPerThread * at::get_num_threads();
-  std::vector<Item> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    if (whole_decodes && qsl[s + 1] - qsl[s] == 1) {
-      items.push_back({s, 0, 0, 1, kv_heads});
-      continue;
-    }
-    for (int64_t first = 0; first < qsl[s + 1] - qsl[s]; first += kQueries)
-      for (int64_t h = 0; h < kv_heads; ++h)
-        items.push_back({s, h, first, std::min<int64_t>(kQueries, qsl[s + 1] - qsl[s] - first)});
-  }
-  return items;
-}
-
 // Runs fn(item, scratch) for every item on the intra-op threads, each taking the next item
-// left, in order of decreasing cost (queries x keys seen by the last one).
+// left, in order of decreasing cost.
 template <typename T, typename C, typename Fn>
 void run_items(const std::vector<Item>& items, const llmc_cpu::Inputs<T, C>& in, Fn fn) {
-  std::vector<int64_t> cost(items.size()), order(items.size());
-  for (size_t i = 0; i < items.size(); ++i)
-    cost[i] = items[i].kv_heads * items[i].num_queries * (in.first_pos(items[i]) + items[i].num_queries);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  const std::vector<int64_t> order = llmc_cpu::by_cost(items, in.lens, in.qsl);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -116,20 +85,6 @@ void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
               " is not a multiple of kv_heads * head_dim");
 }
 
-// Every read the work items will make stays inside q and the cache.
-void check_layout(const int32_t* qsl, const int32_t* lens, const int32_t* tables, int64_t num_seqs, int64_t width,
-                  int64_t tokens, int64_t num_blocks) {
-  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == tokens, "query_start_loc must run from 0 to ", tokens);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n = qsl[s + 1] - qsl[s], used = (lens[s] + kBlock - 1) / kBlock;
-    TORCH_CHECK(n >= 0 && n <= lens[s] && used <= width, "sequence ", s, " has ", n, " queries, length ", lens[s],
-                " and ", width, " block-table entries");
-    for (int64_t b = 0; b < used; ++b)
-      TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks, "block ",
-                  tables[s * width + b], " of sequence ", s, " is outside the cache's ", num_blocks, " blocks");
-  }
-}
-
 // Calls fn with null pointers of q's element type (float, bf16) and the cache's (q's or int8).
 template <typename Fn>
 void with_types(const at::Tensor& q, const at::Tensor& kv_cache, Fn fn) {
@@ -154,8 +109,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
-  check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
-  const std::vector<Item> items = plan_items(qsl, seq_lens.numel(), kv_heads, tiled);
+  llmc_cpu::check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
+  const std::vector<Item> items = llmc_cpu::plan_items(qsl, seq_lens.numel(), kv_heads, tiled, at::get_num_threads());
   const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     using C = std::remove_pointer_t<decltype(cache_typed)>;

@@ -24,112 +24,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstring>
-#include <type_traits>
-
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
-#include "panel_tiles.h"
+#include "panel_gemm.h"
 
 namespace {
 
-using llmc_cpu::load16;
-using llmc_cpu::Vec16;
-using llmc_panels::kAhead;
 using llmc_panels::kPanel;
-using llmc_panels::store_tile;
-
-constexpr int kTile = 12;                // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
-
-// f32: TT tokens (rows of x from x0, stride K) times one panel [K, 32].
-template <int TT, typename Out>
-void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
-              int64_t n_dim) {
-  Vec16 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const float* w = panel + k * kPanel;
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
-    const Vec16 w0 = load16(w), w1 = load16(w + 16);
-#pragma GCC unroll 12
-    for (int t = 0; t < TT; ++t) {
-      const Vec16 xv = llmc_cpu::splat(x0[t * k_dim + k]);
-      acc[t][0] += w0 * xv;
-      acc[t][1] += w1 * xv;
-    }
-  }
-  store_tile<TT>(acc, bias, out, t0, n0, n_dim);
-}
-
-// bf16: TT tokens times one panel [K/2, 32, 2] of input pairs.
-template <int TT>
-void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_dim, const c10::BFloat16* bias,
-               c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim) {
-  Vec16 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
-  for (int64_t k = 0; k < k_dim; k += 2) {
-    const c10::BFloat16* w = panel + k * kPanel;      // 32 rows x (k, k + 1)
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
-#if defined(__AVX512BF16__)
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
-#pragma GCC unroll 12
-    for (int t = 0; t < TT; ++t) {
-      int32_t pair;
-      std::memcpy(&pair, x0 + t * k_dim + k, sizeof(pair));
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[t][0] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[t][0]), w0, xv));
-      acc[t][1] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[t][1]), w1, xv));
-    }
-#else
-    Vec16 even[2], odd[2];                             // inputs k and k + 1 of rows 0-15 and 16-31
-    for (int h = 0; h < 2; ++h) {
-      llmc_cpu::Uint16 bits;
-      std::memcpy(&bits, w + 32 * h, sizeof(bits));
-      const llmc_cpu::Uint16 lo = bits << 16, hi = bits & 0xFFFF0000u;
-      std::memcpy(&even[h], &lo, sizeof(lo));
-      std::memcpy(&odd[h], &hi, sizeof(hi));
-    }
-    for (int t = 0; t < TT; ++t) {
-      const Vec16 xe = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k]));
-      const Vec16 xo = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k + 1]));
-      for (int h = 0; h < 2; ++h) acc[t][h] += even[h] * xe + odd[h] * xo;
-    }
-#endif
-  }
-  store_tile<TT>(acc, bias, out, t0, n0, n_dim);
-}
-
-template <int TT, typename X>
-void tile(const X* x0, const X* panel, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
-          int64_t n_dim) {
-  if constexpr (std::is_same_v<X, float>)
-    tile_f32<TT>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
-  else
-    tile_bf16<TT>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
-}
-
-// Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p.
-template <typename X>
-void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t tt, int64_t p,
-              int64_t n_dim) {
-  const X* x0 = x + t0 * k_dim;
-  const X* panel = panels + p * k_dim * kPanel;
-  const int64_t n0 = p * kPanel;
-  switch (tt) {
-#define LLMC_TILE(n) \
-  case n: tile<n>(x0, panel, k_dim, bias, out, t0, n0, n_dim); break;
-    LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
-    LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
-#undef LLMC_TILE
-    default: tile<1>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
-  }
-}
 
 template <typename X>
 void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim, const at::Tensor& bias,
@@ -139,8 +38,8 @@ void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
   const X* wp = panels.const_data_ptr<X>();
   const X* bp = bias.defined() ? bias.const_data_ptr<X>() : nullptr;
   X* op = out.data_ptr<X>();
-  llmc_panels::for_each_tile(num_panels, tokens, k_dim, sizeof(X), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
-    run_tile(xp, wp, k_dim, bp, op, t0, tt, p, n_dim);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    llmc_panels::panel_gemm_range(xp, wp, tokens, k_dim, bp, op, n_dim, begin, end);
   });
 }
 

@@ -24,19 +24,27 @@ constexpr int64_t kPanel = 32;              // outputs per panel: two 16-lane ve
 constexpr int64_t kBlockBytes = 256 << 10;  // fp32/bf16 x of one token block (L2-resident)
 constexpr int64_t kAhead = 4096;            // bytes of software prefetch ahead in the weight stream
 
-// Runs fn(p, t0, tt) for every panel p and tile of tt <= `tile` tokens from t0. The threads split
-// the panels, so each streams its own contiguous part of the weight; tokens go in blocks whose x
-// (K elements of `element_bytes` a token) fits kBlockBytes, and every panel of a thread meets a
-// whole block before the next, so a panel is read from memory once per block.
+// Runs fn(p, t0, tt) for panels begin .. end - 1 and every tile of tt <= `tile` tokens from t0, on
+// the calling thread: tokens go in blocks whose x (K elements of `element_bytes` a token) fits
+// kBlockBytes, and every panel meets a whole block before the next, so a panel is read from
+// memory once per block.
+template <typename Fn>
+void walk_tiles(int64_t begin, int64_t end, int64_t tokens, int64_t k_dim, int64_t element_bytes, int64_t tile,
+                Fn fn) {
+  const int64_t block = std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
+  for (int64_t b0 = 0; b0 < tokens; b0 += block) {
+    const int64_t b1 = std::min(tokens, b0 + block);
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t t0 = b0; t0 < b1; t0 += tile) fn(p, t0, std::min(tile, b1 - t0));
+  }
+}
+
+// walk_tiles over all panels, the intra-op threads splitting them, so each streams its own
+// contiguous part of the weight.
 template <typename Fn>
 void for_each_tile(int64_t num_panels, int64_t tokens, int64_t k_dim, int64_t element_bytes, int64_t tile, Fn fn) {
-  const int64_t block = std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b0 = 0; b0 < tokens; b0 += block) {
-      const int64_t b1 = std::min(tokens, b0 + block);
-      for (int64_t p = begin; p < end; ++p)
-        for (int64_t t0 = b0; t0 < b1; t0 += tile) fn(p, t0, std::min(tile, b1 - t0));
-    }
+    walk_tiles(begin, end, tokens, k_dim, element_bytes, tile, fn);
   });
 }
 

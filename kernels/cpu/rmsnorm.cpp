@@ -12,34 +12,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
 #include <type_traits>
 
-#include "vec16.h"
+#include "token_rows.h"
 
 namespace {
 
-using llmc_cpu::load16;
-using llmc_cpu::store16;
-using llmc_cpu::Vec16;
-
-// One row: `sum_out` (if given) receives x + residual; `out` the normed row.
-template <typename T>
-void norm_row(const T* x, const T* residual, const T* weight, T* sum_out, T* out, int64_t n, float eps) {
-  Vec16 squares{};
-  for (int64_t j = 0; j < n; j += 16) {
-    Vec16 v = load16(x + j);
-    if (residual) {
-      store16(sum_out + j, v + load16(residual + j));
-      v = load16(sum_out + j);  // the sum as rounded to T, as the reference keeps it
-    }
-    squares += v * v;
-  }
-  const float inv_rms = 1.f / std::sqrt(llmc_cpu::hsum(squares) / n + eps);
-  const T* src = residual ? sum_out : x;
-  for (int64_t j = 0; j < n; j += 16) store16(out + j, load16(src + j) * inv_rms * load16(weight + j));
-}
+using llmc_rows::norm_row;
 
 void check(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, N] with contiguous rows");

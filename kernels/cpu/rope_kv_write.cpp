@@ -20,68 +20,26 @@
 #include <type_traits>
 #include <vector>
 
-#include "kv_rows.h"
-#include "vec16.h"
+#include "token_rows.h"
 
 namespace {
 
-using llmc_cpu::load16;
-using llmc_cpu::store16;
-using llmc_cpu::Vec16;
-
-// Rotates `heads` heads of one token from `src` into `dst` (T or float).
-template <typename T, typename O>
-void rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, const float* cos, const float* sin) {
-  const int64_t half = d / 2;
-  for (int64_t h = 0; h < heads; ++h, src += d, dst += d)
-    for (int64_t j = 0; j < half; j += 16) {
-      const Vec16 x1 = load16(src + j), x2 = load16(src + half + j), c = load16(cos + j), s = load16(sin + j);
-      store16(dst + j, x1 * c - x2 * s);
-      store16(dst + half + j, x2 * c + x1 * s);
-    }
-}
-
-struct Layout {
-  int64_t heads, kv_heads, head_dim, block_size, num_blocks;
-};
-
-// Writes one token's K and V rows of every KV head at `at` (the head-0 row of its slot).
-template <typename T, typename C>
-void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const Layout& s, const float* cos,
-              const float* sin, float* row) {
-  const int64_t d = s.head_dim, head_stride = s.block_size * llmc_cpu::row_elems<C>(d);
-  for (int64_t h = 0; h < s.kv_heads; ++h, at += head_stride) {
-    if constexpr (std::is_same_v<C, int8_t>) {
-      rotate_heads(k + h * d, row, 1, d, cos, sin);  // quantized from the fp32 rotation
-      llmc_cpu::store_row(row, d, k_cache + at);
-      llmc_cpu::widen_row(v + h * d, d, row);
-      llmc_cpu::store_row(row, d, v_cache + at);
-    } else {
-      rotate_heads(k + h * d, k_cache + at, 1, d, cos, sin);
-      for (int64_t j = 0; j < d; ++j) v_cache[at + j] = v[h * d + j];
-    }
-  }
-}
+using llmc_rows::KvLayout;
 
 template <typename T, typename C>
 void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots, int64_t layer,
-                 at::Tensor& q_out, const Layout& s) {
-  const int64_t d = s.head_dim, half = d / 2, row = llmc_cpu::row_elems<C>(d);
+                 at::Tensor& q_out, const KvLayout& s) {
+  const int64_t d = s.head_dim, half = d / 2;
   C* k_cache = cache.data_ptr<C>() + layer * cache.stride(0);
   C* v_cache = k_cache + cache.stride(1);
   at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(d);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos.const_data_ptr<float>() + t * half;
-      const float* sn = sin.const_data_ptr<float>() + t * half;
-      rotate_heads(q.const_data_ptr<T>() + t * q.stride(0), q_out.data_ptr<T>() + t * s.heads * d, s.heads, d, c, sn);
-      const int64_t slot = slots.const_data_ptr<int64_t>()[t];
-      if (slot < 0) continue;
-      const int64_t block = slot / s.block_size, offset = slot % s.block_size;
-      write_kv(k.const_data_ptr<T>() + t * k.stride(0), v.const_data_ptr<T>() + t * v.stride(0), k_cache, v_cache,
-               (block * s.kv_heads * s.block_size + offset) * row, s, c, sn, scratch.data());
-    }
+    for (int64_t t = begin; t < end; ++t)
+      llmc_rows::rope_token(q.const_data_ptr<T>() + t * q.stride(0), k.const_data_ptr<T>() + t * k.stride(0),
+                            v.const_data_ptr<T>() + t * v.stride(0), cos.const_data_ptr<float>() + t * half,
+                            sin.const_data_ptr<float>() + t * half, slots.const_data_ptr<int64_t>()[t], k_cache,
+                            v_cache, q_out.data_ptr<T>() + t * s.heads * d, s, scratch.data());
   });
 }
 
@@ -91,7 +49,7 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   const int64_t d = kv_cache.size(5) - (int8 ? llmc_cpu::kScaleBytes : 0);
   TORCH_CHECK(d > 0 && d % 32 == 0, "head_dim ", d, " is not a positive multiple of 32");
-  const Layout s{q.size(1) / d, kv_cache.size(3), d, kv_cache.size(4), kv_cache.size(2)};
+  const KvLayout s{q.size(1) / d, kv_cache.size(3), d, kv_cache.size(4), kv_cache.size(2)};
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
               q.scalar_type());
   TORCH_CHECK(int8 || kv_cache.scalar_type() == q.scalar_type(), "the cache must be int8 or q's dtype ",

@@ -12,25 +12,17 @@
 
 #include <type_traits>
 
-#include "vec16.h"
+#include "token_rows.h"
 
 namespace {
-
-using llmc_cpu::load16;
-using llmc_cpu::Vec16;
 
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const int64_t n = gate.size(1);
   at::parallel_for(0, gate.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* g = gate.const_data_ptr<T>() + t * gate.stride(0);
-      const T* u = up.const_data_ptr<T>() + t * up.stride(0);
-      T* o = out.data_ptr<T>() + t * n;
-      for (int64_t j = 0; j < n; j += 16) {
-        const Vec16 x = load16(g + j);
-        llmc_cpu::store16(o + j, x / (1.f + llmc_cpu::exp16(-x)) * load16(u + j));
-      }
+      llmc_rows::silu_mul_row(gate.const_data_ptr<T>() + t * gate.stride(0), up.const_data_ptr<T>() + t * up.stride(0),
+                              out.data_ptr<T>() + t * n, n);
     }
   });
 }

@@ -1,0 +1,373 @@
+// A step plan: one entry graph lowered to a list of native kernel calls (kernels/step_plan.py does
+// the lowering and states the contract), run in one OpenMP parallel region by one team of
+// threads with a barrier between calls. A decode step of a small model is a few hundred short
+// calls; launched one by one from Python, each pays the interpreter, the dispatcher, an output
+// allocation and a fork/join of the threads, which together cost as much as a quarter of the
+// step. Here a step costs one call from Python, and a barrier per kernel.
+//
+// Values live in four places: constants (weights, held by the plan), the step's inputs (given to
+// run), temporaries (rows of one arena allocated per run; values whose lives do not overlap share
+// a register, as kernels/step_plan.py assigned them) and outputs (fresh tensors each run). Every
+// activation is [rows, width] in the plan's dtype (f32 or bf16); the KV cache is the plan's dtype
+// or int8. Everything a kernel will read or write is checked before the parallel region (ids,
+// slots, block tables, lengths, shapes), so nothing inside it can fail.
+//
+// Instructions (args, in order; "v" is a value id, "col" a column offset within a row):
+//   kEmbedding        out, table v, ids v, layout (0: rows [V, W]; 1: float panels), vocab, width
+//   kRmsnorm          out, x, weight, width; f = eps
+//   kAddRmsnorm       out, sum, x, residual, weight, width; f = eps
+//   kLinear           out, x, panels, bias (-1: none), k, n, num_panels
+//   kRopeKvWrite      q_out, q, k, v, q col, k col, v col, q/k/v row width, cos, sin, cache, slots,
+//                     layer, heads, kv heads, head_dim
+//   kDecodeAttention  out, q, cache, block_tables, seq_lens, layer, heads, kv heads, head_dim; f = scale
+//   kSiluMul          out, gate, up, gate col, up col, gate/up row width, n
+// The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
+// (attention_work.h) one at a time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "attention_decode.h"
+#include "attention_work.h"
+#include "panel_gemm.h"
+#include "token_rows.h"
+
+namespace {
+
+enum Op : int64_t { kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kNumOps };
+enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
+
+struct Value {
+  Place place;
+  int64_t index;   // constant, input or output number; a temporary's register
+  int64_t width;   // elements per row (temporaries and outputs)
+};
+
+struct Instr {
+  Op op;
+  std::vector<int64_t> a;
+  double f;
+};
+
+// Items [first, second) of `count` for thread `tid` of a team of `team`.
+inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
+  return {count * tid / team, count * (tid + 1) / team};
+}
+
+// One run's addresses and the attention work every decode-attention call of the step shares.
+struct Bound {
+  int64_t rows;
+  std::vector<char*> at;                      // value id -> its first row
+  std::vector<at::Tensor> inputs;
+  std::vector<llmc_cpu::Item> items;          // decode attention's work items, most costly first
+  std::vector<int32_t> qsl;                   // 0, 1, ..., S: one query per sequence
+  std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
+};
+
+class StepPlan : public torch::CustomClassHolder {
+ public:
+  StepPlan(bool bf16, bool int8_cache) : bf16_(bf16), int8_cache_(int8_cache) {}
+
+  int64_t constant(at::Tensor t) {
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "a plan constant must be a contiguous CPU tensor");
+    constants_.push_back(std::move(t));
+    return add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0});
+  }
+  int64_t input(int64_t index, at::Tensor like) {
+    input_types_.resize(std::max<int64_t>(input_types_.size(), index + 1), at::kFloat);
+    input_types_[index] = like.scalar_type();
+    return add_value({kInput, index, 0});
+  }
+  int64_t temporary(int64_t reg, int64_t width) { return add_value({kTemporary, reg, width}); }
+  int64_t output(int64_t width) { return add_value({kOutput, num_outputs_++, width}); }
+  void add(int64_t op, std::vector<int64_t> args, double f) {
+    TORCH_CHECK(op >= 0 && op < kNumOps, "unknown plan op ", op);
+    for (int64_t i = 0; i < operand_count(static_cast<Op>(op)); ++i)
+      TORCH_CHECK(args[i] >= -1 && args[i] < static_cast<int64_t>(values_.size()), "operand ", args[i], " of op ",
+                  op, " is not a value of this plan");
+    if (op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, args[15]);
+    if (op == kDecodeAttention) {      // the step's work items are made once, for every layer
+      const std::vector<int64_t> meta{args[3], args[4]};
+      TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
+                  "every decode attention of a plan must read the same block tables and lengths");
+      attention_meta_ = meta;
+    }
+    code_.push_back({static_cast<Op>(op), std::move(args), f});
+  }
+  int64_t size() const { return code_.size(); }
+
+  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows) {
+    return std::get<0>(execute(std::move(inputs), rows, false));
+  }
+  // run, and each instruction's seconds (from the barrier before it to the one after).
+  std::tuple<std::vector<at::Tensor>, std::vector<double>> run_timed(std::vector<at::Tensor> inputs, int64_t rows) {
+    return execute(std::move(inputs), rows, true);
+  }
+
+ private:
+  int64_t add_value(Value v) {
+    values_.push_back(v);
+    return static_cast<int64_t>(values_.size()) - 1;
+  }
+  static int64_t operand_count(Op op) {
+    switch (op) {
+      case kEmbedding: return 3;
+      case kRmsnorm: return 3;
+      case kAddRmsnorm: return 5;
+      case kLinear: return 4;
+      case kRopeKvWrite: return 4;
+      case kDecodeAttention: return 5;
+      default: return 3;
+    }
+  }
+  int64_t element_bytes() const { return bf16_ ? 2 : 4; }
+  const at::Tensor& input_of(const Bound& b, int64_t value) const { return b.inputs[values_[value].index]; }
+
+  std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
+                                                                   bool timed);
+  std::vector<at::Tensor> bind(Bound& b) const;
+  void check(const Instr& in, Bound& b) const;
+  template <typename X, typename C>
+  void exec(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
+            float* row) const;
+  template <typename X, typename C>
+  void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) const;
+
+  bool bf16_, int8_cache_;
+  std::vector<at::Tensor> constants_;
+  std::vector<at::ScalarType> input_types_;
+  std::vector<Value> values_;
+  std::vector<Instr> code_;
+  std::vector<int64_t> attention_meta_;     // the block tables and lengths values attention reads
+  int64_t max_head_dim_ = 16;
+  int64_t num_outputs_ = 0;
+};
+
+// Addresses of every value for b.rows rows: the arena's registers laid out one after another,
+// each as wide as its widest value (rounded up to 64 bytes), and fresh output tensors.
+std::vector<at::Tensor> StepPlan::bind(Bound& b) const {
+  const auto dtype = bf16_ ? at::kBFloat16 : at::kFloat;
+  std::vector<int64_t> reg_bytes;
+  for (const Value& v : values_)
+    if (v.place == kTemporary) {
+      reg_bytes.resize(std::max<int64_t>(reg_bytes.size(), v.index + 1), 0);
+      reg_bytes[v.index] = std::max(reg_bytes[v.index], (v.width * element_bytes() + 63) / 64 * 64);
+    }
+  std::vector<int64_t> reg_offset(reg_bytes.size() + 1, 0);
+  for (size_t r = 0; r < reg_bytes.size(); ++r) reg_offset[r + 1] = reg_offset[r] + reg_bytes[r] * b.rows;
+  at::Tensor arena = at::empty({std::max<int64_t>(reg_offset.back(), 1)}, at::TensorOptions().dtype(at::kByte));
+  std::vector<at::Tensor> outputs(num_outputs_);
+  b.at.resize(values_.size());
+  for (size_t i = 0; i < values_.size(); ++i) {
+    const Value& v = values_[i];
+    switch (v.place) {
+      case kConstant: b.at[i] = static_cast<char*>(constants_[v.index].data_ptr()); break;
+      case kInput: b.at[i] = static_cast<char*>(b.inputs[v.index].data_ptr()); break;
+      case kTemporary: b.at[i] = static_cast<char*>(arena.data_ptr()) + reg_offset[v.index]; break;
+      case kOutput:
+        outputs[v.index] = at::empty({b.rows, v.width}, at::TensorOptions().dtype(dtype));
+        b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
+    }
+  }
+  outputs.push_back(arena);    // kept alive until the run ends; dropped by execute
+  return outputs;
+}
+
+// What instruction `in` will touch, checked against this run's inputs.
+void StepPlan::check(const Instr& in, Bound& b) const {
+  const auto& a = in.a;
+  if (in.op == kEmbedding) {
+    const at::Tensor& ids = input_of(b, a[2]);
+    TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " rows but ", ids.numel(), " token ids");
+    const int64_t* p = ids.const_data_ptr<int64_t>();
+    for (int64_t t = 0; t < b.rows; ++t)
+      TORCH_CHECK(p[t] >= 0 && p[t] < a[4], "token id ", p[t], " is outside the vocabulary of ", a[4]);
+  } else if (in.op == kRopeKvWrite || in.op == kDecodeAttention) {
+    const at::Tensor& cache = input_of(b, in.op == kRopeKvWrite ? a[10] : a[2]);
+    const int64_t layer = in.op == kRopeKvWrite ? a[12] : a[5], kv_heads = a[in.op == kRopeKvWrite ? 14 : 7];
+    const int64_t d = a[in.op == kRopeKvWrite ? 15 : 8];
+    TORCH_CHECK(cache.dim() == 6 && cache.size(4) == llmc_cpu::kBlock && cache.size(3) == kv_heads &&
+                    cache.size(5) == d + (int8_cache_ ? llmc_cpu::kScaleBytes : 0) && layer < cache.size(0),
+                "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
+                "] cache this plan was built for");
+    if (in.op == kRopeKvWrite) {
+      const at::Tensor& slots = input_of(b, a[11]);
+      TORCH_CHECK(slots.numel() == b.rows && input_of(b, a[8]).numel() == b.rows * d / 2,
+                  "slot_mapping and the RoPE tables need one row per token");
+      const int64_t* p = slots.const_data_ptr<int64_t>();
+      for (int64_t t = 0; t < b.rows; ++t)
+        TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
+                    cache.size(2) * llmc_cpu::kBlock, " slots");
+    } else if (b.qsl.empty()) {          // the first attention call: the step's work items, for all
+      const at::Tensor& tables = input_of(b, a[3]);
+      const at::Tensor& lens = input_of(b, a[4]);
+      TORCH_CHECK(lens.numel() == b.rows && tables.dim() == 2 && tables.size(0) == b.rows,
+                  "decode attention needs one sequence per row");
+      b.qsl.resize(b.rows + 1);
+      for (int64_t s = 0; s <= b.rows; ++s) b.qsl[s] = static_cast<int32_t>(s);
+      llmc_cpu::check_layout(b.qsl.data(), lens.const_data_ptr<int32_t>(), tables.const_data_ptr<int32_t>(), b.rows,
+                             tables.size(1), b.rows, cache.size(2));
+      const auto items = llmc_cpu::plan_items(b.qsl.data(), b.rows, kv_heads, true, at::get_num_threads());
+      for (int64_t i : llmc_cpu::by_cost(items, lens.const_data_ptr<int32_t>(), b.qsl.data()))
+        b.items.push_back(items[i]);
+    }
+  }
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::vector<at::Tensor> inputs,
+                                                                           int64_t rows, bool timed) {
+  TORCH_CHECK(inputs.size() >= input_types_.size(), "the plan takes ", input_types_.size(), " inputs, not ",
+              inputs.size());
+  for (size_t i = 0; i < input_types_.size(); ++i)
+    TORCH_CHECK(inputs[i].is_contiguous() && inputs[i].device().is_cpu() && inputs[i].scalar_type() == input_types_[i],
+                "plan input ", i, " must be a contiguous CPU ", input_types_[i], " tensor, not ",
+                inputs[i].scalar_type());
+  Bound b;
+  b.rows = rows;
+  b.inputs = std::move(inputs);
+  std::vector<at::Tensor> outputs = bind(b);
+  for (const Instr& in : code_) check(in, b);
+  b.next.reset(new std::atomic<int64_t>[code_.size()]);
+  for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
+  using Clock = std::chrono::steady_clock;
+  std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
+  const auto typed = [&](auto* x_type, auto* c_type) {
+    using X = std::remove_pointer_t<decltype(x_type)>;
+    using C = std::remove_pointer_t<decltype(c_type)>;
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+      llmc_cpu::Scratch scratch;
+      std::vector<float> row(max_head_dim_);
+      if (timed && tid == 0) stamps[0] = Clock::now();
+      for (size_t i = 0; i < code_.size(); ++i) {
+        exec<X, C>(code_[i], i, b, tid, team, scratch, row.data());
+#pragma omp barrier
+        if (timed && tid == 0) stamps[i + 1] = Clock::now();
+      }
+    }
+  };
+  if (bf16_ && int8_cache_)
+    typed(static_cast<c10::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+  else if (bf16_)
+    typed(static_cast<c10::BFloat16*>(nullptr), static_cast<c10::BFloat16*>(nullptr));
+  else if (int8_cache_)
+    typed(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+  else
+    typed(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  outputs.pop_back();      // the arena
+  std::vector<double> seconds;
+  for (size_t i = 0; i + 1 < stamps.size(); ++i)
+    seconds.push_back(std::chrono::duration<double>(stamps[i + 1] - stamps[i]).count());
+  return {outputs, seconds};
+}
+
+// Thread `tid`'s share of one instruction (attention's items are taken in attend).
+template <typename X, typename C>
+void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
+                    float* row) const {
+  const auto& a = in.a;
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const auto [first, last] = share(b.rows, tid, team);
+  switch (in.op) {
+    case kEmbedding: {
+      const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[2]]);
+      const X* table = x_at(a[1]);
+      const int64_t w = a[5];
+      for (int64_t t = first; t < last; ++t) {
+        X* out = x_at(a[0]) + t * w;
+        const int64_t id = ids[t], lane = id % llmc_panels::kPanel;
+        if (a[3] == 0) {
+          std::memcpy(out, table + id * w, w * sizeof(X));
+        } else if constexpr (std::is_same_v<X, float>) {         // [P, W, 32]
+          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
+          for (int64_t j = 0; j < w; ++j) out[j] = panel[j * llmc_panels::kPanel + lane];
+        } else {                                                   // [P, W/2, 32, 2]
+          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
+          for (int64_t j = 0; j < w; ++j) out[j] = panel[(j / 2 * llmc_panels::kPanel + lane) * 2 + j % 2];
+        }
+      }
+      break;
+    }
+    case kRmsnorm:
+    case kAddRmsnorm: {
+      const bool add = in.op == kAddRmsnorm;
+      const int64_t w = a[add ? 5 : 3];
+      for (int64_t t = first; t < last; ++t)
+        llmc_rows::norm_row(x_at(a[add ? 2 : 1]) + t * w, add ? x_at(a[3]) + t * w : nullptr, x_at(a[add ? 4 : 2]),
+                            add ? x_at(a[1]) + t * w : nullptr, x_at(a[0]) + t * w, w, static_cast<float>(in.f));
+      break;
+    }
+    case kLinear: {
+      const auto [begin, end] = share(a[6], tid, team);
+      llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), b.rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
+                                    x_at(a[0]), a[5], begin, end);
+      break;
+    }
+    case kRopeKvWrite: {
+      const at::Tensor& cache = input_of(b, a[10]);
+      const llmc_rows::KvLayout s{a[13], a[14], a[15], llmc_cpu::kBlock, cache.size(2)};
+      C* k_cache = reinterpret_cast<C*>(b.at[a[10]]) + a[12] * cache.stride(0);
+      const int64_t width = a[7], half = s.head_dim / 2;
+      const float* cos = reinterpret_cast<const float*>(b.at[a[8]]);
+      const float* sin = reinterpret_cast<const float*>(b.at[a[9]]);
+      const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[11]]);
+      for (int64_t t = first; t < last; ++t)
+        llmc_rows::rope_token(x_at(a[1]) + t * width + a[4], x_at(a[2]) + t * width + a[5],
+                              x_at(a[3]) + t * width + a[6], cos + t * half, sin + t * half, slots[t], k_cache,
+                              k_cache + cache.stride(1), x_at(a[0]) + t * s.heads * s.head_dim, s, row);
+      break;
+    }
+    case kSiluMul: {
+      const int64_t width = a[5], n = a[6];
+      for (int64_t t = first; t < last; ++t)
+        llmc_rows::silu_mul_row(x_at(a[1]) + t * width + a[3], x_at(a[2]) + t * width + a[4], x_at(a[0]) + t * n, n);
+      break;
+    }
+    case kDecodeAttention:
+      attend<X, C>(in, b, index, scratch);
+      break;
+    default:
+      break;
+  }
+}
+
+// Decode attention: the team takes the step's work items one at a time, most costly first.
+template <typename X, typename C>
+void StepPlan::attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) const {
+  const auto& a = in.a;
+  const at::Tensor& cache = input_of(b, a[2]);
+  const C* k_cache = reinterpret_cast<const C*>(b.at[a[2]]) + a[5] * cache.stride(0);
+  const at::Tensor& tables = input_of(b, a[3]);
+  const llmc_cpu::Geometry g{a[6], a[7], a[8], a[6] / a[7]};
+  const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a[1]]), reinterpret_cast<X*>(b.at[a[0]]),
+                                      k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
+                                      tables.size(1), reinterpret_cast<const int32_t*>(b.at[a[4]]), b.qsl.data(),
+                                      g, static_cast<float>(in.f)};
+  const int64_t count = b.items.size();
+  for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) llmc_cpu::run_decode(inputs, b.items[i], scratch);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmc, m) {
+  m.class_<StepPlan>("StepPlan")
+      .def(torch::init<bool, bool>())
+      .def("constant", &StepPlan::constant)
+      .def("input", &StepPlan::input)
+      .def("temporary", &StepPlan::temporary)
+      .def("output", &StepPlan::output)
+      .def("add", &StepPlan::add)
+      .def("size", &StepPlan::size)
+      .def("run", &StepPlan::run)
+      .def("run_timed", &StepPlan::run_timed);
+}

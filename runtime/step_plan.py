@@ -1,0 +1,286 @@
+"""The torch backend's step plans: a graph lowered to one native step plan (kernels/cpu/step_plan.cpp): each op a native kernel
+call, a whole step one call from Python, run by one team of threads with a barrier between calls.
+
+Contract: `lower_step_plan(graph, weights, block_size)` takes an entry graph and the weights as
+kernels/native_ops.py's `prepare_weights` left them; it returns a `StepPlanProgram` when every op
+of the graph has a plan kernel that takes it, else raises `NotPlannable` with the first reason.
+Plan kernels: embedding (a table of rows, or a tied float table kept as panels), rmsnorm,
+add_rmsnorm, linear (float panels, optional bias), rope_kv_write, paged_decode_attention and
+silu_mul, over activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's
+first input, and a paged KV cache of that dtype or int8 with blocks of 16. Each call runs the
+same kernel, on the same split of the work, as the op by op native table does, so a plan's
+outputs equal that table's bit for bit; the torch refs are the meaning (tests compare both).
+
+The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
+gives each instruction's time as measured inside the parallel region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from llmc.compiler.dtypes import to_torch
+from llmc.compiler.ir import Graph, Node, Value
+from llmc.compiler.ops import OPS
+
+from llmc.kernels.gemv import GemvWeight
+from llmc.kernels.rope import RopeTables
+
+from .slot_program import LaunchTime
+
+PLAN_DTYPES = (torch.float32, torch.bfloat16)
+OPCODES = {"embedding": 0, "rmsnorm": 1, "add_rmsnorm": 2, "linear": 3, "rope_kv_write": 4,
+           "paged_decode_attention": 5, "silu_mul": 6}       # kernels/cpu/step_plan.cpp's Op
+
+
+class NotPlannable(ValueError):
+    """A graph the step plan cannot run; the message names the node and why."""
+
+
+@dataclass(frozen=True)
+class PlanLaunch:
+    """One instruction of a plan, for profiles: the node it runs and that op's kind."""
+
+    label: str
+    kind: str
+
+
+class StepPlanProgram:
+    """`graph` as one native step plan; call with the step's input tensors by name."""
+
+    def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: dict[tuple, RopeTables],
+                 positions: str, launches: list[PlanLaunch], constants: list[Any]):
+        self.graph = graph
+        self.input_names = input_names
+        self._plan = plan
+        self._rope = rope                       # one (cos, sin) input pair per rotation, after the graph's inputs
+        self._positions = positions             # the input they rotate by
+        self._launches = launches
+        self.constants = constants              # what the plan holds (weights), for memory reports
+
+    def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        inputs = [feeds[name] for name in self.input_names]
+        for tables in self._rope.values():
+            inputs.extend(tables(feeds[self._positions]))
+        return inputs, inputs[0].shape[0]
+
+    def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return self._plan.run(*self._inputs(feeds))
+
+    def timed(self, feeds: dict[str, torch.Tensor], sync: Callable[[], None] = lambda: None):
+        """The outputs, and each instruction's LaunchTime (measured by the team's first thread)."""
+        outputs, seconds = self._plan.run_timed(*self._inputs(feeds))
+        return outputs, [LaunchTime(launch.label, launch.kind, s) for launch, s in zip(self._launches, seconds)]
+
+
+class _Lowering:
+    """The state of one lowering: plan value ids of the graph's values, registers of temporaries."""
+
+    def __init__(self, graph: Graph, weights: dict[str, Any], block_size: int):
+        self.graph, self.weights, self.nodes = graph, weights, graph.node_map()
+        self.block_size = block_size
+        first = graph.inputs()[0]
+        self.rows_dim = first.type.shape[0]
+        self.dtype = self._float_dtype()
+        self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, self._int8_cache())
+        self.ids: dict[Value, int] = {}
+        self.constants: list[Any] = []
+        self.rope: dict[tuple, RopeTables] = {}
+        self.rope_inputs: dict[tuple, tuple[int, int]] = {}     # plan value ids of each rotation's cos, sin
+        self.positions = ""
+        self.last_use = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}
+        self.free_registers: list[int] = []
+        self.registers = 0
+        self.register_of: dict[Value, int] = {}
+
+    def _float_dtype(self) -> torch.dtype:
+        cache = [n for n in self.graph.inputs() if n.name == "kv_cache"]
+        floats = {to_torch(t.dtype) for n in self.graph.nodes if n.op not in ("input", "weight") for t in n.types}
+        floats -= {torch.int8} if cache else set()
+        if len(floats) != 1 or next(iter(floats)) not in PLAN_DTYPES:
+            raise NotPlannable(f"graph {self.graph.name} computes in {sorted(map(str, floats))}, not one of f32/bf16")
+        return next(iter(floats))
+
+    def _int8_cache(self) -> bool:
+        cache = [n for n in self.graph.inputs() if n.name == "kv_cache"]
+        return bool(cache) and to_torch(cache[0].type.dtype) == torch.int8
+
+    # -- values --------------------------------------------------------------------------------
+
+    def add_inputs(self) -> list[str]:
+        for i, node in enumerate(self.graph.inputs()):
+            like = torch.empty(0, dtype=to_torch(node.type.dtype))
+            self.ids[node.value()] = self.plan.input(i, like)
+        return [n.name for n in self.graph.inputs()]
+
+    def weight(self, v: Value) -> Any:
+        node = self.nodes[v.node]
+        return self.weights[v.node[2:]] if node.op == "weight" else None
+
+    def constant(self, t: torch.Tensor) -> int:
+        self.constants.append(t)
+        return self.plan.constant(t)
+
+    def width(self, v: Value, node: Node) -> int:
+        t = self.graph.type_of(v)
+        if len(t.shape) != 2 or t.shape[0] != self.rows_dim or not isinstance(t.shape[1], int) \
+                or to_torch(t.dtype) != self.dtype:
+            raise NotPlannable(f"{node.name} ({node.op}) reads or writes {v} of type {t}, not "
+                               f"[{self.rows_dim}, W] {self.dtype}")
+        return t.shape[1]
+
+    def activation(self, v: Value, node: Node) -> int:
+        if v not in self.ids:
+            raise NotPlannable(f"{node.name} ({node.op}) reads {v}, which the plan does not hold")
+        self.width(v, node)
+        return self.ids[v]
+
+    def result(self, node: Node, index: int = 0) -> int:
+        """A plan value for result `index` of `node`: an output tensor, or a register of the arena."""
+        v = node.value(index)
+        width = self.width(v, node)
+        if v in self.graph.outputs:
+            self.ids[v] = self.plan.output(width)
+        else:
+            reg = self.free_registers.pop() if self.free_registers else self._new_register()
+            self.register_of[v] = reg
+            self.ids[v] = self.plan.temporary(reg, width)
+        return self.ids[v]
+
+    def _new_register(self) -> int:
+        self.registers += 1
+        return self.registers - 1
+
+    def release(self, i: int, node: Node) -> None:
+        """Registers whose value's last reader is node `i` (or that nobody reads) become free."""
+        for v in {*node.inputs, *(node.value(k) for k in range(len(node.types)))}:
+            if v in self.register_of and self.last_use.get(v, i) == i:
+                self.free_registers.append(self.register_of.pop(v))
+
+
+def _lower_embedding(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    table, ids = node.inputs
+    w = lo.weight(table)
+    if isinstance(w, GemvWeight) and w.format in ("f32", "bf16") and w.weight.dtype == lo.dtype:
+        layout, tensor, (vocab, width) = 1, w.weight, (w.rows, w.in_features)
+    elif isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.dim() == 2:
+        layout, tensor, (vocab, width) = 0, w.contiguous(), w.shape
+    else:
+        raise NotPlannable(f"{node.name} (embedding) reads a table the plan does not take")
+    return [lo.result(node), lo.constant(tensor), lo.ids[ids], layout, vocab, width], 0.0
+
+
+def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
+    w = lo.weight(v)
+    if not (isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.shape == (width,) and width % 16 == 0):
+        raise NotPlannable(f"{node.name} ({node.op}) needs a {lo.dtype} weight [{width}], a multiple of 16 wide")
+    return lo.constant(w.contiguous())
+
+
+def _lower_rmsnorm(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    x, weight = node.inputs
+    width = lo.width(x, node)
+    return [lo.result(node), lo.activation(x, node), _norm_weight(lo, node, weight, width), width], node.attrs["eps"]
+
+
+def _lower_add_rmsnorm(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    x, residual, weight = node.inputs
+    width = lo.width(x, node)
+    args = [lo.result(node, 0), lo.result(node, 1), lo.activation(x, node), lo.activation(residual, node),
+            _norm_weight(lo, node, weight, width), width]
+    return args, node.attrs["eps"]
+
+
+def _lower_linear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    x, weight, *bias = node.inputs
+    w, b = lo.weight(weight), lo.weight(bias[0]) if bias else None
+    if not (isinstance(w, GemvWeight) and not w.bits and w.weight.dtype == lo.dtype):
+        raise NotPlannable(f"{node.name} (linear) multiplies by a weight not prepared as {lo.dtype} panels")
+    if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
+        raise NotPlannable(f"{node.name} (linear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
+    if lo.width(x, node) != w.in_features:
+        raise NotPlannable(f"{node.name} (linear) multiplies {lo.width(x, node)} inputs by a weight of {w.in_features}")
+    bias_id = lo.constant(b.contiguous()) if bias else -1
+    args = [lo.result(node), lo.activation(x, node), lo.constant(w.weight), bias_id, w.in_features, w.out_features,
+            w.weight.shape[0]]
+    return args, 0.0
+
+
+def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) -> int:
+    if v not in lo.ids or lo.block_size != 16 or head_dim % multiple:
+        raise NotPlannable(f"{node.name} ({node.op}) needs the graph's KV cache in blocks of 16 and head_dim a "
+                           f"multiple of {multiple}")
+    return lo.ids[v]
+
+
+def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    a = node.attrs
+    heads, kv_heads, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    if len(node.inputs) == 4:
+        qkv, positions, cache, slots = node.inputs
+        width = lo.width(qkv, node)
+        sources, cols = [lo.activation(qkv, node)] * 3, [0, heads * d, (heads + kv_heads) * d]
+        if width != (heads + 2 * kv_heads) * d:
+            raise NotPlannable(f"{node.name} (rope_kv_write) reads a packed qkv of {width}, not {(heads + 2 * kv_heads) * d}")
+    else:
+        raise NotPlannable(f"{node.name} (rope_kv_write) takes q, k and v apart; the plan takes a packed qkv")
+    if lo.nodes[positions.node].op != "input" or lo.positions not in ("", positions.node):
+        raise NotPlannable(f"{node.name} (rope_kv_write) rotates by positions that are not the graph's one input")
+    lo.positions = positions.node
+    key = (d, a["theta"], repr(a["scaling"]))
+    if key not in lo.rope:
+        lo.rope[key] = RopeTables(d, a["theta"], a["scaling"])
+        first = len(lo.graph.inputs()) + 2 * (len(lo.rope) - 1)
+        like = torch.empty(0, dtype=torch.float32)
+        lo.rope_inputs[key] = (lo.plan.input(first, like), lo.plan.input(first + 1, like))
+    cos, sin = lo.rope_inputs[key]
+    cache_id = _cache(lo, node, cache, d, 32)
+    lo.ids[node.value(1)] = cache_id                       # the cache written in place
+    args = [lo.result(node), *sources, *cols, width, cos, sin, cache_id, lo.ids[slots], a["layer"], heads, kv_heads, d]
+    return args, 0.0
+
+
+def _lower_decode_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    q, cache, tables, lens = node.inputs
+    a = node.attrs
+    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16), lo.ids[tables],
+            lo.ids[lens], a["layer"], a["num_heads"], a["num_kv_heads"], a["head_dim"]]
+    return args, a["scale"]
+
+
+def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    if len(node.inputs) != 1:
+        raise NotPlannable(f"{node.name} (silu_mul) takes gate and up apart; the plan takes one [R, 2N] input")
+    (x,) = node.inputs
+    width = lo.width(x, node)
+    if width % 32:
+        raise NotPlannable(f"{node.name} (silu_mul) halves of {width // 2} are not a multiple of 16")
+    source = lo.activation(x, node)
+    return [lo.result(node), source, source, 0, width // 2, width, width // 2], 0.0
+
+
+LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
+             "linear": _lower_linear, "rope_kv_write": _lower_rope_kv_write,
+             "paged_decode_attention": _lower_decode_attention, "silu_mul": _lower_silu_mul}
+
+
+def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int) -> StepPlanProgram:
+    """`graph` as a step plan over `weights` (as prepare_weights left them) for a cache of
+    `block_size`-token blocks; NotPlannable names the first node it cannot take."""
+    for node in graph.nodes:
+        if node.op not in ("input", "weight") and node.op not in LOWERINGS:
+            raise NotPlannable(f"{node.name} ({node.op}) has no plan kernel")
+    lo = _Lowering(graph, weights, block_size)
+    names = lo.add_inputs()
+    launches = []
+    for i, node in enumerate(graph.nodes):
+        if node.op in ("input", "weight"):
+            continue
+        args, f = LOWERINGS[node.op](lo, node)
+        lo.plan.add(OPCODES[node.op], args, float(f))
+        lo.release(i, node)
+        launches.append(PlanLaunch(node.op, OPS[node.op].kind))
+    return StepPlanProgram(graph, lo.plan, names, lo.rope, lo.positions, launches, lo.constants)
