@@ -53,16 +53,17 @@ def byte_tokenizer() -> Tokenizer:
 QK_GAIN = 10.0
 
 
-def build_hf_model(family: str, seed: int = 0):
-    """A random-weight transformers model of `family`: hidden 72 unless the family says, 2 layers, vocab 300,
-    random norm weights and biases, Q and K projections scaled by QK_GAIN."""
+def build_hf_model(family: str, seed: int = 0, **config):
+    """A random-weight transformers model of `family`: hidden 72 unless the family (or `config`, which
+    overrides it) says, 2 layers, vocab 300, random norm weights and biases, Q and K projections
+    scaled by QK_GAIN."""
     import transformers
 
     config_cls, model_cls, overrides = FAMILIES[family]
     settings = dict(vocab_size=300, hidden_size=72, intermediate_size=120, num_hidden_layers=2,
                     max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = getattr(transformers, config_cls)(**{**settings, **overrides})
+    config = getattr(transformers, config_cls)(**{**settings, **overrides, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # norms start at 1.0; make them random so a wrong norm would show

@@ -1,0 +1,177 @@
+"""Step plans (runtime/step_plan.py, kernels/cpu/step_plan.cpp): a decode graph run as one native
+call equals the same graph run op by op with the native kernels, bit for bit (the same kernels on
+the same split of the work), and the torch refs within the dtype's tolerance; the KV cache it
+writes is the op-by-op one. Tiny random models whose shapes every plan kernel takes (widths a
+multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
+and bf16 activations, float and int8 caches; 1 to 9 sequences of lengths across block edges, on
+one thread and on two. The decline cases and bad step inputs are checked too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.compiler.driver import CompileConfig, compile_model
+from llmc.compiler.quant_recipe import QuantRecipe
+from llmc.runtime.artifact import load_artifact
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.executor import KVCacheSpec
+from llmc.runtime.model_runner import build_step_inputs
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import Chunk
+from llmc.runtime.sequence import Sequence
+from llmc.runtime.step_plan import NotPlannable, StepPlanProgram, lower_step_plan
+from llmc.runtime.torch_backend import TorchProgram
+from llmc.runtime.torch_executor import TorchExecutor
+from tiny_models import build_hf_model, write_hf_folder
+from tolerances import tolerance
+
+WIDTHS = dict(hidden_size=128, intermediate_size=160)   # head_dim 32: every plan kernel takes these widths
+PLANNABLE = {"llama": ("llama_hd32", {}), "llama_tied": ("llama_tied", WIDTHS),   # tiny_models families
+             "qwen2_bias": ("qwen2", dict(WIDTHS, num_attention_heads=4, num_key_value_heads=2))}
+VARIANTS = {"f32": dict(), "bf16": dict(dtype="bfloat16"), "f32_kv8": dict(quant=QuantRecipe.parse(kv_dtype="int8")),
+            "bf16_kv8": dict(dtype="bfloat16", quant=QuantRecipe.parse(kv_dtype="int8"))}
+NUM_BLOCKS, BLOCK = 24, 16
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """(family, variant) -> loaded artifact, compiled once each."""
+    cache = {}
+
+    def get(family: str, variant: str):
+        if (family, variant) not in cache:
+            root = tmp_path_factory.mktemp(f"{family}_{variant}")
+            base, config = PLANNABLE[family]
+            folder = write_hf_folder(build_hf_model(base, **config), root / "hf")
+            cache[family, variant] = load_artifact(compile_model(folder, root / "art", CompileConfig(**VARIANTS[variant])))
+        return cache[family, variant]
+
+    return get
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def executor(art, kernels="native", step_plans=True, block_size=BLOCK) -> TorchExecutor:
+    cache_type = art.graphs["decode"].node_map()["kv_cache"].type
+    kv = KVCacheSpec.from_graph_type(cache_type, NUM_BLOCKS, block_size)
+    return TorchExecutor(art, torch.device("cpu"), kv, kernels, step_plans)
+
+
+def sequences(lens: list[int], seed: int = 0) -> tuple[list[Sequence], BlockManager]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = BlockManager(NUM_BLOCKS, BLOCK)
+    seqs = [Sequence(i, torch.randint(3, 300, (n,), generator=g).tolist(), SamplingParams(max_tokens=8))
+            for i, n in enumerate(lens)]
+    for s in seqs:
+        blocks.allocate(s.seq_id, s.prompt_ids)
+        blocks.append(s.seq_id, s.num_tokens + 4)
+    return seqs, blocks
+
+
+def decode_steps(executors: list[TorchExecutor], lens: list[int], steps: int = 3) -> list[list[torch.Tensor]]:
+    """Each executor's logits for every step: a prefill of the prompts, then `steps` decode steps of
+    every sequence (teacher-forced with the first executor's greedy tokens)."""
+    seqs, blocks = sequences(lens)
+    step = build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks)
+    for ex in executors:
+        ex.run("prefill", step)
+    results = [[] for _ in executors]
+    for s in seqs:
+        s.num_computed = s.num_tokens
+        s.output_ids.append(5)
+    for _ in range(steps):
+        step = build_step_inputs([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs], blocks)
+        for ex, out in zip(executors, results):
+            out.append(ex.run("decode", step))
+        for s, logits in zip(seqs, results[0][-1]):
+            s.num_computed = s.num_tokens
+            s.output_ids.append(int(logits.argmax()))
+    return results
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("family", list(PLANNABLE))
+def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads):
+    art = artifact(family, variant)
+    plan, ops = executor(art), executor(art, step_plans=False)
+    assert isinstance(plan.programs["decode"], StepPlanProgram) and isinstance(ops.programs["decode"], TorchProgram)
+    lens = [1, 15, 16, 17, 40] + ([3, 9, 33, 70] if threads == 2 else [])   # 9 sequences: whole-decode items
+    got, want = decode_steps([plan, ops], lens)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(plan.kv_cache, ops.kv_cache)
+
+
+@pytest.mark.parametrize("variant", ["f32", "bf16"])
+@pytest.mark.parametrize("family", list(PLANNABLE))
+def test_plan_matches_the_torch_refs(artifact, family, variant):
+    art = artifact(family, variant)
+    got, want = decode_steps([executor(art), executor(art, kernels="reference")], [1, 17, 40])
+    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tolerance(dtype, 160, scale=4.0))
+
+
+def test_plan_times_each_instruction(artifact):
+    art = artifact("llama", "f32")
+    ex = executor(art)
+    seqs, blocks = sequences([5, 20])
+    ex.run("prefill", build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks))
+    for s in seqs:
+        s.num_computed = s.num_tokens
+        s.output_ids.append(7)
+    step = build_step_inputs([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs], blocks)
+    logits, launches = ex.run_timed("decode", step)
+    graph = art.graphs["decode"]
+    assert [t.label for t in launches] == [n.op for n in graph.nodes if n.op not in ("input", "weight")]
+    assert all(t.seconds >= 0 for t in launches) and {t.kind for t in launches} >= {"gemm", "attention"}
+    assert torch.equal(logits, ex.run("decode", step))                 # the same step again, untimed
+
+
+def test_graphs_the_plan_cannot_take_run_op_by_op(artifact):
+    art = artifact("llama", "f32")
+    ex = executor(art)
+    assert isinstance(ex.programs["prefill"], TorchProgram)            # prompt attention has no plan kernel
+    with pytest.raises(NotPlannable, match=r"paged_attention\) has no plan kernel"):
+        lower_step_plan(art.graphs["prefill"], {}, BLOCK)
+    assert isinstance(executor(art, kernels="reference").programs["decode"], TorchProgram)
+    with pytest.raises(NotPlannable, match="not prepared as"):      # the refs' plain weights
+        lower_step_plan(art.graphs["decode"], dict(art.weights), BLOCK)
+    assert isinstance(executor(art, block_size=32).programs["decode"], TorchProgram)
+    assert isinstance(executor(art, step_plans=False).programs["decode"], TorchProgram)
+
+
+def test_plan_declines_a_head_dim_its_rope_kernel_does_not_take(tiny_family):
+    art = load_artifact(tiny_family("llama_gqa")[2])                   # hidden 72, head_dim 12
+    assert isinstance(executor(art).programs["decode"], TorchProgram)
+
+
+def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
+    art = artifact("llama", "f32")
+    ex = executor(art)
+    seqs, blocks = sequences([4])
+    ex.run("prefill", build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks))
+    seqs[0].num_computed = 4
+    seqs[0].output_ids.append(299)
+    step = build_step_inputs([Chunk(seqs[0], 4, 5)], blocks)
+    cache = ex.kv_cache.clone()
+    feeds = step.feeds(ex.kv_cache)
+    program = ex.programs["decode"]
+    with pytest.raises(RuntimeError, match="token id 300 is outside the vocabulary of 300"):
+        program({**feeds, "input_ids": torch.tensor([300])})
+    slots = ex.kv_cache.shape[2] * BLOCK                               # the pool and the scratch block
+    with pytest.raises(RuntimeError, match=f"slot {slots} is outside the cache's {slots} slots"):
+        program({**feeds, "slot_mapping": torch.tensor([slots])})
+    with pytest.raises(RuntimeError, match="block 99 of sequence 0 is outside the cache's"):
+        program({**feeds, "block_tables": torch.full_like(feeds["block_tables"], 99)})
+    with pytest.raises(RuntimeError, match="plan input 2 must be a contiguous CPU"):
+        program({**feeds, "kv_cache": ex.kv_cache.to(torch.float64)})
+    assert torch.equal(ex.kv_cache, cache)
