@@ -7,6 +7,7 @@ server with itself (streamed against whole, the same seed twice) or with the eng
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -210,6 +211,16 @@ def test_server_is_healthy_and_serving_after_all_the_bad_requests(server, client
 # ------------------------------------------------------------------ clients that go away
 
 
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Each engine step 2 ms longer: the tiny model alone can finish 16 x 240 tokens before a client
+    is seen to leave, and these tests need its requests still running then."""
+    runner = server.loop.engine.runner
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda entry, step: (time.sleep(0.002), run(entry, step))[1])
+
+
+@pytest.mark.usefixtures("slow_steps")
 def test_clients_dropping_mid_stream_free_their_blocks(server, client):
     before = server.wait_idle()
     streams = []
@@ -226,6 +237,7 @@ def test_clients_dropping_mid_stream_free_their_blocks(server, client):
     assert client.completions.create(model="tiny", prompt="next", max_tokens=3, temperature=0).choices[0].text
 
 
+@pytest.mark.usefixtures("slow_steps")
 def test_a_non_streaming_client_that_goes_away_is_aborted(server):
     before = server.wait_idle()
     with pytest.raises(httpx.ReadTimeout):
