@@ -76,6 +76,11 @@ class SlotProgram:
         self._outputs = [slot[v] for v in graph.outputs]
         self._steps = self._plan(launches, keep={slot[v] for v in graph.outputs} | set(self._constants))
 
+    @property
+    def constants(self) -> list:
+        """What the program holds: its weights, as the launches take them."""
+        return list(self._constants.values())
+
     def _plan(self, launches: list[LaunchSpec], keep: set[int]) -> list[_Step]:
         slot, last_use = self._slots, {}
         for i, spec in enumerate(launches):

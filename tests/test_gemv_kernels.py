@@ -264,7 +264,7 @@ def test_an_engine_keeps_one_copy_of_the_weights(tiny_family):
     folder = tiny_family("llama_tied")[2]
     engine = Engine(folder, EngineConfig(kernels="native"))
     assert all(w.is_meta for w in engine.artifact.weights.values())
-    held = [v for p in engine.runner.executor.programs.values() for v in p._constants.values()]
+    held = [v for p in engine.runner.executor.programs.values() for v in p.constants]
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
     assert sum(storages(held).values()) == stored + padding_bytes(held)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)

@@ -175,3 +175,17 @@ def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
     with pytest.raises(RuntimeError, match="plan input 2 must be a contiguous CPU"):
         program({**feeds, "kv_cache": ex.kv_cache.to(torch.float64)})
     assert torch.equal(ex.kv_cache, cache)
+
+
+def test_the_plan_holds_the_prefill_programs_weights_not_a_copy(artifact):
+    """The decode plan takes the panels and norm weights the op-by-op prefill program holds: the
+    engine's programs hold each stored weight once (plus the zero rows of the last panels)."""
+    from llmc.runtime.engine import Engine, EngineConfig
+    from test_gemv_kernels import padding_bytes, storages
+
+    engine = Engine(artifact("llama_tied", "bf16").path, EngineConfig(kernels="native"))
+    programs = engine.runner.executor.programs
+    assert isinstance(programs["decode"], StepPlanProgram)
+    held = [v for p in programs.values() for v in p.constants]
+    stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
+    assert sum(storages(held).values()) == stored + padding_bytes(held)

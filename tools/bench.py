@@ -124,9 +124,11 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-# generate, serve and bench take the same switch
+# generate, serve and bench take the same switches (profile the second)
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
+STEP_PLANS_OPTION = typer.Option(True, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "
+                                 "graph whose ops all have one (decode) as one native call per step, not op by op")
 
 
 def bench_cmd(
@@ -143,6 +145,7 @@ def bench_cmd(
     kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
+    step_plans: bool = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -158,7 +161,7 @@ def bench_cmd(
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                                            max_batched_tokens=max_batched_tokens, kernels=kernels,
-                                           backend=backend, cuda_graphs=cuda_graphs))
+                                           backend=backend, cuda_graphs=cuda_graphs, step_plans=step_plans))
     requests = workload.requests(engine.artifact.config.vocab_size)
     result: dict = {"workload": asdict(workload)}
     with Progress(transient=True) as progress:

@@ -138,7 +138,7 @@ def resident_rows(artifact: str) -> list[str]:
     profile_decode(engine, 4)
     storages = {}
     for program in engine.runner.executor.programs.values():
-        for value in program._constants.values():
+        for value in program.constants:
             parts = [value.weight, value.scales, value.mins] if isinstance(value, GemvWeight) else [value]
             storages.update(_storage_bytes(t) for t in parts if t is not None)
     stored = sum(t.numel() * t.element_size() for t in engine.artifact.weights.values())

@@ -27,7 +27,7 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import CUDA_GRAPHS_OPTION, bench_cmd
+from .bench import CUDA_GRAPHS_OPTION, STEP_PLANS_OPTION, bench_cmd
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
@@ -135,13 +135,15 @@ def generate(
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
+    step_plans: bool = STEP_PLANS_OPTION,
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=cuda_graphs))
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=cuda_graphs,
+                                           step_plans=step_plans))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -192,6 +194,7 @@ def serve(
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
+    step_plans: bool = STEP_PLANS_OPTION,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -202,7 +205,7 @@ def serve(
 
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                           max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, step_plans=step_plans)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)

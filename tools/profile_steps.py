@@ -41,6 +41,9 @@ from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_inputs import build_step_inputs
+from llmc.runtime.step_plan import StepPlanProgram
+
+from .bench import STEP_PLANS_OPTION
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
 PROMPT_FOR_DECODE = 16
@@ -208,7 +211,8 @@ def _split(step: dict) -> str:
 def format_profile(r: dict) -> str:
     d, p = r["decode"], r["prefill"]
     return "\n".join([
-        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels",
+        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | decode "
+        f"{r.get('decode_program', 'op by op')}",
         f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB beside "
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
@@ -239,6 +243,7 @@ def profile_cmd(
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
     kernels: str = typer.Option("auto", help="CPU kernels: native, reference (torch refs) or auto"),
     backend: str = typer.Option("torch", help="torch or triton (generated kernels: a GPU, or TRITON_INTERPRET=1)"),
+    step_plans: bool = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also time transformers' batch-1 decode and prefill"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -248,13 +253,17 @@ def profile_cmd(
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False))  # timed: eager
+    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False,  # timed: eager
+                                           step_plans=step_plans))
     if max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
-              "kernels": engine.kernels, "decode_tokens": decode_tokens, "prompt_len": prompt_len,
+              "kernels": engine.kernels,
+              "decode_program": "one step plan" if isinstance(engine.runner.executor.programs["decode"],
+                                                              StepPlanProgram) else "op by op",
+              "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
     decode, context = profile_decode(engine, decode_tokens, bandwidth=ReadBandwidth())
     step_bytes = decode_bytes(art.graphs["decode"], art, context)
