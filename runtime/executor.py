@@ -85,11 +85,16 @@ class Executor:
     @torch.inference_mode()
     def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> torch.Tensor:
         """`run` of a host-built step: a captured decode graph where one fits, else eagerly with the
-        metadata loaded into `buffers`."""
+        metadata on the device (`on_device`)."""
         batch = self.graphs.batch_size_for(host) if entry == "decode" and self.graphs is not None else None
         if batch is not None:
             return self.graphs.replay(host, batch)
-        return self.run(entry, buffers.load(host))
+        return self.run(entry, self.on_device(host, buffers))
+
+    def on_device(self, host: StepInputs, buffers: StepBuffers) -> StepInputs:
+        """The step's metadata where the kernels read it: `buffers` on a GPU; on the CPU the host's
+        tensors already are (packing them into the buffers would only cost a copy)."""
+        return host if self.device.type == "cpu" else buffers.load(host)
 
     @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:

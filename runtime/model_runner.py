@@ -98,7 +98,7 @@ class ModelRunner:
 
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
         """`run` launched eagerly, and each launch's wall time (for profiles; slower than `run`)."""
-        logits, timings = self.executor.run_timed(entry, self.buffers.load(step))
+        logits, timings = self.executor.run_timed(entry, self.executor.on_device(step, self.buffers))
         return logits.cpu(), timings
 
 

@@ -15,7 +15,8 @@ hands out contiguous views of that buffer, so for steps of the same shape the ad
 change (what a captured CUDA graph needs), and nothing is allocated per step on the device.
 On a GPU the step is packed into a pinned host buffer of the same layout and copied with one
 asynchronous host-to-device copy; the next step waits for that copy (an event) before it
-overwrites the pinned buffer. On the CPU the step is packed straight into the buffer.
+overwrites the pinned buffer. On the CPU the step is packed straight into the buffer (the
+executors skip it there and read the host's tensors: nothing is captured on a CPU).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -80,14 +81,20 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t constant(at::Tensor t) {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "a plan constant must be a contiguous CPU tensor");
     constants_.push_back(std::move(t));
-    return add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0});
+    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0});
+    constant_at_[id] = static_cast<char*>(constants_.back().data_ptr());
+    return id;
   }
   int64_t input(int64_t index, at::Tensor like) {
     input_types_.resize(std::max<int64_t>(input_types_.size(), index + 1), at::kFloat);
     input_types_[index] = like.scalar_type();
     return add_value({kInput, index, 0});
   }
-  int64_t temporary(int64_t reg, int64_t width) { return add_value({kTemporary, reg, width}); }
+  int64_t temporary(int64_t reg, int64_t width) {
+    reg_bytes_.resize(std::max<int64_t>(reg_bytes_.size(), reg + 1), 0);
+    reg_bytes_[reg] = std::max(reg_bytes_[reg], (width * element_bytes() + 63) / 64 * 64);
+    return add_value({kTemporary, reg, width});
+  }
   int64_t output(int64_t width) { return add_value({kOutput, num_outputs_++, width}); }
   void add(int64_t op, std::vector<int64_t> args, double f) {
     TORCH_CHECK(op >= 0 && op < kNumOps, "unknown plan op ", op);
@@ -116,6 +123,7 @@ class StepPlan : public torch::CustomClassHolder {
  private:
   int64_t add_value(Value v) {
     values_.push_back(v);
+    constant_at_.push_back(nullptr);
     return static_cast<int64_t>(values_.size()) - 1;
   }
   static int64_t operand_count(Op op) {
@@ -134,7 +142,7 @@ class StepPlan : public torch::CustomClassHolder {
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
                                                                    bool timed);
-  std::vector<at::Tensor> bind(Bound& b) const;
+  std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, Bound& b) const;
   template <typename X, typename C>
   void exec(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
@@ -146,39 +154,42 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> constants_;
   std::vector<at::ScalarType> input_types_;
   std::vector<Value> values_;
+  std::vector<char*> constant_at_;          // value id -> a constant's address (null for the others)
+  std::vector<int64_t> reg_bytes_;          // bytes of one row of each register
+  at::Tensor arena_;                        // the temporaries, kept between runs
+  std::mutex running_;                      // one run at a time uses the arena
   std::vector<Instr> code_;
   std::vector<int64_t> attention_meta_;     // the block tables and lengths values attention reads
   int64_t max_head_dim_ = 16;
   int64_t num_outputs_ = 0;
 };
 
-// Addresses of every value for b.rows rows: the arena's registers laid out one after another,
-// each as wide as its widest value (rounded up to 64 bytes), and fresh output tensors.
-std::vector<at::Tensor> StepPlan::bind(Bound& b) const {
-  const auto dtype = bf16_ ? at::kBFloat16 : at::kFloat;
-  std::vector<int64_t> reg_bytes;
-  for (const Value& v : values_)
-    if (v.place == kTemporary) {
-      reg_bytes.resize(std::max<int64_t>(reg_bytes.size(), v.index + 1), 0);
-      reg_bytes[v.index] = std::max(reg_bytes[v.index], (v.width * element_bytes() + 63) / 64 * 64);
-    }
-  std::vector<int64_t> reg_offset(reg_bytes.size() + 1, 0);
-  for (size_t r = 0; r < reg_bytes.size(); ++r) reg_offset[r + 1] = reg_offset[r] + reg_bytes[r] * b.rows;
-  at::Tensor arena = at::empty({std::max<int64_t>(reg_offset.back(), 1)}, at::TensorOptions().dtype(at::kByte));
+// Addresses of every value for b.rows rows: constants where they are, the arena's registers laid
+// out one after another, each as wide as its widest value (rounded up to 64 bytes), and fresh
+// output tensors. The arena is kept from run to run and grown when a run needs more.
+std::vector<at::Tensor> StepPlan::bind(Bound& b) {
+  int64_t bytes = 0;
+  std::vector<int64_t> reg_offset(reg_bytes_.size());
+  for (size_t r = 0; r < reg_bytes_.size(); ++r) {
+    reg_offset[r] = bytes;
+    bytes += reg_bytes_[r] * b.rows;
+  }
+  if (!arena_.defined() || arena_.numel() < bytes)
+    arena_ = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte));
+  char* arena = static_cast<char*>(arena_.data_ptr());
   std::vector<at::Tensor> outputs(num_outputs_);
-  b.at.resize(values_.size());
+  b.at = constant_at_;
   for (size_t i = 0; i < values_.size(); ++i) {
     const Value& v = values_[i];
-    switch (v.place) {
-      case kConstant: b.at[i] = static_cast<char*>(constants_[v.index].data_ptr()); break;
-      case kInput: b.at[i] = static_cast<char*>(b.inputs[v.index].data_ptr()); break;
-      case kTemporary: b.at[i] = static_cast<char*>(arena.data_ptr()) + reg_offset[v.index]; break;
-      case kOutput:
-        outputs[v.index] = at::empty({b.rows, v.width}, at::TensorOptions().dtype(dtype));
-        b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
+    if (v.place == kInput) {
+      b.at[i] = static_cast<char*>(b.inputs[v.index].data_ptr());
+    } else if (v.place == kTemporary) {
+      b.at[i] = arena + reg_offset[v.index];
+    } else if (v.place == kOutput) {
+      outputs[v.index] = at::empty({b.rows, v.width}, at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat));
+      b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
     }
   }
-  outputs.push_back(arena);    // kept alive until the run ends; dropped by execute
   return outputs;
 }
 
@@ -231,6 +242,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
     TORCH_CHECK(inputs[i].is_contiguous() && inputs[i].device().is_cpu() && inputs[i].scalar_type() == input_types_[i],
                 "plan input ", i, " must be a contiguous CPU ", input_types_[i], " tensor, not ",
                 inputs[i].scalar_type());
+  const std::lock_guard<std::mutex> hold(running_);
   Bound b;
   b.rows = rows;
   b.inputs = std::move(inputs);
@@ -264,7 +276,6 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
     typed(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
     typed(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  outputs.pop_back();      // the arena
   std::vector<double> seconds;
   for (size_t i = 0; i + 1 < stamps.size(); ++i)
     seconds.push_back(std::chrono::duration<double>(stamps[i + 1] - stamps[i]).count());
