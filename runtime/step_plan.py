@@ -5,8 +5,8 @@ Contract: `lower_step_plan(graph, weights, block_size)` takes an entry graph and
 kernels/native_ops.py's `prepare_weights` left them; it returns a `StepPlanProgram` when every op
 of the graph has a plan kernel that takes it, else raises `NotPlannable` with the first reason.
 Plan kernels: embedding (a table of rows, or a tied float table kept as panels), rmsnorm,
-add_rmsnorm, linear (float panels, optional bias), rope_kv_write, paged_decode_attention and
-silu_mul, over activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's
+add_rmsnorm, linear (float panels) and qlinear (int8 / int4 panels), each with an optional bias,
+rope_kv_write, paged_decode_attention and silu_mul, over activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's
 first input, and a paged KV cache of that dtype or int8 with blocks of 16. Each call runs the
 same kernel, on the same split of the work, as the op by op native table does, so a plan's
 outputs equal that table's bit for bit; the torch refs are the meaning (tests compare both).
@@ -33,7 +33,7 @@ from .slot_program import LaunchTime
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
 OPCODES = {"embedding": 0, "rmsnorm": 1, "add_rmsnorm": 2, "linear": 3, "rope_kv_write": 4,
-           "paged_decode_attention": 5, "silu_mul": 6}       # kernels/cpu/step_plan.cpp's Op
+           "paged_decode_attention": 5, "silu_mul": 6, "qlinear": 7}       # kernels/cpu/step_plan.cpp's Op
 
 
 class NotPlannable(ValueError):
@@ -209,6 +209,24 @@ def _lower_linear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     return args, 0.0
 
 
+def _lower_qlinear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    x, codes = node.inputs[:2]
+    w = lo.weight(codes)
+    if not (isinstance(w, GemvWeight) and w.bits):
+        raise NotPlannable(f"{node.name} (qlinear) multiplies by codes not prepared as quantized panels")
+    bias = node.inputs[3 + (w.bits == 4):]              # x, codes, scales[, mins][, bias]
+    b = lo.weight(bias[0]) if bias else None
+    if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
+        raise NotPlannable(f"{node.name} (qlinear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
+    if lo.width(x, node) != w.in_features:
+        raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
+    mins = lo.constant(w.mins) if w.mins is not None else -1
+    args = [lo.result(node), lo.activation(x, node), lo.constant(w.weight), lo.constant(w.scales), mins,
+            lo.constant(b.contiguous()) if bias else -1, w.in_features, w.out_features, w.weight.shape[0], w.bits,
+            w.group_size]
+    return args, 0.0
+
+
 def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) -> int:
     if v not in lo.ids or lo.block_size != 16 or head_dim % multiple:
         raise NotPlannable(f"{node.name} ({node.op}) needs the graph's KV cache in blocks of 16 and head_dim a "
@@ -263,7 +281,7 @@ def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
 
 
 LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
-             "linear": _lower_linear, "rope_kv_write": _lower_rope_kv_write,
+             "linear": _lower_linear, "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
              "paged_decode_attention": _lower_decode_attention, "silu_mul": _lower_silu_mul}
 
 

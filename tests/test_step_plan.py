@@ -3,7 +3,7 @@ call equals the same graph run op by op with the native kernels, bit for bit (th
 the same split of the work), and the torch refs within the dtype's tolerance; the KV cache it
 writes is the op-by-op one. Tiny random models whose shapes every plan kernel takes (widths a
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
-and bf16 activations, float and int8 caches; 1 to 9 sequences of lengths across block edges, on
+and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of lengths across block edges, on
 one thread and on two. The decline cases and bad step inputs are checked too."""
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ WIDTHS = dict(hidden_size=128, intermediate_size=160)   # head_dim 32: every pla
 PLANNABLE = {"llama": ("llama_hd32", {}), "llama_tied": ("llama_tied", WIDTHS),   # tiny_models families
              "qwen2_bias": ("qwen2", dict(WIDTHS, num_attention_heads=4, num_key_value_heads=2))}
 VARIANTS = {"f32": dict(), "bf16": dict(dtype="bfloat16"), "f32_kv8": dict(quant=QuantRecipe.parse(kv_dtype="int8")),
-            "bf16_kv8": dict(dtype="bfloat16", quant=QuantRecipe.parse(kv_dtype="int8"))}
+            "bf16_kv8": dict(dtype="bfloat16", quant=QuantRecipe.parse(kv_dtype="int8")),
+            "int8": dict(quant=QuantRecipe.parse("int8")),
+            "bf16_int4": dict(dtype="bfloat16", quant=QuantRecipe.parse("int4-g32"))}
 NUM_BLOCKS, BLOCK = 24, 16
 
 
@@ -110,12 +112,14 @@ def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, thre
     assert torch.equal(plan.kv_cache, ops.kv_cache)
 
 
-@pytest.mark.parametrize("variant", ["f32", "bf16"])
+@pytest.mark.parametrize("variant", ["f32", "bf16", "int8", "bf16_int4"])
 @pytest.mark.parametrize("family", list(PLANNABLE))
 def test_plan_matches_the_torch_refs(artifact, family, variant):
     art = artifact(family, variant)
-    got, want = decode_steps([executor(art), executor(art, kernels="reference")], [1, 17, 40])
-    dtype = torch.bfloat16 if variant == "bf16" else torch.float32
+    plan = executor(art)
+    assert isinstance(plan.programs["decode"], StepPlanProgram)
+    got, want = decode_steps([plan, executor(art, kernels="reference")], [1, 17, 40])
+    dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **tolerance(dtype, 160, scale=4.0))
 

@@ -1,12 +1,11 @@
 // What the panel GEMMs share (panel_gemm.cpp for float weights, qpanel_gemm.cpp for quantized
-// ones): the panel width, the walk over panels and token blocks, and the store of a finished tile.
+// ones): the panel width, the walk over a range of panels and token blocks, and the store of a
+// finished tile.
 //
 // A panel holds 32 output rows; a tile is up to TT tokens x those 32 outputs, in 2 TT fp32
 // accumulator vectors (lanes are outputs). store_tile adds the bias (fp32) and rounds each sum
 // once to the output dtype; a last panel past N stores only the columns below N.
 #pragma once
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,15 +36,6 @@ void walk_tiles(int64_t begin, int64_t end, int64_t tokens, int64_t k_dim, int64
     for (int64_t p = begin; p < end; ++p)
       for (int64_t t0 = b0; t0 < b1; t0 += tile) fn(p, t0, std::min(tile, b1 - t0));
   }
-}
-
-// walk_tiles over all panels, the intra-op threads splitting them, so each streams its own
-// contiguous part of the weight.
-template <typename Fn>
-void for_each_tile(int64_t num_panels, int64_t tokens, int64_t k_dim, int64_t element_bytes, int64_t tile, Fn fn) {
-  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    walk_tiles(begin, end, tokens, k_dim, element_bytes, tile, fn);
-  });
 }
 
 // The tile's sums into out rows t0 .. t0 + TT - 1, columns n0 .. n0 + 31 (those below N), plus bias.

@@ -22,133 +22,39 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <tuple>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
-#include "kv_rows.h"
-#include "panel_tiles.h"
+#include "qpanel_gemm.h"
 
 namespace {
 
-using llmc_cpu::Vec16;
-using llmc_panels::kAhead;
 using llmc_panels::kPanel;
-
-constexpr int kTile = 4;   // tokens per tile: 8 accumulators + 8 partial sums + 4 weight vectors
-
-// 16 f16 values widened to fp32.
-inline Vec16 load16_half(const c10::Half* p) {
-#ifdef __AVX512F__
-  return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  float tmp[16];
-  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
-  return llmc_cpu::load16(tmp);
-#endif
-}
-
-// 16 bytes of int4 pairs -> the low nibbles' codes and the high nibbles' codes, as fp32.
-inline void load16_nibbles(const uint8_t* p, Vec16& lo, Vec16& hi) {
-#ifdef __AVX512F__
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo = (Vec16)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-  hi = (Vec16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-#else
-  float l[16], h[16];
-  for (int i = 0; i < 16; ++i) l[i] = static_cast<float>(p[i] & 15), h[i] = static_cast<float>(p[i] >> 4);
-  lo = llmc_cpu::load16(l), hi = llmc_cpu::load16(h);
-#endif
-}
-
-struct QPanels {
-  const void* codes;
-  const c10::Half* scales;
-  const c10::Half* mins;      // int4 only
-  int64_t k_dim, group, groups;
-};
-
-// One group's partial sums: TT tokens (x0, row stride K, from input k0) times its codes. Inlined,
-// so `part` stays in registers (a call kept it in memory: int8 ran 2x slower at 4 tokens).
-template <int TT, int Bits>
-__attribute__((always_inline)) inline void group_sums(const float* x0, const void* codes, int64_t k0, int64_t group, int64_t k_dim, Vec16 (&part)[TT][2]) {
-  for (int t = 0; t < TT; ++t) part[t][0] = part[t][1] = Vec16{};
-  if constexpr (Bits == 8) {
-    const int8_t* c = static_cast<const int8_t*>(codes) + k0 * kPanel;
-    for (int64_t k = k0; k < k0 + group; ++k, c += kPanel) {
-      __builtin_prefetch(c + kAhead);
-      const Vec16 w0 = llmc_cpu::load16_codes(c), w1 = llmc_cpu::load16_codes(c + 16);
-      for (int t = 0; t < TT; ++t) {
-        const Vec16 xv = llmc_cpu::splat(x0[t * k_dim + k]);
-        part[t][0] += w0 * xv;
-        part[t][1] += w1 * xv;
-      }
-    }
-  } else {
-    const uint8_t* c = static_cast<const uint8_t*>(codes) + k0 / 2 * kPanel;
-    for (int64_t k = k0; k < k0 + group; k += 2, c += kPanel) {
-      __builtin_prefetch(c + kAhead);
-      Vec16 even[2], odd[2];
-      load16_nibbles(c, even[0], odd[0]);
-      load16_nibbles(c + 16, even[1], odd[1]);
-      for (int t = 0; t < TT; ++t) {
-        const Vec16 xe = llmc_cpu::splat(x0[t * k_dim + k]), xo = llmc_cpu::splat(x0[t * k_dim + k + 1]);
-        for (int h = 0; h < 2; ++h) part[t][h] += even[h] * xe + odd[h] * xo;
-      }
-    }
-  }
-}
-
-// TT tokens times panel p: per group, partial sums scaled once (and int4's min times the group's x sum).
-template <int TT, int Bits, typename Out>
-void qtile(const float* x0, const float* xsum0, const QPanels& w, int64_t p, const Out* bias, Out* out, int64_t t0,
-           int64_t n_dim) {
-  const int64_t panel_codes = (Bits == 8 ? w.k_dim : w.k_dim / 2) * kPanel;
-  const void* codes = static_cast<const int8_t*>(w.codes) + p * panel_codes;
-  const c10::Half* scales = w.scales + p * w.groups * kPanel;
-  const c10::Half* mins = Bits == 4 ? w.mins + p * w.groups * kPanel : nullptr;
-  Vec16 acc[TT][2], part[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
-  for (int64_t g = 0; g < w.groups; ++g) {
-    group_sums<TT, Bits>(x0, codes, g * w.group, w.group, w.k_dim, part);
-    const Vec16 s[2] = {load16_half(scales + g * kPanel), load16_half(scales + g * kPanel + 16)};
-    for (int t = 0; t < TT; ++t)
-      for (int h = 0; h < 2; ++h) acc[t][h] += part[t][h] * s[h];
-    if constexpr (Bits == 4) {
-      const Vec16 m[2] = {load16_half(mins + g * kPanel), load16_half(mins + g * kPanel + 16)};
-      for (int t = 0; t < TT; ++t)
-        for (int h = 0; h < 2; ++h) acc[t][h] += m[h] * llmc_cpu::splat(xsum0[t * w.groups + g]);
-    }
-  }
-  llmc_panels::store_tile<TT>(acc, bias, out, t0, p * kPanel, n_dim);
-}
-
-template <int Bits, typename Out>
-void run_tile(const float* x, const float* xsum, const QPanels& w, int64_t p, const Out* bias, Out* out, int64_t t0,
-              int64_t tt, int64_t n_dim) {
-  const float* x0 = x + t0 * w.k_dim;
-  const float* s0 = xsum ? xsum + t0 * w.groups : nullptr;
-  switch (tt) {
-    case 4: qtile<4, Bits>(x0, s0, w, p, bias, out, t0, n_dim); break;
-    case 3: qtile<3, Bits>(x0, s0, w, p, bias, out, t0, n_dim); break;
-    case 2: qtile<2, Bits>(x0, s0, w, p, bias, out, t0, n_dim); break;
-    default: qtile<1, Bits>(x0, s0, w, p, bias, out, t0, n_dim);
-  }
-}
+using llmc_qpanels::QPanels;
 
 template <int Bits, typename Out>
 void qpanel_gemm_typed(const at::Tensor& xf, const at::Tensor& xsum, const QPanels& w, int64_t num_panels,
                        int64_t n_dim, const at::Tensor& bias, at::Tensor& out) {
-  const int64_t tokens = xf.size(0);
   const float* x = xf.const_data_ptr<float>();
   const float* s = xsum.defined() ? xsum.const_data_ptr<float>() : nullptr;
   const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
   Out* o = out.data_ptr<Out>();
-  llmc_panels::for_each_tile(num_panels, tokens, w.k_dim, sizeof(float), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
-    run_tile<Bits>(x, s, w, p, b, o, t0, tt, n_dim);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    llmc_qpanels::qpanel_gemm_range<Bits>(x, s, w, xf.size(0), b, o, n_dim, begin, end);
   });
+}
+
+// x widened to fp32 (and int4's group sums of x), the tokens split among the intra-op threads.
+template <typename X>
+std::tuple<at::Tensor, at::Tensor> widen(const at::Tensor& x, int64_t group, int64_t bits) {
+  const int64_t tokens = x.size(0), k_dim = x.size(1);
+  at::Tensor xf = at::empty({tokens, k_dim}, x.options().dtype(at::kFloat));
+  at::Tensor xsum = bits == 4 ? at::empty({tokens, k_dim / group}, xf.options()) : at::Tensor();
+  const X* xp = x.const_data_ptr<X>();
+  float* sp = bits == 4 ? xsum.data_ptr<float>() : nullptr;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    llmc_qpanels::widen_rows(xp, k_dim, group, static_cast<int>(bits), xf.data_ptr<float>(), sp, begin, end);
+  });
+  return {xf, xsum};
 }
 
 void check_params(const at::Tensor& t, int64_t panels, int64_t groups, const char* what) {
@@ -183,8 +89,9 @@ at::Tensor qpanel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::T
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
                     bias.scalar_type() == x.scalar_type(),
                 "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor xsum = bits == 4 ? xf.view({x.size(0), k_dim / group, group}).sum(-1).contiguous() : at::Tensor();
+  const at::Tensor xc = x.contiguous();
+  const auto [xf, xsum] = x.scalar_type() == at::kFloat ? widen<float>(xc, group, bits)
+                                                         : widen<c10::BFloat16>(xc, group, bits);
   const QPanels w{codes.const_data_ptr(), scales.const_data_ptr<c10::Half>(),
                   bits == 4 ? mins_opt->const_data_ptr<c10::Half>() : nullptr, k_dim, group, k_dim / group};
   at::Tensor out = at::empty({x.size(0), n_dim}, x.options());

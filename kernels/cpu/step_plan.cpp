@@ -17,12 +17,14 @@
 //   kRmsnorm          out, x, weight, width; f = eps
 //   kAddRmsnorm       out, sum, x, residual, weight, width; f = eps
 //   kLinear           out, x, panels, bias (-1: none), k, n, num_panels
+//   kQLinear          out, x, codes, scales, mins (-1: none), bias (-1: none), k, n, num_panels, bits, group
 //   kRopeKvWrite      q_out, q, k, v, q col, k col, v col, q/k/v row width, cos, sin, cache, slots,
 //                     layer, heads, kv heads, head_dim
 //   kDecodeAttention  out, q, cache, block_tables, seq_lens, layer, heads, kv heads, head_dim; f = scale
 //   kSiluMul          out, gate, up, gate col, up col, gate/up row width, n
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
-// (attention_work.h) one at a time.
+// (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
+// (tokens split, then a barrier), as the op does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,11 +42,14 @@
 #include "attention_decode.h"
 #include "attention_work.h"
 #include "panel_gemm.h"
+#include "qpanel_gemm.h"
 #include "token_rows.h"
 
 namespace {
 
-enum Op : int64_t { kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kNumOps };
+enum Op : int64_t {
+  kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kQLinear, kNumOps
+};
 enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
 
 struct Value {
@@ -71,6 +76,7 @@ struct Bound {
   std::vector<at::Tensor> inputs;
   std::vector<llmc_cpu::Item> items;          // decode attention's work items, most costly first
   std::vector<int32_t> qsl;                   // 0, 1, ..., S: one query per sequence
+  mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums (the team writes it)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
 };
 
@@ -102,6 +108,7 @@ class StepPlan : public torch::CustomClassHolder {
       TORCH_CHECK(args[i] >= -1 && args[i] < static_cast<int64_t>(values_.size()), "operand ", args[i], " of op ",
                   op, " is not a value of this plan");
     if (op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, args[15]);
+    if (op == kQLinear) widened_per_row_ = std::max(widened_per_row_, args[6] + args[6] / args[10]);
     if (op == kDecodeAttention) {      // the step's work items are made once, for every layer
       const std::vector<int64_t> meta{args[3], args[4]};
       TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
@@ -134,6 +141,7 @@ class StepPlan : public torch::CustomClassHolder {
       case kLinear: return 4;
       case kRopeKvWrite: return 4;
       case kDecodeAttention: return 5;
+      case kQLinear: return 6;
       default: return 3;
     }
   }
@@ -161,6 +169,7 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<Instr> code_;
   std::vector<int64_t> attention_meta_;     // the block tables and lengths values attention reads
   int64_t max_head_dim_ = 16;
+  int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
   int64_t num_outputs_ = 0;
 };
 
@@ -247,6 +256,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   b.rows = rows;
   b.inputs = std::move(inputs);
   std::vector<at::Tensor> outputs = bind(b);
+  b.widened.resize(widened_per_row_ * rows);
   for (const Instr& in : code_) check(in, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
@@ -322,6 +332,23 @@ void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int
       const auto [begin, end] = share(a[6], tid, team);
       llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), b.rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
                                     x_at(a[0]), a[5], begin, end);
+      break;
+    }
+    case kQLinear: {
+      const int64_t k = a[6], group = a[10], bits = a[9];
+      float* xf = b.widened.data();
+      float* xsum = xf + b.rows * k;
+      llmc_qpanels::widen_rows(x_at(a[1]), k, group, static_cast<int>(bits), xf, xsum, first, last);
+#pragma omp barrier
+      const llmc_qpanels::QPanels w{b.at[a[2]], reinterpret_cast<const c10::Half*>(b.at[a[3]]),
+                                    a[4] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[4]]), k, group,
+                                    k / group};
+      const auto [begin, end] = share(a[8], tid, team);
+      X* bias = a[5] < 0 ? nullptr : x_at(a[5]);
+      if (bits == 8)
+        llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, b.rows, bias, x_at(a[0]), a[7], begin, end);
+      else
+        llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, b.rows, bias, x_at(a[0]), a[7], begin, end);
       break;
     }
     case kRopeKvWrite: {
