@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes
 from .sampling_params import RequestError
 from .slot_program import LaunchTime, SlotProgram
 from .step_inputs import StepBuffers, StepInputs
+
+if TYPE_CHECKING:
+    from .step_plan import StepPlanProgram
 
 BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,7 +72,7 @@ class Executor:
         self.kv_cache = kv.allocate(device, extra_blocks=1)
         self.scratch_block = kv.num_blocks             # the extra block: padding rows write only there
         self.block_size = kv.block_size
-        self.programs: dict[str, SlotProgram] = {}     # entry -> its graph's launches (set by the backend)
+        self.programs: dict[str, SlotProgram | StepPlanProgram] = {}   # entry -> its graph's program (set by the backend)
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int, stand_in: bool = False) -> CaptureReport:

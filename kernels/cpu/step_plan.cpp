@@ -1,4 +1,4 @@
-// A step plan: one entry graph lowered to a list of native kernel calls (kernels/step_plan.py does
+// A step plan: one entry graph lowered to a list of native kernel calls (runtime/step_plan.py does
 // the lowering and states the contract), run in one OpenMP parallel region by one team of
 // threads with a barrier between calls. A decode step of a small model is a few hundred short
 // calls; launched one by one from Python, each pays the interpreter, the dispatcher, an output
@@ -6,8 +6,9 @@
 // step. Here a step costs one call from Python, and a barrier per kernel.
 //
 // Values live in four places: constants (weights, held by the plan), the step's inputs (given to
-// run), temporaries (rows of one arena allocated per run; values whose lives do not overlap share
-// a register, as kernels/step_plan.py assigned them) and outputs (fresh tensors each run). Every
+// run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
+// overlap share a register, as runtime/step_plan.py assigned them) and outputs (fresh tensors
+// each run). Every
 // activation is [rows, width] in the plan's dtype (f32 or bf16); the KV cache is the plan's dtype
 // or int8. Everything a kernel will read or write is checked before the parallel region (ids,
 // slots, block tables, lengths, shapes), so nothing inside it can fail.
@@ -64,6 +65,14 @@ struct Instr {
   double f;
 };
 
+// Per op (in Op's order): how many args it takes, and which of them are value ids (-1 allowed
+// only for the optional ones: a bias, int8's mins).
+const std::vector<int64_t> kArgs = {6, 4, 6, 7, 16, 9, 7, 11};
+const std::vector<std::vector<int64_t>> kValueArgs = {
+    {0, 1, 2}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 2, 3, 4}, {0, 1, 2},
+    {0, 1, 2, 3}};
+const std::vector<std::vector<int64_t>> kOptionalArgs = {{}, {}, {}, {3}, {}, {}, {}, {4, 5}};
+
 // Items [first, second) of `count` for thread `tid` of a team of `team`.
 inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
   return {count * tid / team, count * (tid + 1) / team};
@@ -103,10 +112,12 @@ class StepPlan : public torch::CustomClassHolder {
   }
   int64_t output(int64_t width) { return add_value({kOutput, num_outputs_++, width}); }
   void add(int64_t op, std::vector<int64_t> args, double f) {
-    TORCH_CHECK(op >= 0 && op < kNumOps, "unknown plan op ", op);
-    for (int64_t i = 0; i < operand_count(static_cast<Op>(op)); ++i)
-      TORCH_CHECK(args[i] >= -1 && args[i] < static_cast<int64_t>(values_.size()), "operand ", args[i], " of op ",
-                  op, " is not a value of this plan");
+    TORCH_CHECK(op >= 0 && op < kNumOps && static_cast<int64_t>(args.size()) == kArgs[op], "plan op ", op,
+                " with ", args.size(), " args is not one of step_plan.cpp's instructions");
+    const auto is_value = [&](int64_t v) { return v >= 0 && v < static_cast<int64_t>(values_.size()); };
+    for (int64_t i : kValueArgs[op]) TORCH_CHECK(is_value(args[i]), "arg ", i, " of plan op ", op, " is not a value");
+    for (int64_t i : kOptionalArgs[op])
+      TORCH_CHECK(args[i] == -1 || is_value(args[i]), "arg ", i, " of plan op ", op, " is neither -1 nor a value");
     if (op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, args[15]);
     if (op == kQLinear) widened_per_row_ = std::max(widened_per_row_, args[6] + args[6] / args[10]);
     if (op == kDecodeAttention) {      // the step's work items are made once, for every layer
@@ -117,8 +128,6 @@ class StepPlan : public torch::CustomClassHolder {
     }
     code_.push_back({static_cast<Op>(op), std::move(args), f});
   }
-  int64_t size() const { return code_.size(); }
-
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows) {
     return std::get<0>(execute(std::move(inputs), rows, false));
   }
@@ -132,18 +141,6 @@ class StepPlan : public torch::CustomClassHolder {
     values_.push_back(v);
     constant_at_.push_back(nullptr);
     return static_cast<int64_t>(values_.size()) - 1;
-  }
-  static int64_t operand_count(Op op) {
-    switch (op) {
-      case kEmbedding: return 3;
-      case kRmsnorm: return 3;
-      case kAddRmsnorm: return 5;
-      case kLinear: return 4;
-      case kRopeKvWrite: return 4;
-      case kDecodeAttention: return 5;
-      case kQLinear: return 6;
-      default: return 3;
-    }
   }
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
   const at::Tensor& input_of(const Bound& b, int64_t value) const { return b.inputs[values_[value].index]; }
@@ -405,7 +402,6 @@ TORCH_LIBRARY_FRAGMENT(llmc, m) {
       .def("temporary", &StepPlan::temporary)
       .def("output", &StepPlan::output)
       .def("add", &StepPlan::add)
-      .def("size", &StepPlan::size)
       .def("run", &StepPlan::run)
       .def("run_timed", &StepPlan::run_timed);
 }
