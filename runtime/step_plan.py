@@ -1,15 +1,17 @@
-"""The torch backend's step plans: a graph lowered to one native step plan (kernels/cpu/step_plan.cpp): each op a native kernel
-call, a whole step one call from Python, run by one team of threads with a barrier between calls.
+"""The torch backend's step plans: a graph lowered to one native step plan (kernels/cpu/step_plan.cpp),
+each op a native kernel call and a whole step one call from Python, run by one team of threads
+with a barrier between calls (on a CPU, what replaying a CUDA graph is on a GPU).
 
 Contract: `lower_step_plan(graph, weights, block_size)` takes an entry graph and the weights as
 kernels/native_ops.py's `prepare_weights` left them; it returns a `StepPlanProgram` when every op
 of the graph has a plan kernel that takes it, else raises `NotPlannable` with the first reason.
 Plan kernels: embedding (a table of rows, or a tied float table kept as panels), rmsnorm,
 add_rmsnorm, linear (float panels) and qlinear (int8 / int4 panels), each with an optional bias,
-rope_kv_write, paged_decode_attention and silu_mul, over activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's
-first input, and a paged KV cache of that dtype or int8 with blocks of 16. Each call runs the
-same kernel, on the same split of the work, as the op by op native table does, so a plan's
-outputs equal that table's bit for bit; the torch refs are the meaning (tests compare both).
+rope_kv_write (a packed qkv), paged_decode_attention and silu_mul (one [R, 2N] input), over
+activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's first input, and
+a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
+same split of the work, as the op-by-op native table does, so a plan's outputs equal that
+table's bit for bit; the torch refs are the meaning (tests compare both).
 
 The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
 gives each instruction's time as measured inside the parallel region.
@@ -25,7 +27,6 @@ import torch
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS
-
 from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.rope import RopeTables
 
@@ -71,7 +72,8 @@ class StepPlanProgram:
         return self._plan.run(*self._inputs(feeds))
 
     def timed(self, feeds: dict[str, torch.Tensor], sync: Callable[[], None] = lambda: None):
-        """The outputs, and each instruction's LaunchTime (measured by the team's first thread)."""
+        """The outputs, and each instruction's LaunchTime (measured by the team's first thread; a
+        CPU has nothing to `sync`, taken as SlotProgram.timed takes it)."""
         outputs, seconds = self._plan.run_timed(*self._inputs(feeds))
         return outputs, [LaunchTime(launch.label, launch.kind, s) for launch, s in zip(self._launches, seconds)]
 
@@ -82,10 +84,10 @@ class _Lowering:
     def __init__(self, graph: Graph, weights: dict[str, Any], block_size: int):
         self.graph, self.weights, self.nodes = graph, weights, graph.node_map()
         self.block_size = block_size
-        first = graph.inputs()[0]
-        self.rows_dim = first.type.shape[0]
-        self.dtype = self._float_dtype()
-        self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, self._int8_cache())
+        self.rows_dim = graph.inputs()[0].type.shape[0]
+        caches = [to_torch(n.type.dtype) for n in graph.inputs() if n.name == "kv_cache"]
+        self.dtype = self._float_dtype(int8_cache=caches == [torch.int8])
+        self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, caches == [torch.int8])
         self.ids: dict[Value, int] = {}
         self.constants: list[Any] = []
         self.rope: dict[tuple, RopeTables] = {}
@@ -96,17 +98,13 @@ class _Lowering:
         self.registers = 0
         self.register_of: dict[Value, int] = {}
 
-    def _float_dtype(self) -> torch.dtype:
-        cache = [n for n in self.graph.inputs() if n.name == "kv_cache"]
+    def _float_dtype(self, int8_cache: bool) -> torch.dtype:
+        """The one dtype every op computes in (an int8 cache, which rope_kv_write returns, aside)."""
         floats = {to_torch(t.dtype) for n in self.graph.nodes if n.op not in ("input", "weight") for t in n.types}
-        floats -= {torch.int8} if cache else set()
+        floats -= {torch.int8} if int8_cache else set()
         if len(floats) != 1 or next(iter(floats)) not in PLAN_DTYPES:
             raise NotPlannable(f"graph {self.graph.name} computes in {sorted(map(str, floats))}, not one of f32/bf16")
         return next(iter(floats))
-
-    def _int8_cache(self) -> bool:
-        cache = [n for n in self.graph.inputs() if n.name == "kv_cache"]
-        return bool(cache) and to_torch(cache[0].type.dtype) == torch.int8
 
     # -- values --------------------------------------------------------------------------------
 
@@ -115,6 +113,13 @@ class _Lowering:
             like = torch.empty(0, dtype=to_torch(node.type.dtype))
             self.ids[node.value()] = self.plan.input(i, like)
         return [n.name for n in self.graph.inputs()]
+
+    def graph_input(self, v: Value, node: Node) -> int:
+        """The plan value of a graph input `node` reads (token ids, slots, block tables, lengths)."""
+        if self.nodes[v.node].op != "input":
+            raise NotPlannable(f"{node.name} ({node.op}) reads {v}, computed in the graph, where the plan takes "
+                               "a graph input")
+        return self.ids[v]
 
     def weight(self, v: Value) -> Any:
         node = self.nodes[v.node]
@@ -170,7 +175,7 @@ def _lower_embedding(lo: _Lowering, node: Node) -> tuple[list[int], float]:
         layout, tensor, (vocab, width) = 0, w.contiguous(), w.shape
     else:
         raise NotPlannable(f"{node.name} (embedding) reads a table the plan does not take")
-    return [lo.result(node), lo.constant(tensor), lo.ids[ids], layout, vocab, width], 0.0
+    return [lo.result(node), lo.constant(tensor), lo.graph_input(ids, node), layout, vocab, width], 0.0
 
 
 def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
@@ -237,14 +242,14 @@ def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) ->
 def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     a = node.attrs
     heads, kv_heads, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
-    if len(node.inputs) == 4:
-        qkv, positions, cache, slots = node.inputs
-        width = lo.width(qkv, node)
-        sources, cols = [lo.activation(qkv, node)] * 3, [0, heads * d, (heads + kv_heads) * d]
-        if width != (heads + 2 * kv_heads) * d:
-            raise NotPlannable(f"{node.name} (rope_kv_write) reads a packed qkv of {width}, not {(heads + 2 * kv_heads) * d}")
-    else:
+    if len(node.inputs) != 4:
         raise NotPlannable(f"{node.name} (rope_kv_write) takes q, k and v apart; the plan takes a packed qkv")
+    qkv, positions, cache, slots = node.inputs
+    width = lo.width(qkv, node)
+    if width != (heads + 2 * kv_heads) * d:
+        raise NotPlannable(f"{node.name} (rope_kv_write) reads a packed qkv of {width}, not "
+                           f"{(heads + 2 * kv_heads) * d}")
+    sources, cols = [lo.activation(qkv, node)] * 3, [0, heads * d, (heads + kv_heads) * d]
     if lo.nodes[positions.node].op != "input" or lo.positions not in ("", positions.node):
         raise NotPlannable(f"{node.name} (rope_kv_write) rotates by positions that are not the graph's one input")
     lo.positions = positions.node
@@ -257,15 +262,17 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     cos, sin = lo.rope_inputs[key]
     cache_id = _cache(lo, node, cache, d, 32)
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
-    args = [lo.result(node), *sources, *cols, width, cos, sin, cache_id, lo.ids[slots], a["layer"], heads, kv_heads, d]
+    args = [lo.result(node), *sources, *cols, width, cos, sin, cache_id, lo.graph_input(slots, node), a["layer"], heads,
+            kv_heads, d]
     return args, 0.0
 
 
 def _lower_decode_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     q, cache, tables, lens = node.inputs
     a = node.attrs
-    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16), lo.ids[tables],
-            lo.ids[lens], a["layer"], a["num_heads"], a["num_kv_heads"], a["head_dim"]]
+    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16),
+            lo.graph_input(tables, node), lo.graph_input(lens, node), a["layer"], a["num_heads"], a["num_kv_heads"],
+            a["head_dim"]]
     return args, a["scale"]
 
 

@@ -51,7 +51,8 @@ class TorchExecutor(Executor):
                          for entry, g in artifact.graphs.items()}
 
     @staticmethod
-    def _program(graph: Graph, weights: dict, impls: dict, block_size: int, plans: bool) -> SlotProgram | StepPlanProgram:
+    def _program(graph: Graph, weights: dict, impls: dict, block_size: int,
+                 plans: bool) -> SlotProgram | StepPlanProgram:
         """The graph as one native step plan where every op lowers to one (with `plans`), else op by op."""
         if plans:
             try:

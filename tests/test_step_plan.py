@@ -3,8 +3,8 @@ call equals the same graph run op by op with the native kernels, bit for bit (th
 the same split of the work), and the torch refs within the dtype's tolerance; the KV cache it
 writes is the op-by-op one. Tiny random models whose shapes every plan kernel takes (widths a
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
-and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of lengths across block edges, on
-one thread and on two. The decline cases and bad step inputs are checked too."""
+and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of
+lengths across block edges, on one thread and on two. The declines and bad step inputs too."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def artifact(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"{family}_{variant}")
             base, config = PLANNABLE[family]
             folder = write_hf_folder(build_hf_model(base, **config), root / "hf")
-            cache[family, variant] = load_artifact(compile_model(folder, root / "art", CompileConfig(**VARIANTS[variant])))
+            config = CompileConfig(**VARIANTS[variant])
+            cache[family, variant] = load_artifact(compile_model(folder, root / "art", config))
         return cache[family, variant]
 
     return get
