@@ -7,9 +7,10 @@ kernels/native_ops.py's `prepare_weights` left them; it returns a `StepPlanProgr
 of the graph has a plan kernel that takes it, else raises `NotPlannable` with the first reason.
 Plan kernels: embedding (a table of rows, or a tied float table kept as panels), rmsnorm,
 add_rmsnorm, linear (float panels) and qlinear (int8 / int4 panels), each with an optional bias,
-rope_kv_write (a packed qkv), paged_decode_attention and silu_mul (one [R, 2N] input), over
-activations [R, W] of one float dtype (f32 or bf16), R the rows of the graph's first input, and
-a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
+rope_kv_write (a packed qkv), paged_attention and paged_decode_attention, silu_mul (one [R, 2N]
+input) and index_select (of rows), over activations [R, W] of one float dtype (f32 or bf16), R
+the step's tokens (the rows of the graph's first input) or its sequences (of `seq_lens`), and a
+paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
 same split of the work, as the op-by-op native table does, so a plan's outputs equal that
 table's bit for bit; the torch refs are the meaning (tests compare both).
 
@@ -34,7 +35,8 @@ from .slot_program import LaunchTime
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
 OPCODES = {"embedding": 0, "rmsnorm": 1, "add_rmsnorm": 2, "linear": 3, "rope_kv_write": 4,
-           "paged_decode_attention": 5, "silu_mul": 6, "qlinear": 7}       # kernels/cpu/step_plan.cpp's Op
+           "paged_decode_attention": 5, "silu_mul": 6, "qlinear": 7, "paged_attention": 8,
+           "index_select": 9}                                    # kernels/cpu/step_plan.cpp's Op
 
 
 class NotPlannable(ValueError):
@@ -56,17 +58,19 @@ class StepPlanProgram:
                  positions: str, launches: list[PlanLaunch], constants: list[Any]):
         self.graph = graph
         self.input_names = input_names
+        self._seq_lens = "seq_lens" if "seq_lens" in input_names else input_names[0]     # one row a sequence
         self._plan = plan
         self._rope = rope                       # one (cos, sin) input pair per rotation, after the graph's inputs
         self._positions = positions             # the input they rotate by
         self._launches = launches
-        self.constants = constants              # what the plan holds (weights), for memory reports
+        self.constants = constants              # what the plan holds (weights as prepared), for memory reports
 
-    def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int, int]:
+        """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and sequences."""
         inputs = [feeds[name] for name in self.input_names]
         for tables in self._rope.values():
             inputs.extend(tables(feeds[self._positions]))
-        return inputs, inputs[0].shape[0]
+        return inputs, inputs[0].shape[0], feeds[self._seq_lens].shape[0]
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return self._plan.run(*self._inputs(feeds))
@@ -84,7 +88,9 @@ class _Lowering:
     def __init__(self, graph: Graph, weights: dict[str, Any], block_size: int):
         self.graph, self.weights, self.nodes = graph, weights, graph.node_map()
         self.block_size = block_size
-        self.rows_dim = graph.inputs()[0].type.shape[0]
+        self.rows_dim = graph.inputs()[0].type.shape[0]                # the step's tokens
+        lens = [n.type.shape[0] for n in graph.inputs() if n.name == "seq_lens"]
+        self.seqs_dim = lens[0] if lens else self.rows_dim              # and its sequences
         caches = [to_torch(n.type.dtype) for n in graph.inputs() if n.name == "kv_cache"]
         self.dtype = self._float_dtype(int8_cache=caches == [torch.int8])
         self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, caches == [torch.int8])
@@ -129,13 +135,21 @@ class _Lowering:
         self.constants.append(t)
         return self.plan.constant(t)
 
+    def panels(self, w: GemvWeight) -> tuple[int, int, int]:
+        """Plan values of a prepared weight's panels, scales and mins (-1 where it has none)."""
+        self.constants.append(w)
+        return tuple(-1 if t is None else self.plan.constant(t) for t in (w.weight, w.scales, w.mins))
+
     def width(self, v: Value, node: Node) -> int:
         t = self.graph.type_of(v)
-        if len(t.shape) != 2 or t.shape[0] != self.rows_dim or not isinstance(t.shape[1], int) \
+        if len(t.shape) != 2 or t.shape[0] not in (self.rows_dim, self.seqs_dim) or not isinstance(t.shape[1], int) \
                 or to_torch(t.dtype) != self.dtype:
             raise NotPlannable(f"{node.name} ({node.op}) reads or writes {v} of type {t}, not "
-                               f"[{self.rows_dim}, W] {self.dtype}")
+                               f"[{self.rows_dim} or {self.seqs_dim}, W] {self.dtype}")
         return t.shape[1]
+
+    def per_sequence(self, v: Value) -> bool:
+        return self.graph.type_of(v).shape[0] == self.seqs_dim != self.rows_dim
 
     def activation(self, v: Value, node: Node) -> int:
         if v not in self.ids:
@@ -148,11 +162,11 @@ class _Lowering:
         v = node.value(index)
         width = self.width(v, node)
         if v in self.graph.outputs:
-            self.ids[v] = self.plan.output(width)
+            self.ids[v] = self.plan.output(width, self.per_sequence(v))
         else:
             reg = self.free_registers.pop() if self.free_registers else self._new_register()
             self.register_of[v] = reg
-            self.ids[v] = self.plan.temporary(reg, width)
+            self.ids[v] = self.plan.temporary(reg, width, self.per_sequence(v))
         return self.ids[v]
 
     def _new_register(self) -> int:
@@ -170,12 +184,12 @@ def _lower_embedding(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     table, ids = node.inputs
     w = lo.weight(table)
     if isinstance(w, GemvWeight) and w.format in ("f32", "bf16") and w.weight.dtype == lo.dtype:
-        layout, tensor, (vocab, width) = 1, w.weight, (w.rows, w.in_features)
+        layout, table_id, (vocab, width) = 1, lo.panels(w)[0], (w.rows, w.in_features)
     elif isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.dim() == 2:
-        layout, tensor, (vocab, width) = 0, w.contiguous(), w.shape
+        layout, table_id, (vocab, width) = 0, lo.constant(w.contiguous()), w.shape
     else:
         raise NotPlannable(f"{node.name} (embedding) reads a table the plan does not take")
-    return [lo.result(node), lo.constant(tensor), lo.graph_input(ids, node), layout, vocab, width], 0.0
+    return [lo.result(node), table_id, lo.graph_input(ids, node), layout, vocab, width], 0.0
 
 
 def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
@@ -209,7 +223,7 @@ def _lower_linear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if lo.width(x, node) != w.in_features:
         raise NotPlannable(f"{node.name} (linear) multiplies {lo.width(x, node)} inputs by a weight of {w.in_features}")
     bias_id = lo.constant(b.contiguous()) if bias else -1
-    args = [lo.result(node), lo.activation(x, node), lo.constant(w.weight), bias_id, w.in_features, w.out_features,
+    args = [lo.result(node), lo.activation(x, node), lo.panels(w)[0], bias_id, w.in_features, w.out_features,
             w.weight.shape[0]]
     return args, 0.0
 
@@ -225,10 +239,8 @@ def _lower_qlinear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
         raise NotPlannable(f"{node.name} (qlinear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
     if lo.width(x, node) != w.in_features:
         raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
-    mins = lo.constant(w.mins) if w.mins is not None else -1
-    args = [lo.result(node), lo.activation(x, node), lo.constant(w.weight), lo.constant(w.scales), mins,
-            lo.constant(b.contiguous()) if bias else -1, w.in_features, w.out_features, w.weight.shape[0], w.bits,
-            w.group_size]
+    args = [lo.result(node), lo.activation(x, node), *lo.panels(w), lo.constant(b.contiguous()) if bias else -1,
+            w.in_features, w.out_features, w.weight.shape[0], w.bits, w.group_size]
     return args, 0.0
 
 
@@ -276,6 +288,23 @@ def _lower_decode_attention(lo: _Lowering, node: Node) -> tuple[list[int], float
     return args, a["scale"]
 
 
+def _lower_paged_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    q, cache, tables, lens, starts = node.inputs
+    a = node.attrs
+    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16),
+            lo.graph_input(tables, node), lo.graph_input(lens, node), lo.graph_input(starts, node), a["layer"],
+            a["num_heads"], a["num_kv_heads"], a["head_dim"]]
+    return args, a["scale"]
+
+
+def _lower_index_select(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    x, indices = node.inputs
+    if lo.per_sequence(x) or not lo.per_sequence(node.value()):
+        raise NotPlannable(f"{node.name} (index_select) gathers rows other than one per sequence from the tokens")
+    width = lo.width(x, node)
+    return [lo.result(node), lo.activation(x, node), lo.graph_input(indices, node), width], 0.0
+
+
 def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if len(node.inputs) != 1:
         raise NotPlannable(f"{node.name} (silu_mul) takes gate and up apart; the plan takes one [R, 2N] input")
@@ -289,7 +318,8 @@ def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
 
 LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
              "linear": _lower_linear, "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
-             "paged_decode_attention": _lower_decode_attention, "silu_mul": _lower_silu_mul}
+             "paged_decode_attention": _lower_decode_attention, "paged_attention": _lower_paged_attention,
+             "silu_mul": _lower_silu_mul, "index_select": _lower_index_select}
 
 
 def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int) -> StepPlanProgram:

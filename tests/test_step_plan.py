@@ -1,7 +1,8 @@
-"""Step plans (runtime/step_plan.py, kernels/cpu/step_plan.cpp): a decode graph run as one native
-call equals the same graph run op by op with the native kernels, bit for bit (the same kernels on
-the same split of the work), and the torch refs within the dtype's tolerance; the KV cache it
-writes is the op-by-op one. Tiny random models whose shapes every plan kernel takes (widths a
+"""Step plans (runtime/step_plan.py, kernels/cpu/step_plan.cpp): a decode or prefill graph run as
+one native call equals the same graph run op by op with the native kernels, bit for bit (the same
+kernels on the same split of the work), and the torch refs within the dtype's tolerance; the KV
+cache it writes is the op-by-op one. Prefill steps mix prompt chunks (whole, first parts, a rest
+over its cached part) with decodes. Tiny random models whose shapes every plan kernel takes (widths a
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
 and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of
 lengths across block edges, on one thread and on two. The declines and bad step inputs too."""
@@ -32,7 +33,8 @@ PLANNABLE = {"llama": ("llama_hd32", {}), "llama_tied": ("llama_tied", WIDTHS), 
 VARIANTS = {"f32": dict(), "bf16": dict(dtype="bfloat16"), "f32_kv8": dict(quant=QuantRecipe.parse(kv_dtype="int8")),
             "bf16_kv8": dict(dtype="bfloat16", quant=QuantRecipe.parse(kv_dtype="int8")),
             "int8": dict(quant=QuantRecipe.parse("int8")),
-            "bf16_int4": dict(dtype="bfloat16", quant=QuantRecipe.parse("int4-g32"))}
+            "bf16_int4": dict(dtype="bfloat16", quant=QuantRecipe.parse("int4-g32")),
+            "unfused": dict(disabled_passes=("fuse_silu_mul",))}      # silu and mul apart: no plan kernel
 NUM_BLOCKS, BLOCK = 24, 16
 
 
@@ -99,8 +101,11 @@ def decode_steps(executors: list[TorchExecutor], lens: list[int], steps: int = 3
     return results
 
 
+PLANNED = [v for v in VARIANTS if v != "unfused"]
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", PLANNED)
 @pytest.mark.parametrize("family", list(PLANNABLE))
 def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads):
     art = artifact(family, variant)
@@ -113,14 +118,51 @@ def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, thre
     assert torch.equal(plan.kv_cache, ops.kv_cache)
 
 
+def mixed_steps(executors: list[TorchExecutor]) -> list[list[torch.Tensor]]:
+    """Each executor's logits for three prefill steps over five sequences: whole prompts and first
+    chunks, then the rests (over their cached parts) beside decodes, then decodes and one chunk."""
+    seqs, blocks = sequences([6, 40, 17, 1, 33])
+    plan = [[(0, 0, 6), (1, 0, 10), (2, 0, 17), (3, 0, 1), (4, 0, 20)],
+            [(0, 6, 7), (1, 10, 40), (2, 17, 18), (4, 20, 33)],
+            [(1, 40, 41), (3, 1, 2), (4, 33, 34)]]
+    results = [[] for _ in executors]
+    for chunks in plan:
+        for i, start, end in chunks:
+            while seqs[i].num_tokens < end:
+                seqs[i].output_ids.append(7 + i)
+        step = build_step_inputs([Chunk(seqs[i], start, end) for i, start, end in chunks], blocks)
+        for ex, out in zip(executors, results):
+            out.append(ex.run("prefill", step))
+        for i, _, end in chunks:
+            seqs[i].num_computed = end
+    return results
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("variant", ["f32", "bf16_kv8", "bf16_int4"])
+@pytest.mark.parametrize("family", list(PLANNABLE))
+def test_prefill_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads):
+    art = artifact(family, variant)
+    plan, ops = executor(art), executor(art, step_plans=False)
+    assert isinstance(plan.programs["prefill"], StepPlanProgram) and isinstance(ops.programs["prefill"], TorchProgram)
+    got, want = mixed_steps([plan, ops])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(plan.kv_cache, ops.kv_cache)
+
+
 @pytest.mark.parametrize("variant", ["f32", "bf16", "int8", "bf16_int4"])
 @pytest.mark.parametrize("family", list(PLANNABLE))
 def test_plan_matches_the_torch_refs(artifact, family, variant):
     art = artifact(family, variant)
     plan = executor(art)
     assert isinstance(plan.programs["decode"], StepPlanProgram)
-    got, want = decode_steps([plan, executor(art, kernels="reference")], [1, 17, 40])
+    reference = executor(art, kernels="reference")
+    got, want = decode_steps([plan, reference], [1, 17, 40])
     dtype = torch.bfloat16 if variant.startswith("bf16") else torch.float32
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tolerance(dtype, 160, scale=4.0))
+    got, want = mixed_steps([executor(art), executor(art, kernels="reference")])
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **tolerance(dtype, 160, scale=4.0))
 
@@ -142,16 +184,18 @@ def test_plan_times_each_instruction(artifact):
 
 
 def test_graphs_the_plan_cannot_take_run_op_by_op(artifact):
-    art = artifact("llama", "f32")
+    art = artifact("llama", "unfused")
     ex = executor(art)
-    assert isinstance(ex.programs["prefill"], TorchProgram)            # prompt attention has no plan kernel
-    with pytest.raises(NotPlannable, match=r"paged_attention\) has no plan kernel"):
-        lower_step_plan(art.graphs["prefill"], {}, BLOCK)
+    assert isinstance(ex.programs["prefill"], TorchProgram) and isinstance(ex.programs["decode"], TorchProgram)
+    with pytest.raises(NotPlannable, match=r"\(split\) has no plan kernel"):     # the merged gate/up, split
+        lower_step_plan(art.graphs["decode"], {}, BLOCK)
+    art = artifact("llama", "f32")
     assert isinstance(executor(art, kernels="reference").programs["decode"], TorchProgram)
     with pytest.raises(NotPlannable, match="not prepared as"):      # the refs' plain weights
         lower_step_plan(art.graphs["decode"], dict(art.weights), BLOCK)
     assert isinstance(executor(art, block_size=32).programs["decode"], TorchProgram)
-    assert isinstance(executor(art, step_plans=False).programs["decode"], TorchProgram)
+    programs = executor(art, step_plans=False).programs
+    assert all(isinstance(p, TorchProgram) for p in programs.values())
 
 
 def test_plan_declines_a_head_dim_its_rope_kernel_does_not_take(tiny_family):
@@ -182,15 +226,15 @@ def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
     assert torch.equal(ex.kv_cache, cache)
 
 
-def test_the_plan_holds_the_prefill_programs_weights_not_a_copy(artifact):
-    """The decode plan takes the panels and norm weights the op-by-op prefill program holds: the
-    engine's programs hold each stored weight once (plus the zero rows of the last panels)."""
+def test_the_plans_hold_the_prepared_weights_not_copies(artifact):
+    """The prefill and decode plans take the panels and norm weights as prepare_weights left them:
+    the engine's programs hold each stored weight once (plus the zero rows of the last panels)."""
     from llmc.runtime.engine import Engine, EngineConfig
     from test_gemv_kernels import padding_bytes, storages
 
     engine = Engine(artifact("llama_tied", "bf16").path, EngineConfig(kernels="native"))
     programs = engine.runner.executor.programs
-    assert isinstance(programs["decode"], StepPlanProgram)
+    assert all(isinstance(p, StepPlanProgram) for p in programs.values())
     held = [v for p in programs.values() for v in p.constants]
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
     assert sum(storages(held).values()) == stored + padding_bytes(held)

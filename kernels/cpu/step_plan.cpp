@@ -9,8 +9,8 @@
 // run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
 // overlap share a register, as runtime/step_plan.py assigned them) and outputs (fresh tensors
 // each run). Every
-// activation is [rows, width] in the plan's dtype (f32 or bf16); the KV cache is the plan's dtype
-// or int8. Everything a kernel will read or write is checked before the parallel region (ids,
+// activation is [rows, width] in the plan's dtype (f32 or bf16), its rows the step's tokens or (after
+// a gather) its sequences; the KV cache is the plan's dtype or int8. Everything a kernel will read or write is checked before the parallel region (ids,
 // slots, block tables, lengths, shapes), so nothing inside it can fail.
 //
 // Instructions (args, in order; "v" is a value id, "col" a column offset within a row):
@@ -23,6 +23,9 @@
 //                     layer, heads, kv heads, head_dim
 //   kDecodeAttention  out, q, cache, block_tables, seq_lens, layer, heads, kv heads, head_dim; f = scale
 //   kSiluMul          out, gate, up, gate col, up col, gate/up row width, n
+//   kPagedAttention   out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv heads,
+//                     head_dim; f = scale (prompt chunks and decodes mixed; a decode is one query)
+//   kIndexSelect      out, x, indices, width: out row s = x row indices[s]
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
 // (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
 // (tokens split, then a barrier), as the op does.
@@ -49,7 +52,8 @@
 namespace {
 
 enum Op : int64_t {
-  kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kQLinear, kNumOps
+  kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kQLinear, kPagedAttention,
+  kIndexSelect, kNumOps
 };
 enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
 
@@ -57,6 +61,7 @@ struct Value {
   Place place;
   int64_t index;   // constant, input or output number; a temporary's register
   int64_t width;   // elements per row (temporaries and outputs)
+  bool seqs;       // one row per sequence of the step, not per token
 };
 
 struct Instr {
@@ -67,24 +72,24 @@ struct Instr {
 
 // Per op (in Op's order): how many args it takes, and which of them are value ids (-1 allowed
 // only for the optional ones: a bias, int8's mins).
-const std::vector<int64_t> kArgs = {6, 4, 6, 7, 16, 9, 7, 11};
+const std::vector<int64_t> kArgs = {6, 4, 6, 7, 16, 9, 7, 11, 10, 4};
 const std::vector<std::vector<int64_t>> kValueArgs = {
     {0, 1, 2}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 2, 3, 4}, {0, 1, 2},
-    {0, 1, 2, 3}};
-const std::vector<std::vector<int64_t>> kOptionalArgs = {{}, {}, {}, {3}, {}, {}, {}, {4, 5}};
+    {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}, {0, 1, 2}};
+const std::vector<std::vector<int64_t>> kOptionalArgs = {{}, {}, {}, {3}, {}, {}, {}, {4, 5}, {}, {}};
 
 // Items [first, second) of `count` for thread `tid` of a team of `team`.
 inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
   return {count * tid / team, count * (tid + 1) / team};
 }
 
-// One run's addresses and the attention work every decode-attention call of the step shares.
+// One run's addresses and the attention work every attention call of the step shares.
 struct Bound {
-  int64_t rows;
+  int64_t rows, seqs;                         // the step's tokens and sequences
   std::vector<char*> at;                      // value id -> its first row
   std::vector<at::Tensor> inputs;
   std::vector<llmc_cpu::Item> items;          // decode attention's work items, most costly first
-  std::vector<int32_t> qsl;                   // 0, 1, ..., S: one query per sequence
+  std::vector<int32_t> qsl;                   // each sequence's first query row (a decode step: 0, 1, ..., S)
   mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums (the team writes it)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
 };
@@ -96,21 +101,22 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t constant(at::Tensor t) {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "a plan constant must be a contiguous CPU tensor");
     constants_.push_back(std::move(t));
-    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0});
+    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0, false});
     constant_at_[id] = static_cast<char*>(constants_.back().data_ptr());
     return id;
   }
   int64_t input(int64_t index, at::Tensor like) {
     input_types_.resize(std::max<int64_t>(input_types_.size(), index + 1), at::kFloat);
     input_types_[index] = like.scalar_type();
-    return add_value({kInput, index, 0});
+    return add_value({kInput, index, 0, false});
   }
-  int64_t temporary(int64_t reg, int64_t width) {
-    reg_bytes_.resize(std::max<int64_t>(reg_bytes_.size(), reg + 1), 0);
-    reg_bytes_[reg] = std::max(reg_bytes_[reg], (width * element_bytes() + 63) / 64 * 64);
-    return add_value({kTemporary, reg, width});
+  int64_t temporary(int64_t reg, int64_t width, bool seqs) {
+    for (auto* bytes : {&reg_bytes_, &reg_seq_bytes_}) bytes->resize(std::max<int64_t>(bytes->size(), reg + 1), 0);
+    int64_t& widest = (seqs ? reg_seq_bytes_ : reg_bytes_)[reg];
+    widest = std::max(widest, (width * element_bytes() + 63) / 64 * 64);
+    return add_value({kTemporary, reg, width, seqs});
   }
-  int64_t output(int64_t width) { return add_value({kOutput, num_outputs_++, width}); }
+  int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs}); }
   void add(int64_t op, std::vector<int64_t> args, double f) {
     TORCH_CHECK(op >= 0 && op < kNumOps && static_cast<int64_t>(args.size()) == kArgs[op], "plan op ", op,
                 " with ", args.size(), " args is not one of step_plan.cpp's instructions");
@@ -120,20 +126,21 @@ class StepPlan : public torch::CustomClassHolder {
       TORCH_CHECK(args[i] == -1 || is_value(args[i]), "arg ", i, " of plan op ", op, " is neither -1 nor a value");
     if (op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, args[15]);
     if (op == kQLinear) widened_per_row_ = std::max(widened_per_row_, args[6] + args[6] / args[10]);
-    if (op == kDecodeAttention) {      // the step's work items are made once, for every layer
-      const std::vector<int64_t> meta{args[3], args[4]};
+    if (op == kDecodeAttention || op == kPagedAttention) {     // the step's work items: made once, for every layer
+      const std::vector<int64_t> meta{op, args[3], args[4], op == kPagedAttention ? args[5] : -1};
       TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
-                  "every decode attention of a plan must read the same block tables and lengths");
+                  "every attention of a plan must be of one kind and read the same block tables and lengths");
       attention_meta_ = meta;
     }
     code_.push_back({static_cast<Op>(op), std::move(args), f});
   }
-  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows) {
-    return std::get<0>(execute(std::move(inputs), rows, false));
+  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs) {
+    return std::get<0>(execute(std::move(inputs), rows, seqs, false));
   }
   // run, and each instruction's seconds (from the barrier before it to the one after).
-  std::tuple<std::vector<at::Tensor>, std::vector<double>> run_timed(std::vector<at::Tensor> inputs, int64_t rows) {
-    return execute(std::move(inputs), rows, true);
+  std::tuple<std::vector<at::Tensor>, std::vector<double>> run_timed(std::vector<at::Tensor> inputs, int64_t rows,
+                                                                     int64_t seqs) {
+    return execute(std::move(inputs), rows, seqs, true);
   }
 
  private:
@@ -144,9 +151,11 @@ class StepPlan : public torch::CustomClassHolder {
   }
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
   const at::Tensor& input_of(const Bound& b, int64_t value) const { return b.inputs[values_[value].index]; }
+  int64_t rows_of(const Bound& b, int64_t value) const { return values_[value].seqs ? b.seqs : b.rows; }
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
-                                                                   bool timed);
+                                                                   int64_t seqs, bool timed);
+  void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
   std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, Bound& b) const;
   template <typename X, typename C>
@@ -160,25 +169,26 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<at::ScalarType> input_types_;
   std::vector<Value> values_;
   std::vector<char*> constant_at_;          // value id -> a constant's address (null for the others)
-  std::vector<int64_t> reg_bytes_;          // bytes of one row of each register
+  std::vector<int64_t> reg_bytes_;          // bytes of one row of each register's widest per-token value
+  std::vector<int64_t> reg_seq_bytes_;      // and of its widest per-sequence value
   at::Tensor arena_;                        // the temporaries, kept between runs
   std::mutex running_;                      // one run at a time uses the arena
   std::vector<Instr> code_;
-  std::vector<int64_t> attention_meta_;     // the block tables and lengths values attention reads
+  std::vector<int64_t> attention_meta_;     // attention's kind and the tables, lengths (and query starts) it reads
   int64_t max_head_dim_ = 16;
   int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
   int64_t num_outputs_ = 0;
 };
 
-// Addresses of every value for b.rows rows: constants where they are, the arena's registers laid
-// out one after another, each as wide as its widest value (rounded up to 64 bytes), and fresh
-// output tensors. The arena is kept from run to run and grown when a run needs more.
+// Addresses of every value for the run's rows: constants where they are, the arena's registers
+// laid out one after another, each as large as its largest value (rows rounded up to 64 bytes),
+// and fresh output tensors. The arena is kept from run to run and grown when a run needs more.
 std::vector<at::Tensor> StepPlan::bind(Bound& b) {
   int64_t bytes = 0;
   std::vector<int64_t> reg_offset(reg_bytes_.size());
   for (size_t r = 0; r < reg_bytes_.size(); ++r) {
     reg_offset[r] = bytes;
-    bytes += reg_bytes_[r] * b.rows;
+    bytes += std::max(reg_bytes_[r] * b.rows, reg_seq_bytes_[r] * b.seqs);
   }
   if (!arena_.defined() || arena_.numel() < bytes)
     arena_ = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte));
@@ -192,7 +202,8 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
     } else if (v.place == kTemporary) {
       b.at[i] = arena + reg_offset[v.index];
     } else if (v.place == kOutput) {
-      outputs[v.index] = at::empty({b.rows, v.width}, at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat));
+      outputs[v.index] = at::empty({rows_of(b, i), v.width},
+                                   at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat));
       b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
     }
   }
@@ -204,19 +215,29 @@ void StepPlan::check(const Instr& in, Bound& b) const {
   const auto& a = in.a;
   if (in.op == kEmbedding) {
     const at::Tensor& ids = input_of(b, a[2]);
-    TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " rows but ", ids.numel(), " token ids");
+    TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " tokens but ", ids.numel(), " token ids");
     const int64_t* p = ids.const_data_ptr<int64_t>();
     for (int64_t t = 0; t < b.rows; ++t)
       TORCH_CHECK(p[t] >= 0 && p[t] < a[4], "token id ", p[t], " is outside the vocabulary of ", a[4]);
-  } else if (in.op == kRopeKvWrite || in.op == kDecodeAttention) {
-    const at::Tensor& cache = input_of(b, in.op == kRopeKvWrite ? a[10] : a[2]);
-    const int64_t layer = in.op == kRopeKvWrite ? a[12] : a[5], kv_heads = a[in.op == kRopeKvWrite ? 14 : 7];
-    const int64_t d = a[in.op == kRopeKvWrite ? 15 : 8];
+  } else if (in.op == kIndexSelect) {
+    const at::Tensor& indices = input_of(b, a[2]);
+    const int64_t from = rows_of(b, a[1]);
+    TORCH_CHECK(indices.numel() == rows_of(b, a[0]), "index_select needs ", rows_of(b, a[0]), " indices, not ",
+                indices.numel());
+    const int64_t* p = indices.const_data_ptr<int64_t>();
+    for (int64_t s = 0; s < indices.numel(); ++s)
+      TORCH_CHECK(p[s] >= 0 && p[s] < from, "row index ", p[s], " is outside the step's ", from, " rows");
+  } else if (in.op == kRopeKvWrite || in.op == kDecodeAttention || in.op == kPagedAttention) {
+    const bool rope = in.op == kRopeKvWrite;
+    const at::Tensor& cache = input_of(b, rope ? a[10] : a[2]);
+    const int64_t layer = rope ? a[12] : a[in.op == kDecodeAttention ? 5 : 6];
+    const int64_t kv_heads = rope ? a[14] : a[in.op == kDecodeAttention ? 7 : 8];
+    const int64_t d = rope ? a[15] : a[in.op == kDecodeAttention ? 8 : 9];
     TORCH_CHECK(cache.dim() == 6 && cache.size(4) == llmc_cpu::kBlock && cache.size(3) == kv_heads &&
                     cache.size(5) == d + (int8_cache_ ? llmc_cpu::kScaleBytes : 0) && layer < cache.size(0),
                 "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
                 "] cache this plan was built for");
-    if (in.op == kRopeKvWrite) {
+    if (rope) {
       const at::Tensor& slots = input_of(b, a[11]);
       TORCH_CHECK(slots.numel() == b.rows && input_of(b, a[8]).numel() == b.rows * d / 2,
                   "slot_mapping and the RoPE tables need one row per token");
@@ -224,24 +245,38 @@ void StepPlan::check(const Instr& in, Bound& b) const {
       for (int64_t t = 0; t < b.rows; ++t)
         TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
                     cache.size(2) * llmc_cpu::kBlock, " slots");
-    } else if (b.qsl.empty()) {          // the first attention call: the step's work items, for all
-      const at::Tensor& tables = input_of(b, a[3]);
-      const at::Tensor& lens = input_of(b, a[4]);
-      TORCH_CHECK(lens.numel() == b.rows && tables.dim() == 2 && tables.size(0) == b.rows,
-                  "decode attention needs one sequence per row");
-      b.qsl.resize(b.rows + 1);
-      for (int64_t s = 0; s <= b.rows; ++s) b.qsl[s] = static_cast<int32_t>(s);
-      llmc_cpu::check_layout(b.qsl.data(), lens.const_data_ptr<int32_t>(), tables.const_data_ptr<int32_t>(), b.rows,
-                             tables.size(1), b.rows, cache.size(2));
-      const auto items = llmc_cpu::plan_items(b.qsl.data(), b.rows, kv_heads, true, at::get_num_threads());
-      for (int64_t i : llmc_cpu::by_cost(items, lens.const_data_ptr<int32_t>(), b.qsl.data()))
-        b.items.push_back(items[i]);
+    } else if (b.qsl.empty()) {
+      plan_attention(in, b, cache);
     }
   }
 }
 
+// The first attention call's inputs, checked, and the step's work items for every layer's call:
+// each sequence's query rows (a decode step's one each), the reads within the cache, the items
+// most costly first.
+void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const {
+  const auto& a = in.a;
+  const at::Tensor& tables = input_of(b, a[3]);
+  const at::Tensor& lens = input_of(b, a[4]);
+  TORCH_CHECK(lens.numel() == b.seqs && tables.dim() == 2 && tables.size(0) == b.seqs,
+              "attention needs a length and a block-table row per sequence");
+  if (in.op == kDecodeAttention) {
+    TORCH_CHECK(b.rows == b.seqs, "a decode step has one token per sequence");
+    for (int64_t s = 0; s <= b.seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
+  } else {
+    const at::Tensor& starts = input_of(b, a[5]);
+    TORCH_CHECK(starts.numel() == b.seqs + 1, "query_start_loc needs S+1 entries");
+    b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + b.seqs + 1);
+  }
+  const int32_t* seq_lens = lens.const_data_ptr<int32_t>();
+  llmc_cpu::check_layout(b.qsl.data(), seq_lens, tables.const_data_ptr<int32_t>(), b.seqs, tables.size(1), b.rows,
+                         cache.size(2));
+  const auto items = llmc_cpu::plan_items(b.qsl.data(), b.seqs, cache.size(3), true, at::get_num_threads());
+  for (int64_t i : llmc_cpu::by_cost(items, seq_lens, b.qsl.data())) b.items.push_back(items[i]);
+}
+
 std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::vector<at::Tensor> inputs,
-                                                                           int64_t rows, bool timed) {
+                                                                           int64_t rows, int64_t seqs, bool timed) {
   TORCH_CHECK(inputs.size() >= input_types_.size(), "the plan takes ", input_types_.size(), " inputs, not ",
               inputs.size());
   for (size_t i = 0; i < input_types_.size(); ++i)
@@ -251,9 +286,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   const std::lock_guard<std::mutex> hold(running_);
   Bound b;
   b.rows = rows;
+  b.seqs = seqs;
   b.inputs = std::move(inputs);
   std::vector<at::Tensor> outputs = bind(b);
-  b.widened.resize(widened_per_row_ * rows);
+  b.widened.resize(widened_per_row_ * std::max(rows, seqs));
   for (const Instr& in : code_) check(in, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
@@ -295,7 +331,8 @@ void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int
                     float* row) const {
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const auto [first, last] = share(b.rows, tid, team);
+  const int64_t rows = rows_of(b, a[0]);        // of the result: the step's tokens, or its sequences
+  const auto [first, last] = share(rows, tid, team);
   switch (in.op) {
     case kEmbedding: {
       const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[2]]);
@@ -327,14 +364,14 @@ void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int
     }
     case kLinear: {
       const auto [begin, end] = share(a[6], tid, team);
-      llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), b.rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
+      llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
                                     x_at(a[0]), a[5], begin, end);
       break;
     }
     case kQLinear: {
       const int64_t k = a[6], group = a[10], bits = a[9];
       float* xf = b.widened.data();
-      float* xsum = xf + b.rows * k;
+      float* xsum = xf + rows * k;
       llmc_qpanels::widen_rows(x_at(a[1]), k, group, static_cast<int>(bits), xf, xsum, first, last);
 #pragma omp barrier
       const llmc_qpanels::QPanels w{b.at[a[2]], reinterpret_cast<const c10::Half*>(b.at[a[3]]),
@@ -343,9 +380,9 @@ void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int
       const auto [begin, end] = share(a[8], tid, team);
       X* bias = a[5] < 0 ? nullptr : x_at(a[5]);
       if (bits == 8)
-        llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, b.rows, bias, x_at(a[0]), a[7], begin, end);
+        llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[0]), a[7], begin, end);
       else
-        llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, b.rows, bias, x_at(a[0]), a[7], begin, end);
+        llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[0]), a[7], begin, end);
       break;
     }
     case kRopeKvWrite: {
@@ -369,27 +406,41 @@ void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int
       break;
     }
     case kDecodeAttention:
+    case kPagedAttention:
       attend<X, C>(in, b, index, scratch);
       break;
+    case kIndexSelect: {
+      const int64_t* indices = reinterpret_cast<const int64_t*>(b.at[a[2]]);
+      for (int64_t r = first; r < last; ++r)
+        std::memcpy(x_at(a[0]) + r * a[3], x_at(a[1]) + indices[r] * a[3], a[3] * sizeof(X));
+      break;
+    }
     default:
       break;
   }
 }
 
-// Decode attention: the team takes the step's work items one at a time, most costly first.
+// Attention: the team takes the step's work items one at a time, most costly first; a decode
+// (one query) runs attention_decode.h's run_decode, a prompt chunk attention_items.h's tiles.
 template <typename X, typename C>
 void StepPlan::attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) const {
   const auto& a = in.a;
+  const int64_t o = in.op == kPagedAttention;           // its args have query_start_loc before the layer
   const at::Tensor& cache = input_of(b, a[2]);
-  const C* k_cache = reinterpret_cast<const C*>(b.at[a[2]]) + a[5] * cache.stride(0);
+  const C* k_cache = reinterpret_cast<const C*>(b.at[a[2]]) + a[5 + o] * cache.stride(0);
   const at::Tensor& tables = input_of(b, a[3]);
-  const llmc_cpu::Geometry g{a[6], a[7], a[8], a[6] / a[7]};
+  const llmc_cpu::Geometry g{a[6 + o], a[7 + o], a[8 + o], a[6 + o] / a[7 + o]};
   const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a[1]]), reinterpret_cast<X*>(b.at[a[0]]),
                                       k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
                                       tables.size(1), reinterpret_cast<const int32_t*>(b.at[a[4]]), b.qsl.data(),
                                       g, static_cast<float>(in.f)};
   const int64_t count = b.items.size();
-  for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) llmc_cpu::run_decode(inputs, b.items[i], scratch);
+  for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) {
+    if (b.items[i].num_queries == 1)
+      llmc_cpu::run_decode(inputs, b.items[i], scratch);
+    else
+      llmc_cpu::run_chunk(inputs, b.items[i], scratch);
+  }
 }
 
 }  // namespace
