@@ -9,8 +9,9 @@ Plan kernels: embedding (a table of rows, or a tied float table kept as panels),
 add_rmsnorm, linear (float panels) and qlinear (int8 / int4 panels), each with an optional bias,
 rope_kv_write (a packed qkv), paged_attention and paged_decode_attention, silu_mul (one [R, 2N]
 input) and index_select (of rows), over activations [R, W] of one float dtype (f32 or bf16), R
-the step's tokens (the rows of the graph's first input) or its sequences (of `seq_lens`), and a
-paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
+the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
+indices' count (the IR's S: a sequence each, or more where a step asks for logits at several
+positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
 same split of the work, as the op-by-op native table does, so a plan's outputs equal that
 table's bit for bit; the torch refs are the meaning (tests compare both).
 
@@ -55,10 +56,11 @@ class StepPlanProgram:
     """`graph` as one native step plan; call with the step's input tensors by name."""
 
     def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: dict[tuple, RopeTables],
-                 positions: str, launches: list[PlanLaunch], constants: list[Any]):
+                 positions: str, gathered: str, launches: list[PlanLaunch], constants: list[Any]):
         self.graph = graph
         self.input_names = input_names
-        self._seq_lens = "seq_lens" if "seq_lens" in input_names else input_names[0]     # one row a sequence
+        self._gathered = gathered               # the input whose rows per-sequence values have
+        self.profile_name = f"llmc::step_plan.{graph.name}"
         self._plan = plan
         self._rope = rope                       # one (cos, sin) input pair per rotation, after the graph's inputs
         self._positions = positions             # the input they rotate by
@@ -66,14 +68,16 @@ class StepPlanProgram:
         self.constants = constants              # what the plan holds (weights as prepared), for memory reports
 
     def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int, int]:
-        """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and sequences."""
+        """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and the
+        rows its gather makes (as many as its indices: logits may be asked at several positions)."""
         inputs = [feeds[name] for name in self.input_names]
         for tables in self._rope.values():
             inputs.extend(tables(feeds[self._positions]))
-        return inputs, inputs[0].shape[0], feeds[self._seq_lens].shape[0]
+        return inputs, inputs[0].shape[0], feeds[self._gathered].shape[0]
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return self._plan.run(*self._inputs(feeds))
+        with torch.profiler.record_function(self.profile_name):     # what torch.profiler shows of the step
+            return self._plan.run(*self._inputs(feeds))
 
     def timed(self, feeds: dict[str, torch.Tensor], sync: Callable[[], None] = lambda: None):
         """The outputs, and each instruction's LaunchTime (measured by the team's first thread; a
@@ -90,7 +94,7 @@ class _Lowering:
         self.block_size = block_size
         self.rows_dim = graph.inputs()[0].type.shape[0]                # the step's tokens
         lens = [n.type.shape[0] for n in graph.inputs() if n.name == "seq_lens"]
-        self.seqs_dim = lens[0] if lens else self.rows_dim              # and its sequences
+        self.seqs_dim = lens[0] if lens else self.rows_dim              # and its sequences (S)
         caches = [to_torch(n.type.dtype) for n in graph.inputs() if n.name == "kv_cache"]
         self.dtype = self._float_dtype(int8_cache=caches == [torch.int8])
         self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, caches == [torch.int8])
@@ -99,6 +103,7 @@ class _Lowering:
         self.rope: dict[tuple, RopeTables] = {}
         self.rope_inputs: dict[tuple, tuple[int, int]] = {}     # plan value ids of each rotation's cos, sin
         self.positions = ""
+        self.gathered = graph.inputs()[0].name                          # index_select's indices, if any
         self.last_use = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}
         self.free_registers: list[int] = []
         self.registers = 0
@@ -161,6 +166,8 @@ class _Lowering:
         """A plan value for result `index` of `node`: an output tensor, or a register of the arena."""
         v = node.value(index)
         width = self.width(v, node)
+        if self.per_sequence(v) and self.gathered == self.graph.inputs()[0].name:
+            raise NotPlannable(f"{node.name} ({node.op}) makes one row per sequence without a gather of rows")
         if v in self.graph.outputs:
             self.ids[v] = self.plan.output(width, self.per_sequence(v))
         else:
@@ -302,6 +309,9 @@ def _lower_index_select(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if lo.per_sequence(x) or not lo.per_sequence(node.value()):
         raise NotPlannable(f"{node.name} (index_select) gathers rows other than one per sequence from the tokens")
     width = lo.width(x, node)
+    if lo.gathered not in (lo.graph.inputs()[0].name, indices.node):
+        raise NotPlannable(f"{node.name} (index_select) gathers by a second set of indices; the plan takes one")
+    lo.gathered = indices.node
     return [lo.result(node), lo.activation(x, node), lo.graph_input(indices, node), width], 0.0
 
 
@@ -338,4 +348,4 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int) -> S
         lo.plan.add(OPCODES[node.op], args, float(f))
         lo.release(i, node)
         launches.append(PlanLaunch(node.op, OPS[node.op].kind))
-    return StepPlanProgram(graph, lo.plan, names, lo.rope, lo.positions, launches, lo.constants)
+    return StepPlanProgram(graph, lo.plan, names, lo.rope, lo.positions, lo.gathered, launches, lo.constants)

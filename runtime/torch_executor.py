@@ -4,7 +4,7 @@ It is the CPU runtime and the numeric reference of the triton executor. On the C
 is the native one (kernels/native_ops.py) or the torch refs, as `kernels` asks; on another device
 the refs run there (the native kernels are CPU code). Weights move to the device once; with the
 native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weights lays them out, once.
-With the native kernels, a graph whose ops all have plan kernels (the decode graph) runs as one
+With the native kernels, a graph whose ops all have plan kernels (prefill and decode) runs as one
 step plan (step_plan.py): one native call per step in place of a Python launch per op, the same
 kernels on the same work, so the same numbers; `step_plans=False` keeps every graph op by op.
 """

@@ -31,11 +31,12 @@ def make_prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 300, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def new_runner(artifact_path, kernels="reference"):
+def new_runner(artifact_path, kernels="reference", step_plans=True):
     """Reference kernels on blocks of 4 tokens; native ones on the blocks of 16 they take."""
     art = load_artifact(artifact_path)
     num_blocks, block_size = (32, 4) if kernels == "reference" else (8, 16)
-    return ModelRunner(art, num_blocks, block_size, "torch", kernels), BlockManager(num_blocks, block_size)
+    runner = ModelRunner(art, num_blocks, block_size, "torch", kernels, step_plans=step_plans)
+    return runner, BlockManager(num_blocks, block_size)
 
 
 def run_all_positions(runner, blocks, chunks):
@@ -101,9 +102,10 @@ def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family, f
 
 
 def test_native_runner_runs_the_native_kernels_where_shapes_fit(tiny_family):
-    """On the hd32 model every native kernel applies (the others fall back to refs)."""
+    """On the hd32 model every native kernel applies (the others fall back to refs); op by op, the
+    profiler sees each (by default both graphs run as step plans, tests/test_step_plan.py)."""
     _, _, artifact = tiny_family("llama_hd32")
-    runner, blocks = new_runner(artifact, "native")
+    runner, blocks = new_runner(artifact, "native", step_plans=False)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=1)) for i, p in enumerate(make_prompts(5))]
     for s in seqs:
         blocks.allocate(s.seq_id, s.prompt_ids)

@@ -44,6 +44,7 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     assert "of the read bandwidth" in proc.stdout and "of the matmul peak" in proc.stdout
     assert "transformers, same run: decode" in proc.stdout
     result = json.loads(out.read_text())
+    assert sorted(result["step_plans"]) == ["decode", "prefill"] and "step plans: " in proc.stdout
     assert result["hf"]["decode_s"] > 0 and result["hf"]["prefill_s"] > 0
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round

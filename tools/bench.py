@@ -128,7 +128,7 @@ def format_report(result: dict) -> str:
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
 STEP_PLANS_OPTION = typer.Option(True, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "
-                                 "graph whose ops all have one (decode) as one native call per step, not op by op")
+                                 "graph whose ops all have one as one native call per step, not op by op")
 
 
 def bench_cmd(

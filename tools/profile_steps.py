@@ -211,8 +211,8 @@ def _split(step: dict) -> str:
 def format_profile(r: dict) -> str:
     d, p = r["decode"], r["prefill"]
     return "\n".join([
-        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | decode "
-        f"{r.get('decode_program', 'op by op')}",
+        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | step plans: "
+        f"{', '.join(r.get('step_plans', [])) or 'none (op by op)'}",
         f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB beside "
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
@@ -261,8 +261,8 @@ def profile_cmd(
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "kernels": engine.kernels,
-              "decode_program": "one step plan" if isinstance(engine.runner.executor.programs["decode"],
-                                                              StepPlanProgram) else "op by op",
+              "step_plans": [entry for entry, program in engine.runner.executor.programs.items()
+                             if isinstance(program, StepPlanProgram)],
               "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
     decode, context = profile_decode(engine, decode_tokens, bandwidth=ReadBandwidth())

@@ -9,8 +9,9 @@
 // run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
 // overlap share a register, as runtime/step_plan.py assigned them) and outputs (fresh tensors
 // each run). Every
-// activation is [rows, width] in the plan's dtype (f32 or bf16), its rows the step's tokens or (after
-// a gather) its sequences; the KV cache is the plan's dtype or int8. Everything a kernel will read or write is checked before the parallel region (ids,
+// activation is [rows, width] in the plan's dtype (f32 or bf16), its rows the step's tokens or, after
+// a gather (index_select), the rows gathered (one per sequence, or more where a step asks for
+// logits at several positions); the KV cache is the plan's dtype or int8. Everything a kernel will read or write is checked before the parallel region (ids,
 // slots, block tables, lengths, shapes), so nothing inside it can fail.
 //
 // Instructions (args, in order; "v" is a value id, "col" a column offset within a row):
@@ -61,7 +62,7 @@ struct Value {
   Place place;
   int64_t index;   // constant, input or output number; a temporary's register
   int64_t width;   // elements per row (temporaries and outputs)
-  bool seqs;       // one row per sequence of the step, not per token
+  bool seqs;       // rows are the gathered rows (IR dim S), not the step's tokens
 };
 
 struct Instr {
@@ -85,7 +86,7 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
 
 // One run's addresses and the attention work every attention call of the step shares.
 struct Bound {
-  int64_t rows, seqs;                         // the step's tokens and sequences
+  int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
   std::vector<char*> at;                      // value id -> its first row
   std::vector<at::Tensor> inputs;
   std::vector<llmc_cpu::Item> items;          // decode attention's work items, most costly first
@@ -258,20 +259,20 @@ void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache
   const auto& a = in.a;
   const at::Tensor& tables = input_of(b, a[3]);
   const at::Tensor& lens = input_of(b, a[4]);
-  TORCH_CHECK(lens.numel() == b.seqs && tables.dim() == 2 && tables.size(0) == b.seqs,
-              "attention needs a length and a block-table row per sequence");
+  const int64_t num_seqs = lens.numel();
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "attention needs a block-table row per sequence");
   if (in.op == kDecodeAttention) {
-    TORCH_CHECK(b.rows == b.seqs, "a decode step has one token per sequence");
-    for (int64_t s = 0; s <= b.seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
+    TORCH_CHECK(b.rows == num_seqs, "a decode step has one token per sequence");
+    for (int64_t s = 0; s <= num_seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
   } else {
     const at::Tensor& starts = input_of(b, a[5]);
-    TORCH_CHECK(starts.numel() == b.seqs + 1, "query_start_loc needs S+1 entries");
-    b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + b.seqs + 1);
+    TORCH_CHECK(starts.numel() == num_seqs + 1, "query_start_loc needs S+1 entries");
+    b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + num_seqs + 1);
   }
   const int32_t* seq_lens = lens.const_data_ptr<int32_t>();
-  llmc_cpu::check_layout(b.qsl.data(), seq_lens, tables.const_data_ptr<int32_t>(), b.seqs, tables.size(1), b.rows,
+  llmc_cpu::check_layout(b.qsl.data(), seq_lens, tables.const_data_ptr<int32_t>(), num_seqs, tables.size(1), b.rows,
                          cache.size(2));
-  const auto items = llmc_cpu::plan_items(b.qsl.data(), b.seqs, cache.size(3), true, at::get_num_threads());
+  const auto items = llmc_cpu::plan_items(b.qsl.data(), num_seqs, cache.size(3), true, at::get_num_threads());
   for (int64_t i : llmc_cpu::by_cost(items, seq_lens, b.qsl.data())) b.items.push_back(items[i]);
 }
 
