@@ -9,6 +9,8 @@ lengths across block edges, on one thread and on two. The declines and bad step 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,9 +120,10 @@ def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, thre
     assert torch.equal(plan.kv_cache, ops.kv_cache)
 
 
-def mixed_steps(executors: list[TorchExecutor]) -> list[list[torch.Tensor]]:
+def mixed_steps(executors: list[TorchExecutor], every_position: bool = False) -> list[list[torch.Tensor]]:
     """Each executor's logits for three prefill steps over five sequences: whole prompts and first
-    chunks, then the rests (over their cached parts) beside decodes, then decodes and one chunk."""
+    chunks, then the rests (over their cached parts) beside decodes, then decodes and one chunk;
+    `every_position`: logits at every token of the step, not only each chunk's last."""
     seqs, blocks = sequences([6, 40, 17, 1, 33])
     plan = [[(0, 0, 6), (1, 0, 10), (2, 0, 17), (3, 0, 1), (4, 0, 20)],
             [(0, 6, 7), (1, 10, 40), (2, 17, 18), (4, 20, 33)],
@@ -131,6 +134,8 @@ def mixed_steps(executors: list[TorchExecutor]) -> list[list[torch.Tensor]]:
             while seqs[i].num_tokens < end:
                 seqs[i].output_ids.append(7 + i)
         step = build_step_inputs([Chunk(seqs[i], start, end) for i, start, end in chunks], blocks)
+        if every_position:
+            step = dataclasses.replace(step, logits_indices=torch.arange(step.input_ids.numel()))
         for ex, out in zip(executors, results):
             out.append(ex.run("prefill", step))
         for i, _, end in chunks:
@@ -138,14 +143,16 @@ def mixed_steps(executors: list[TorchExecutor]) -> list[list[torch.Tensor]]:
     return results
 
 
+@pytest.mark.parametrize("every_position", [False, True])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("variant", ["f32", "bf16_kv8", "bf16_int4"])
 @pytest.mark.parametrize("family", list(PLANNABLE))
-def test_prefill_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads):
+def test_prefill_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads, every_position):
     art = artifact(family, variant)
     plan, ops = executor(art), executor(art, step_plans=False)
     assert isinstance(plan.programs["prefill"], StepPlanProgram) and isinstance(ops.programs["prefill"], TorchProgram)
-    got, want = mixed_steps([plan, ops])
+    got, want = mixed_steps([plan, ops], every_position)
+    assert [g.shape[0] for g in got] == ([54, 45, 3] if every_position else [5, 4, 3])    # tokens or chunks
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert torch.equal(plan.kv_cache, ops.kv_cache)
