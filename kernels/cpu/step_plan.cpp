@@ -29,7 +29,7 @@
 //   kIndexSelect      out, x, indices, width: out row s = x row indices[s]
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
 // (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
-// (tokens split, then a barrier), as the op does.
+// (tokens split, then a barrier), as the op does (step_plan.h: each thread's work).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,25 +37,17 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <chrono>
-#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
-#include "attention_decode.h"
-#include "attention_work.h"
-#include "panel_gemm.h"
-#include "qpanel_gemm.h"
-#include "token_rows.h"
+#include "step_plan.h"
 
 namespace {
 
-enum Op : int64_t {
-  kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kQLinear, kPagedAttention,
-  kIndexSelect, kNumOps
-};
+using namespace llmc_plan;  // Op and its names, Instr, Bound
+
 enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
 
 struct Value {
@@ -65,35 +57,13 @@ struct Value {
   bool seqs;       // rows are the gathered rows (IR dim S), not the step's tokens
 };
 
-struct Instr {
-  Op op;
-  std::vector<int64_t> a;
-  double f;
-};
-
 // Per op (in Op's order): how many args it takes, and which of them are value ids (-1 allowed
-// only for the optional ones: a bias, int8's mins).
+// only for the optional ones: a bias, the mins an int8 weight has none of).
 const std::vector<int64_t> kArgs = {6, 4, 6, 7, 16, 9, 7, 11, 10, 4};
 const std::vector<std::vector<int64_t>> kValueArgs = {
     {0, 1, 2}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 2, 3, 4}, {0, 1, 2},
     {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}, {0, 1, 2}};
 const std::vector<std::vector<int64_t>> kOptionalArgs = {{}, {}, {}, {3}, {}, {}, {}, {4, 5}, {}, {}};
-
-// Items [first, second) of `count` for thread `tid` of a team of `team`.
-inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
-  return {count * tid / team, count * (tid + 1) / team};
-}
-
-// One run's addresses and the attention work every attention call of the step shares.
-struct Bound {
-  int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
-  std::vector<char*> at;                      // value id -> its first row
-  std::vector<at::Tensor> inputs;
-  std::vector<llmc_cpu::Item> items;          // decode attention's work items, most costly first
-  std::vector<int32_t> qsl;                   // each sequence's first query row (a decode step: 0, 1, ..., S)
-  mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums (the team writes it)
-  std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
-};
 
 class StepPlan : public torch::CustomClassHolder {
  public:
@@ -159,11 +129,6 @@ class StepPlan : public torch::CustomClassHolder {
   void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
   std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, Bound& b) const;
-  template <typename X, typename C>
-  void exec(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
-            float* row) const;
-  template <typename X, typename C>
-  void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) const;
 
   bool bf16_, int8_cache_;
   std::vector<at::Tensor> constants_;
@@ -196,9 +161,13 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
   char* arena = static_cast<char*>(arena_.data_ptr());
   std::vector<at::Tensor> outputs(num_outputs_);
   b.at = constant_at_;
+  b.rows_at.assign(values_.size(), 0);
+  b.tensor_at.assign(values_.size(), nullptr);
   for (size_t i = 0; i < values_.size(); ++i) {
     const Value& v = values_[i];
+    b.rows_at[i] = v.seqs ? b.seqs : b.rows;
     if (v.place == kInput) {
+      b.tensor_at[i] = &b.inputs[v.index];
       b.at[i] = static_cast<char*>(b.inputs[v.index].data_ptr());
     } else if (v.place == kTemporary) {
       b.at[i] = arena + reg_offset[v.index];
@@ -306,7 +275,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
       std::vector<float> row(max_head_dim_);
       if (timed && tid == 0) stamps[0] = Clock::now();
       for (size_t i = 0; i < code_.size(); ++i) {
-        exec<X, C>(code_[i], i, b, tid, team, scratch, row.data());
+        llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
 #pragma omp barrier
         if (timed && tid == 0) stamps[i + 1] = Clock::now();
       }
@@ -324,124 +293,6 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   for (size_t i = 0; i + 1 < stamps.size(); ++i)
     seconds.push_back(std::chrono::duration<double>(stamps[i + 1] - stamps[i]).count());
   return {outputs, seconds};
-}
-
-// Thread `tid`'s share of one instruction (attention's items are taken in attend).
-template <typename X, typename C>
-void StepPlan::exec(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
-                    float* row) const {
-  const auto& a = in.a;
-  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t rows = rows_of(b, a[0]);        // of the result: the step's tokens, or its sequences
-  const auto [first, last] = share(rows, tid, team);
-  switch (in.op) {
-    case kEmbedding: {
-      const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[2]]);
-      const X* table = x_at(a[1]);
-      const int64_t w = a[5];
-      for (int64_t t = first; t < last; ++t) {
-        X* out = x_at(a[0]) + t * w;
-        const int64_t id = ids[t], lane = id % llmc_panels::kPanel;
-        if (a[3] == 0) {
-          std::memcpy(out, table + id * w, w * sizeof(X));
-        } else if constexpr (std::is_same_v<X, float>) {         // [P, W, 32]
-          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-          for (int64_t j = 0; j < w; ++j) out[j] = panel[j * llmc_panels::kPanel + lane];
-        } else {                                                   // [P, W/2, 32, 2]
-          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-          for (int64_t j = 0; j < w; ++j) out[j] = panel[(j / 2 * llmc_panels::kPanel + lane) * 2 + j % 2];
-        }
-      }
-      break;
-    }
-    case kRmsnorm:
-    case kAddRmsnorm: {
-      const bool add = in.op == kAddRmsnorm;
-      const int64_t w = a[add ? 5 : 3];
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::norm_row(x_at(a[add ? 2 : 1]) + t * w, add ? x_at(a[3]) + t * w : nullptr, x_at(a[add ? 4 : 2]),
-                            add ? x_at(a[1]) + t * w : nullptr, x_at(a[0]) + t * w, w, static_cast<float>(in.f));
-      break;
-    }
-    case kLinear: {
-      const auto [begin, end] = share(a[6], tid, team);
-      llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
-                                    x_at(a[0]), a[5], begin, end);
-      break;
-    }
-    case kQLinear: {
-      const int64_t k = a[6], group = a[10], bits = a[9];
-      float* xf = b.widened.data();
-      float* xsum = xf + rows * k;
-      llmc_qpanels::widen_rows(x_at(a[1]), k, group, static_cast<int>(bits), xf, xsum, first, last);
-#pragma omp barrier
-      const llmc_qpanels::QPanels w{b.at[a[2]], reinterpret_cast<const c10::Half*>(b.at[a[3]]),
-                                    a[4] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[4]]), k, group,
-                                    k / group};
-      const auto [begin, end] = share(a[8], tid, team);
-      X* bias = a[5] < 0 ? nullptr : x_at(a[5]);
-      if (bits == 8)
-        llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[0]), a[7], begin, end);
-      else
-        llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[0]), a[7], begin, end);
-      break;
-    }
-    case kRopeKvWrite: {
-      const at::Tensor& cache = input_of(b, a[10]);
-      const llmc_rows::KvLayout s{a[13], a[14], a[15], llmc_cpu::kBlock, cache.size(2)};
-      C* k_cache = reinterpret_cast<C*>(b.at[a[10]]) + a[12] * cache.stride(0);
-      const int64_t width = a[7], half = s.head_dim / 2;
-      const float* cos = reinterpret_cast<const float*>(b.at[a[8]]);
-      const float* sin = reinterpret_cast<const float*>(b.at[a[9]]);
-      const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[11]]);
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::rope_token(x_at(a[1]) + t * width + a[4], x_at(a[2]) + t * width + a[5],
-                              x_at(a[3]) + t * width + a[6], cos + t * half, sin + t * half, slots[t], k_cache,
-                              k_cache + cache.stride(1), x_at(a[0]) + t * s.heads * s.head_dim, s, row);
-      break;
-    }
-    case kSiluMul: {
-      const int64_t width = a[5], n = a[6];
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::silu_mul_row(x_at(a[1]) + t * width + a[3], x_at(a[2]) + t * width + a[4], x_at(a[0]) + t * n, n);
-      break;
-    }
-    case kDecodeAttention:
-    case kPagedAttention:
-      attend<X, C>(in, b, index, scratch);
-      break;
-    case kIndexSelect: {
-      const int64_t* indices = reinterpret_cast<const int64_t*>(b.at[a[2]]);
-      for (int64_t r = first; r < last; ++r)
-        std::memcpy(x_at(a[0]) + r * a[3], x_at(a[1]) + indices[r] * a[3], a[3] * sizeof(X));
-      break;
-    }
-    default:
-      break;
-  }
-}
-
-// Attention: the team takes the step's work items one at a time, most costly first; a decode
-// (one query) runs attention_decode.h's run_decode, a prompt chunk attention_items.h's tiles.
-template <typename X, typename C>
-void StepPlan::attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) const {
-  const auto& a = in.a;
-  const int64_t o = in.op == kPagedAttention;           // its args have query_start_loc before the layer
-  const at::Tensor& cache = input_of(b, a[2]);
-  const C* k_cache = reinterpret_cast<const C*>(b.at[a[2]]) + a[5 + o] * cache.stride(0);
-  const at::Tensor& tables = input_of(b, a[3]);
-  const llmc_cpu::Geometry g{a[6 + o], a[7 + o], a[8 + o], a[6 + o] / a[7 + o]};
-  const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a[1]]), reinterpret_cast<X*>(b.at[a[0]]),
-                                      k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
-                                      tables.size(1), reinterpret_cast<const int32_t*>(b.at[a[4]]), b.qsl.data(),
-                                      g, static_cast<float>(in.f)};
-  const int64_t count = b.items.size();
-  for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) {
-    if (b.items[i].num_queries == 1)
-      llmc_cpu::run_decode(inputs, b.items[i], scratch);
-    else
-      llmc_cpu::run_chunk(inputs, b.items[i], scratch);
-  }
 }
 
 }  // namespace
