@@ -6,10 +6,12 @@ padding rows) and the weights in the layout its kernels want (decided once, here
 time); `run(entry, step)` runs one step's graph and returns the logits of the sampled positions,
 [S, vocab] fp32 on the device. `step(entry, host_step, buffers)` is what the runner calls: a
 pure-decode step replays a captured CUDA graph when `capture_decode_graphs` made them
-(cuda_graphs.py), any other step loads its metadata into the runner's buffers and runs eagerly.
+(cuda_graphs.py), any other step runs eagerly on its metadata on the device (a GPU: loaded into
+the runner's buffers; the CPU: the host's tensors).
 The runner owns the step's metadata and knows no backend's insides.
 
-  torch    torch_executor.py   every op through torch (aten), native CPU kernels where they fit
+  torch    torch_executor.py   every op through torch (aten), native CPU kernels where they fit; with
+                               those, a graph they all take runs as one step plan (step_plan.py)
   triton   triton_executor.py  the artifact's generated Triton kernels (a GPU, or the
                                interpreter on CPU tensors with TRITON_INTERPRET=1)
 """
