@@ -12,7 +12,6 @@ GEMM given a plain tensor runs its ref; a tied embedding reads its rows out of t
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import defaultdict
 from typing import Any, Iterable
@@ -53,10 +52,9 @@ def native_op_impls() -> dict[str, OpImpl]:
         return OP_IMPLS["qlinear"](x, a)
 
     def tables_for(a: dict) -> RopeTables:
-        scaling = a["scaling"] and json.dumps(a["scaling"], sort_keys=True)     # a dict: keyed by its text
-        key = (a["head_dim"], a["theta"], scaling)
+        key = RopeTables.key(a)
         if key not in rope_tables:
-            rope_tables[key] = RopeTables(a["head_dim"], a["theta"], a["scaling"])
+            rope_tables[key] = RopeTables.for_attrs(a)
         return rope_tables[key]
 
     def rope_kv_write(x, a):

@@ -9,6 +9,7 @@ short kept, a smooth band between). cos/sin are computed in fp32.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -59,7 +60,17 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: flo
 class RopeTables:
     """cos and sin [T, head_dim/2] (fp32) of one step's positions, made once and reused by every
     layer of that step: called again with the same, unmodified positions tensor, it returns the
-    tables it already made."""
+    tables it already made. `key(attrs)` names the tables a rope_kv_write node's attributes need,
+    so the layers sharing a rotation share one."""
+
+    @staticmethod
+    def key(attrs: dict[str, Any]) -> tuple:
+        scaling = attrs["scaling"] and json.dumps(attrs["scaling"], sort_keys=True)   # a dict: keyed by its text
+        return attrs["head_dim"], attrs["theta"], scaling
+
+    @classmethod
+    def for_attrs(cls, attrs: dict[str, Any]) -> "RopeTables":
+        return cls(attrs["head_dim"], attrs["theta"], attrs["scaling"])
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)

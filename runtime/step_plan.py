@@ -55,7 +55,7 @@ class PlanLaunch:
 class StepPlanProgram:
     """`graph` as one native step plan; call with the step's input tensors by name."""
 
-    def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: dict[tuple, RopeTables],
+    def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: list[RopeTables],
                  positions: str, gathered: str, launches: list[PlanLaunch], constants: list[Any]):
         self.graph = graph
         self.input_names = input_names
@@ -71,7 +71,7 @@ class StepPlanProgram:
         """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and the
         rows its gather makes (as many as its indices: logits may be asked at several positions)."""
         inputs = [feeds[name] for name in self.input_names]
-        for tables in self._rope.values():
+        for tables in self._rope:
             inputs.extend(tables(feeds[self._positions]))
         return inputs, inputs[0].shape[0], feeds[self._gathered].shape[0]
 
@@ -100,8 +100,7 @@ class _Lowering:
         self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, caches == [torch.int8])
         self.ids: dict[Value, int] = {}
         self.constants: list[Any] = []
-        self.rope: dict[tuple, RopeTables] = {}
-        self.rope_inputs: dict[tuple, tuple[int, int]] = {}     # plan value ids of each rotation's cos, sin
+        self.rope: dict[tuple, tuple[RopeTables, int, int]] = {}   # each rotation's tables, plan ids of cos, sin
         self.positions = ""
         self.gathered = graph.inputs()[0].name                          # index_select's indices, if any
         self.last_use = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}
@@ -272,13 +271,12 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if lo.nodes[positions.node].op != "input" or lo.positions not in ("", positions.node):
         raise NotPlannable(f"{node.name} (rope_kv_write) rotates by positions that are not the graph's one input")
     lo.positions = positions.node
-    key = (d, a["theta"], repr(a["scaling"]))
+    key = RopeTables.key(a)
     if key not in lo.rope:
-        lo.rope[key] = RopeTables(d, a["theta"], a["scaling"])
-        first = len(lo.graph.inputs()) + 2 * (len(lo.rope) - 1)
+        first = len(lo.graph.inputs()) + 2 * len(lo.rope)
         like = torch.empty(0, dtype=torch.float32)
-        lo.rope_inputs[key] = (lo.plan.input(first, like), lo.plan.input(first + 1, like))
-    cos, sin = lo.rope_inputs[key]
+        lo.rope[key] = (RopeTables.for_attrs(a), lo.plan.input(first, like), lo.plan.input(first + 1, like))
+    _, cos, sin = lo.rope[key]
     cache_id = _cache(lo, node, cache, d, 32)
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
     args = [lo.result(node), *sources, *cols, width, cos, sin, cache_id, lo.graph_input(slots, node), a["layer"], heads,
@@ -348,4 +346,5 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int) -> S
         lo.plan.add(OPCODES[node.op], args, float(f))
         lo.release(i, node)
         launches.append(PlanLaunch(node.op, OPS[node.op].kind))
-    return StepPlanProgram(graph, lo.plan, names, lo.rope, lo.positions, lo.gathered, launches, lo.constants)
+    rope = [tables for tables, _, _ in lo.rope.values()]
+    return StepPlanProgram(graph, lo.plan, names, rope, lo.positions, lo.gathered, launches, lo.constants)

@@ -121,8 +121,6 @@ class StepPlan : public torch::CustomClassHolder {
     return static_cast<int64_t>(values_.size()) - 1;
   }
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
-  const at::Tensor& input_of(const Bound& b, int64_t value) const { return b.inputs[values_[value].index]; }
-  int64_t rows_of(const Bound& b, int64_t value) const { return values_[value].seqs ? b.seqs : b.rows; }
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
                                                                    int64_t seqs, bool timed);
@@ -172,7 +170,7 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
     } else if (v.place == kTemporary) {
       b.at[i] = arena + reg_offset[v.index];
     } else if (v.place == kOutput) {
-      outputs[v.index] = at::empty({rows_of(b, i), v.width},
+      outputs[v.index] = at::empty({b.rows_at[i], v.width},
                                    at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat));
       b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
     }
@@ -184,22 +182,22 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
 void StepPlan::check(const Instr& in, Bound& b) const {
   const auto& a = in.a;
   if (in.op == kEmbedding) {
-    const at::Tensor& ids = input_of(b, a[2]);
+    const at::Tensor& ids = *b.tensor_at[a[2]];
     TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " tokens but ", ids.numel(), " token ids");
     const int64_t* p = ids.const_data_ptr<int64_t>();
     for (int64_t t = 0; t < b.rows; ++t)
       TORCH_CHECK(p[t] >= 0 && p[t] < a[4], "token id ", p[t], " is outside the vocabulary of ", a[4]);
   } else if (in.op == kIndexSelect) {
-    const at::Tensor& indices = input_of(b, a[2]);
-    const int64_t from = rows_of(b, a[1]);
-    TORCH_CHECK(indices.numel() == rows_of(b, a[0]), "index_select needs ", rows_of(b, a[0]), " indices, not ",
+    const at::Tensor& indices = *b.tensor_at[a[2]];
+    const int64_t from = b.rows_at[a[1]];
+    TORCH_CHECK(indices.numel() == b.rows_at[a[0]], "index_select needs ", b.rows_at[a[0]], " indices, not ",
                 indices.numel());
     const int64_t* p = indices.const_data_ptr<int64_t>();
     for (int64_t s = 0; s < indices.numel(); ++s)
       TORCH_CHECK(p[s] >= 0 && p[s] < from, "row index ", p[s], " is outside the step's ", from, " rows");
   } else if (in.op == kRopeKvWrite || in.op == kDecodeAttention || in.op == kPagedAttention) {
     const bool rope = in.op == kRopeKvWrite;
-    const at::Tensor& cache = input_of(b, rope ? a[10] : a[2]);
+    const at::Tensor& cache = *b.tensor_at[rope ? a[10] : a[2]];
     const int64_t layer = rope ? a[12] : a[in.op == kDecodeAttention ? 5 : 6];
     const int64_t kv_heads = rope ? a[14] : a[in.op == kDecodeAttention ? 7 : 8];
     const int64_t d = rope ? a[15] : a[in.op == kDecodeAttention ? 8 : 9];
@@ -208,8 +206,8 @@ void StepPlan::check(const Instr& in, Bound& b) const {
                 "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
                 "] cache this plan was built for");
     if (rope) {
-      const at::Tensor& slots = input_of(b, a[11]);
-      TORCH_CHECK(slots.numel() == b.rows && input_of(b, a[8]).numel() == b.rows * d / 2,
+      const at::Tensor& slots = *b.tensor_at[a[11]];
+      TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[8]]->numel() == b.rows * d / 2,
                   "slot_mapping and the RoPE tables need one row per token");
       const int64_t* p = slots.const_data_ptr<int64_t>();
       for (int64_t t = 0; t < b.rows; ++t)
@@ -226,15 +224,15 @@ void StepPlan::check(const Instr& in, Bound& b) const {
 // most costly first.
 void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const {
   const auto& a = in.a;
-  const at::Tensor& tables = input_of(b, a[3]);
-  const at::Tensor& lens = input_of(b, a[4]);
+  const at::Tensor& tables = *b.tensor_at[a[3]];
+  const at::Tensor& lens = *b.tensor_at[a[4]];
   const int64_t num_seqs = lens.numel();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "attention needs a block-table row per sequence");
   if (in.op == kDecodeAttention) {
     TORCH_CHECK(b.rows == num_seqs, "a decode step has one token per sequence");
     for (int64_t s = 0; s <= num_seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
   } else {
-    const at::Tensor& starts = input_of(b, a[5]);
+    const at::Tensor& starts = *b.tensor_at[a[5]];
     TORCH_CHECK(starts.numel() == num_seqs + 1, "query_start_loc needs S+1 entries");
     b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + num_seqs + 1);
   }
