@@ -284,21 +284,13 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     return args, 0.0
 
 
-def _lower_decode_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
-    q, cache, tables, lens = node.inputs
+def _lower_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+    """paged_decode_attention (q, cache, tables, lens) or paged_attention (and query_start_loc)."""
+    q, cache, tables, lens, *starts = node.inputs
     a = node.attrs
     args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16),
-            lo.graph_input(tables, node), lo.graph_input(lens, node), a["layer"], a["num_heads"], a["num_kv_heads"],
-            a["head_dim"]]
-    return args, a["scale"]
-
-
-def _lower_paged_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
-    q, cache, tables, lens, starts = node.inputs
-    a = node.attrs
-    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16),
-            lo.graph_input(tables, node), lo.graph_input(lens, node), lo.graph_input(starts, node), a["layer"],
-            a["num_heads"], a["num_kv_heads"], a["head_dim"]]
+            lo.graph_input(tables, node), lo.graph_input(lens, node), *(lo.graph_input(v, node) for v in starts),
+            a["layer"], a["num_heads"], a["num_kv_heads"], a["head_dim"]]
     return args, a["scale"]
 
 
@@ -326,7 +318,7 @@ def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
 
 LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
              "linear": _lower_linear, "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
-             "paged_decode_attention": _lower_decode_attention, "paged_attention": _lower_paged_attention,
+             "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
              "silu_mul": _lower_silu_mul, "index_select": _lower_index_select}
 
 
