@@ -118,21 +118,20 @@ def bench_serve_cmd(
     prompt_words: str = typer.Option("24:192", help="prompt length in words: N or a uniform range LO:HI"),
     output_len: str = typer.Option("16:192", help="output tokens: N or a uniform range LO:HI"),
     concurrency: Optional[int] = typer.Option(None, help="most requests in flight (default: all at once)"),
-    sequential: Optional[int] = typer.Option(None, help="how many of the same requests to send one at a time "
-                                             "afterwards (default: all)"),
     seed: int = typer.Option(0, help="seed of the workload draw"),
     model: Optional[str] = typer.Option(None, help="model id to ask for (default: the server's own)"),
     api_key: Optional[str] = typer.Option(None, help="API key, if the server wants one"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
-    """Benchmark a running server: N concurrent streaming clients against the same requests one at a time."""
-    if num_requests < 1 or (concurrency is not None and concurrency < 1) or (sequential is not None and sequential < 1):
-        raise RequestError("--num-requests, --concurrency and --sequential must be at least 1")
+    """Benchmark a running server: N concurrent streaming clients, then every one of the same requests one
+    at a time (both rows do the same work, so their ratio compares like with like)."""
+    if num_requests < 1 or (concurrency is not None and concurrency < 1):
+        raise RequestError("--num-requests and --concurrency must be at least 1")
     requests = draw_requests(num_requests, parse_range(prompt_words, "prompt length"),
                              parse_range(output_len, "output length"), seed)
     url = url.rstrip("/").removesuffix("/v1")
     concurrent = asyncio.run(run_phase(url, model, api_key, requests, concurrency or num_requests))
-    alone = asyncio.run(run_phase(url, model, api_key, requests[:sequential or num_requests], 1))
+    alone = asyncio.run(run_phase(url, model, api_key, requests, 1))
     typer.echo(format_phases(concurrent, alone))
     if json_file:
         workload = {"num_requests": num_requests, "prompt_words": prompt_words, "output_len": output_len, "seed": seed}
