@@ -88,7 +88,9 @@ def test_bench_against_transformers_on_a_tiny_model(tiny_family, tmp_path):
     report = json.loads(out.read_text())
     llmc = report["llmc"]
     expected_tokens = sum(r.max_tokens for r in Workload(6, (4, 20), (3, 9)).requests(300))
-    assert llmc["output_tokens"] == expected_tokens == report["baselines"]["hf_static"]["output_tokens"]
+    static = report["baselines"]["hf_static"]
+    assert llmc["output_tokens"] == expected_tokens == static["output_tokens"]      # counted on both sides
+    assert static["path"] in [t["path"] for t in static["tried"]] and len(static["tried"]) >= 3   # a tuned path
     assert report["speedup"] == pytest.approx(llmc["output_tok_s"] / report["baselines"]["hf_static"]["output_tok_s"])
     assert llmc["ttft_s"]["p50"] <= llmc["ttft_s"]["p99"]
     assert "speedup" in result.output

@@ -121,6 +121,8 @@ def format_report(result: dict) -> str:
             continue
         lines.append(f"{name:<13} {base['output_tok_s']:8.1f} output tok/s  ({base['seconds']:.1f} s)  "
                      f"llmc speedup {llmc['output_tok_s'] / base['output_tok_s']:.2f}x")
+        if base.get("tried"):
+            lines.append(f"              its best of {len(base['tried'])} paths tried: {base['path']}")
     return "\n".join(lines)
 
 

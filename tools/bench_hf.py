@@ -1,8 +1,10 @@
 """Hugging Face transformers baselines for `llmc bench`, on the same requests.
 
-hf_static: `model.generate` in static batches of up to 64 requests in arrival order, prompts
-    left-padded, each batch running until its longest request is done (how most users call it).
-    Its throughput counts only the tokens each request asked for.
+hf_static: `model.generate` in static batches in arrival order, prompts left-padded, each batch
+    running until its longest request is done (how most users call it), on the best path found by
+    trying the options a user would (hf_paths.tune: batch size, sdpa or eager, static cache, bf16
+    autocast for float32) on the same requests with shorter outputs. Its throughput counts the
+    tokens generate returned, each request's up to what it asked for.
 hf_continuous: transformers' own continuous-batching manager, where the installed version has
     one, with every request's own max_new_tokens.
 Both ignore EOS and decode greedily, like llmc's side of the benchmark.
@@ -11,6 +13,7 @@ Both ignore EOS and decode greedily, like llmc's side of the benchmark.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from llmc.models.embedded import EMBEDDED_FILE, embedded_model_path
 from llmc.runtime.artifact import Artifact
 from llmc.runtime.sampling_params import RequestError
 
-STATIC_BATCH = 64
+from .hf_paths import HfPath, tune
 
 
 def _model_path(artifact: Artifact, hf_model: str | None) -> Path:
@@ -53,22 +56,35 @@ def load_hf_model(artifact: Artifact, hf_model: str | None, device: str | None =
     return model
 
 
-def run_hf_static(model, requests, on_batch) -> dict:
-    pad = 0
+def run_hf_static(model, requests, on_batch, path: HfPath = HfPath()) -> dict:
+    """`generate` over the requests in static batches of path.batch_size; the output tokens are
+    counted from what generate returned (each request's new tokens, up to what it asked for)."""
+    pad, produced = 0, 0
     start = time.perf_counter()
-    for i in range(0, len(requests), STATIC_BATCH):
-        batch = requests[i:i + STATIC_BATCH]
+    for i in range(0, len(requests), path.batch_size):
+        batch = requests[i:i + path.batch_size]
         width = max(len(r.prompt_ids) for r in batch)
         ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
                             device=model.device)
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
-                           do_sample=False, pad_token_id=pad)
+        out = path.generate(model, ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in batch),
+                            do_sample=False, pad_token_id=pad)
+        produced += sum(min(out.shape[1] - width, r.max_tokens) for r in batch)
         on_batch(len(batch))
     elapsed = time.perf_counter() - start
-    useful = sum(r.max_tokens for r in requests)
-    return {"seconds": elapsed, "output_tokens": useful, "output_tok_s": useful / elapsed}
+    return {"seconds": elapsed, "output_tokens": produced, "output_tok_s": produced / elapsed, "path": path.label}
+
+
+TUNE_SHRINK = 4           # the tuning runs ask each request for a quarter of its output tokens
+
+
+def tune_hf_static(model, requests, batch_sizes=(16, 32, 64)) -> tuple[HfPath, list[dict]]:
+    """transformers' fastest static path on this workload, tried on the same requests with a
+    quarter of their output lengths (the spread of lengths, and so the padding, kept)."""
+    short = [replace(r, max_tokens=max(2, -(-r.max_tokens // TUNE_SHRINK))) for r in requests]
+    useful = sum(r.max_tokens for r in short)
+    seconds_per_token = lambda path: run_hf_static(model, short, lambda n: None, path)["seconds"] / useful  # noqa: E731
+    return tune(model.dtype, [b for b in batch_sizes if b <= len(requests)] or [len(requests)], seconds_per_token)
 
 
 STALL_SECONDS = 300.0     # the continuous-batching manager gave no result this long: give up on it
@@ -103,14 +119,22 @@ def run_hf_continuous(model, requests, on_done, stall_seconds: float = STALL_SEC
 
 
 def hf_baselines(artifact: Artifact, hf_model: str | None, requests, progress, device: str | None = None,
-                 continuous: bool = True) -> dict:
-    """Run every available transformers baseline (continuous batching unless told not to); a
-    failing optional one reports its error."""
+                 continuous: bool = True, tune_static: bool = True) -> dict:
+    """Run every available transformers baseline (continuous batching unless told not to); the
+    static one on its best path (tune_hf_static) unless told to take the defaults; a failing
+    optional one reports its error."""
     model = load_hf_model(artifact, hf_model, device)
     ordered = sorted(requests, key=lambda r: r.arrival)
     results = {}
-    task = progress.add_task("hf static batches", total=len(requests))
-    results["hf_static"] = run_hf_static(model, ordered, lambda n: progress.advance(task, n))
+    if tune_static:
+        task = progress.add_task("hf: trying its options", total=None)
+        path, tries = tune_hf_static(model, ordered)
+        progress.remove_task(task)
+    else:
+        path, tries = HfPath(), []
+    task = progress.add_task(f"hf static batches ({path.label})", total=len(requests))
+    results["hf_static"] = {**run_hf_static(model, ordered, lambda n: progress.advance(task, n), path),
+                            "tried": tries}
     if continuous and hasattr(model, "continuous_batching_context_manager"):
         task = progress.add_task("hf continuous batching", total=len(requests))
         try:

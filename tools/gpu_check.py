@@ -164,7 +164,8 @@ def run_bench(args: argparse.Namespace, artifact_path: Path, name: str) -> dict:
     del engine
     _free(args.device)
     if args.hf:
-        out["baselines"] = hf_baselines(artifact, None, requests, _Quiet(), args.device, "continuous" in args.hf)
+        out["baselines"] = hf_baselines(artifact, None, requests, _Quiet(), args.device, "continuous" in args.hf,
+                                         tune_static=False)     # the device's minutes: batches of 64 as they are
     return out
 
 
@@ -175,6 +176,9 @@ class _Quiet:
         return 0
 
     def advance(self, *args) -> None:
+        pass
+
+    def remove_task(self, *args) -> None:
         pass
 
 
