@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from statistics import NormalDist
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from llmc.kernels.quant import QuantizedWeight, dequantize_weight, quantize_int4
 from llmc.passes.pipeline import PassError
 from llmc.passes.quantize_weights import quantize_weights
 from llmc.passes.rewrite import PassContext
-from pass_checks import TINY, assert_same_numbers, ir, printed, random_weights, steps_for, traced_before
+from llmc.runtime.torch_backend import interpret
+from pass_checks import TINY, assert_same_numbers, feeds, ir, printed, random_weights, steps_for, traced_before
 
 # hidden 64 and intermediate 128: every K a multiple of 64, so int4-g32 and -g64 take every GEMM
 TINY64 = dataclasses.replace(TINY, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -86,15 +89,76 @@ def test_traced_model_computes_with_its_dequantized_weights(quant, entry):
     assert_same_numbers(graph, after, with_dequantized(weights, quantized), steps_for(graph), reduction=128)
 
 
-def test_int8_logits_stay_within_the_quantization_step():
-    """Against the float weights: each weight moves by at most half its scale, so a logit moves by
-    at most that times the absolute inputs it sums (checked per logit on the LM head input)."""
+ROUNDING_SAMPLES = 64         # random roundings whose logits give each logit's spread
+FALSE_ALARM = 1e-3            # chance that a correct quantization fails the logit check
+
+
+def feed_all(graph, weights: dict, steps) -> torch.Tensor:
+    """Logits [rows, V] of `graph` on every step, stacked."""
+    return torch.cat([interpret(graph, weights, feeds(graph, step))[0] for step in steps])
+
+
+def rounded_at_random(weights: dict, names, g: torch.Generator) -> dict:
+    """The float weights, each quantized one moved as rounding to its int8 grid moves it: by a
+    random amount uniform within half its scale."""
+    out = dict(weights)
+    for name in names:
+        half_step = weights[f"{name}.scales"].float() / 2                   # [N, 1] per output channel
+        out[name] = weights[name] + (2 * torch.rand(weights[name].shape, generator=g) - 1) * half_step
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_decode():
+    """The decode graph quantized to int8, and each logit's spread under random rounding within
+    half a scale of every quantized weight (the graph's own propagation of that error)."""
     graph, weights = traced_before("quantize_weights", "decode", TINY64)
     after, ctx = run(graph, QuantRecipe.parse("int8"), weights)
-    deq = with_dequantized(weights, ctx.records["quantize_weights"])
-    for name in ctx.records["quantize_weights"]:
-        step = weights[f"{name}.scales"].float().max()
-        assert (deq[name] - weights[name]).abs().max() <= step / 2 + 1e-6
+    names, steps = list(ctx.records["quantize_weights"]), steps_for(graph)
+    want = feed_all(graph, weights, steps)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.stack([feed_all(graph, rounded_at_random(weights, names, g), steps) - want
+                         for _ in range(ROUNDING_SAMPLES)])                    # [samples, rows, V]
+    return graph, after, weights, names, want, noise.pow(2).mean(0).sqrt()
+
+
+def assert_logits_explained_by_rounding(int8_decode, weights: dict) -> None:
+    """Each int8 logit is off the float logit by at most what rounding explains: a logit's error
+    is a sum of many small independent roundings, so Gaussian with the spread `sigma`; the limit
+    is the Gaussian bound for FALSE_ALARM over all logits, widened by three standard errors of a
+    spread estimated from ROUNDING_SAMPLES samples."""
+    graph, after, _, _, want, sigma = int8_decode
+    z = (feed_all(after, weights, steps_for(graph)) - want) / sigma            # [rows, V]
+    limit = NormalDist().inv_cdf(1 - FALSE_ALARM / (2 * z.numel())) * (1 + 3 / math.sqrt(2 * ROUNDING_SAMPLES))
+    worst = int(z.abs().argmax())
+    assert z.abs().max() <= limit, (f"logit {divmod(worst, z.shape[1])} is off by {float(z.flatten()[worst]):+.1f} "
+                                    f"sigma of rounding error (limit {limit:.1f})")
+
+
+def test_int8_logits_stay_within_what_rounding_explains(int8_decode):
+    """Against the float graph's logits on every decode step (with cached context too)."""
+    _, _, weights, names, _, sigma = int8_decode
+    deq = with_dequantized(weights, names)
+    for name in names:                           # the premise: each weight within half its row's scale
+        half_step = weights[f"{name}.scales"].float() / 2
+        assert ((deq[name] - weights[name]).abs() <= half_step * (1 + 2**-10)).all(), name   # fp16 scale rounding
+    assert (sigma > 0).all()                     # every logit depends on the quantized weights
+    assert_logits_explained_by_rounding(int8_decode, weights)
+
+
+@pytest.mark.parametrize("plant", ["codes off by one", "scales 5% large"])
+def test_a_planted_quantization_bug_fails_the_logit_check(int8_decode, plant):
+    """The check bites: every code one step up, or every scale 5% too large, moves the logits
+    beyond rounding (a scale 2% off stays within it on this tiny model: about 5 sigma)."""
+    _, _, weights, names, _, _ = int8_decode
+    wrong = dict(weights)
+    for name in names:
+        if plant == "codes off by one":
+            wrong[f"{name}.codes"] = (weights[f"{name}.codes"].int() + 1).clamp(-127, 127).to(torch.int8)
+        else:
+            wrong[f"{name}.scales"] = (weights[f"{name}.scales"].float() * 1.05).half()
+    with pytest.raises(AssertionError, match="sigma of rounding error"):
+        assert_logits_explained_by_rounding(int8_decode, wrong)
 
 
 def test_embeddings_stay_float_unless_asked_and_tied_head_shares_the_codes():
