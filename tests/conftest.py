@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny compiled artifacts of each family, cached per test session."""
+"""Shared fixtures: tiny compiled artifacts of each family, cached per test session; the run's
+report (what tests measured, shown at the end of the run and kept in test-report.txt)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 ALL_FAMILIES = list(FAMILIES)
+
+# ------------------------------------------------------------------ the run's report
+
+REPORT_FILE = "test-report.txt"         # at the repository root; git-ignored (README, "Tests")
+REPORT_LINES = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report(request):
+    """`report(line)`: a figure a test measured (a divergence step, a near tie, a quality figure),
+    printed in the "llmc test report" section at the end of the run and written to REPORT_FILE,
+    where CI shows it; a print() would be swallowed by pytest's capture of passing tests."""
+    lines = request.config.stash.setdefault(REPORT_LINES, [])
+    return lambda line: lines.append(f"{request.node.nodeid}: {line}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The report's lines, if any test reported: on the terminal and in REPORT_FILE (replaced)."""
+    lines = config.stash.get(REPORT_LINES, [])
+    if not lines:
+        return
+    path = config.rootpath / REPORT_FILE
+    terminalreporter.write_sep("=", "llmc test report")
+    for line in lines:
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(f"(also written to {path.name})")
+    header = f"llmc test report, {time.strftime('%Y-%m-%d %H:%M:%S')}, pytest exit status {int(exitstatus)}"
+    path.write_text("\n".join([header, *lines]) + "\n")
