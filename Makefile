@@ -19,7 +19,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(ARTIFACT)/manifest.json: $(VENV)/.installed
+# Compiled again whenever the code that makes an artifact changed (its manifest records that code's hash).
+COMPILER_SOURCES := $(shell find compiler passes models kernels -name '*.py')
+
+$(ARTIFACT)/manifest.json: $(VENV)/.installed $(COMPILER_SOURCES)
 	$(LLMC) compile -o $(ARTIFACT)
 
 # Compile the embedded SmolLM2-135M-Instruct once, then stream an answer to a chat prompt.

@@ -11,7 +11,9 @@ and left as it is.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import shutil
 import uuid
@@ -35,6 +37,30 @@ def package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+COMPILER_PACKAGES = ("llmc.compiler", "llmc.passes", "llmc.models", "llmc.kernels")   # what makes an artifact
+
+
+def compiler_code_hash() -> str:
+    """A short hash of the Python sources that make an artifact (frontend, passes, model families,
+    formats and kernel templates): two artifacts compiled by the same code from the same model are
+    the same, so a cached artifact whose hash differs was made by other code."""
+    digest = hashlib.sha256()
+    for package in COMPILER_PACKAGES:
+        root = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+        for source in sorted(root.rglob("*.py")):
+            digest.update(source.relative_to(root).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def stale_code(manifest: dict) -> str | None:
+    """Why an artifact's figures would not be this code's (it was compiled by other llmc code), or None."""
+    made_by = manifest.get("versions", {}).get("compiler_code")
+    if made_by == compiler_code_hash():
+        return None
+    return (f"the artifact was compiled by other llmc code ({made_by or 'before code hashes'}, this is "
+            f"{compiler_code_hash()}); compile it again for figures of this code")
 
 
 def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -130,8 +156,8 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"llmc": package_version("llmc"), "torch": torch.__version__,
-                     "triton": package_version("triton")},
+        "versions": {"llmc": package_version("llmc"), "compiler_code": compiler_code_hash(),
+                     "torch": torch.__version__, "triton": package_version("triton")},
         "model": model.config.to_dict(),
         "source": {"format": model.source_format, "files": model.source_files, "path": model.source_path},
         "compile": compile_info,

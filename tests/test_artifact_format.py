@@ -81,3 +81,26 @@ def test_compile_never_replaces_a_folder_that_is_not_purely_an_artifact(source, 
     assert_cli_error(CliRunner().invoke(app, ["compile", str(source), "-o", str(out)]), *words, "choose another -o")
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_an_artifact_records_the_code_that_compiled_it(tiny_family, monkeypatch):
+    manifest = load_artifact(tiny_family(FAMILY)[2]).manifest
+    assert manifest["versions"]["compiler_code"] == writer.compiler_code_hash()
+    assert writer.stale_code(manifest) is None
+    monkeypatch.setattr(writer, "compiler_code_hash", lambda: "0123456789abcdef")     # a checkout changed since
+    assert "compiled by other llmc code" in writer.stale_code(manifest) and "compile it again" in writer.stale_code(manifest)
+
+
+def test_the_cached_default_artifact_is_compiled_again_when_the_code_changed(tiny_family, tmp_path, monkeypatch):
+    """tools/default_artifact.py reuses its cached compile only while the compiler's code is the same."""
+    from llmc.tools import default_artifact as cached
+
+    compiles = []
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cached, "compile_model", lambda model, out: compiles.append(out) or compile_model(
+        tiny_family(FAMILY)[1], out))
+    first = cached.default_artifact()
+    assert len(compiles) == 1 and cached.default_artifact().path == first.path and len(compiles) == 1   # reused
+    monkeypatch.setattr(writer, "compiler_code_hash", lambda: "0123456789abcdef")
+    cached.default_artifact()
+    assert len(compiles) == 2                                                                    # compiled again

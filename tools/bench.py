@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import typer
 
+from llmc.compiler.artifact import stale_code
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
@@ -165,6 +166,8 @@ def bench_cmd(
                                            max_batched_tokens=max_batched_tokens, kernels=kernels,
                                            backend=backend, cuda_graphs=cuda_graphs, step_plans=step_plans))
     requests = workload.requests(engine.artifact.config.vocab_size)
+    if stale := stale_code(engine.artifact.manifest):
+        typer.echo(f"note: {stale}", err=True)
     result: dict = {"workload": asdict(workload)}
     with Progress(transient=True) as progress:
         task = progress.add_task("llmc", total=len(requests))

@@ -2,14 +2,15 @@
 
 `llmc serve` with no artifact uses it: `$LLMC_CACHE_DIR/artifacts/llmc-<version>/<name>` (default
 cache ~/.cache/llmc). One folder per llmc version, so an upgrade never loads an artifact an
-older compiler wrote; a cached artifact that fails verification is compiled again in place.
+older compiler wrote; a cached artifact that fails verification, or that other compiler code made
+(a checkout changed since: `stale_code`), is compiled again in place.
 """
 
 from __future__ import annotations
 
 import logging
 
-from llmc.compiler.artifact import package_version
+from llmc.compiler.artifact import package_version, stale_code
 from llmc.compiler.driver import compile_model
 from llmc.kernels.native import cache_root
 from llmc.models.embedded import EMBEDDED_NAME
@@ -22,7 +23,11 @@ def default_artifact() -> Artifact:
     log = logging.getLogger("llmc")
     if (path / "manifest.json").is_file():
         try:
-            return load_artifact(path)
+            artifact = load_artifact(path)
+            stale = stale_code(artifact.manifest)
+            if stale is None:
+                return artifact
+            log.info("the cached default artifact is out of date (%s); compiling it again", stale)
         except ArtifactError as exc:
             log.info("the cached default artifact is unusable (%s); compiling it again", exc)
     else:
