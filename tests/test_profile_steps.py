@@ -1,17 +1,22 @@
 """`llmc profile`: the bytes and FLOPs it divides by agree with the model's config, counted another
-way, and the command reports every part of a step."""
+way, time known to be spent in one kind of kernel is counted there, and the command reports every
+part of a step."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
+from llmc.compiler.ops import OPS
+from llmc.kernels.torch_ops import OP_IMPLS
 from llmc.models.config import expected_weights
 from llmc.runtime.artifact import load_artifact
+from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import kv_bytes_per_token
-from llmc.tools.profile_steps import StepProfile, decode_bytes, prefill_flops
+from llmc.tools.profile_steps import StepProfile, decode_bytes, prefill_flops, profile_decode, profile_prefill
 
 from test_bad_inputs import assert_process_error, run_llmc
 
@@ -53,7 +58,30 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]
         assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
-        assert sum(parts.values()) == pytest.approx(step["seconds"])
+
+
+ATTENTION_DELAY = 0.05       # seconds added to every attention launch (the tiny model's step: ~1 ms)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_time_spent_in_attention_is_counted_as_attention_and_in_the_step(tiny_family, monkeypatch):
+    """What the split claims, against a known time: every attention launch is made ATTENTION_DELAY
+    longer (a sleep, never shorter). The profile must put that time, attention launches x delay
+    per step, into attention and not into GEMM/GEMV or the other kernels, and its step time (the
+    decode's from untimed steps) must hold it too, leaving python/dispatch smaller than it."""
+    def slowed(fn):
+        return lambda *args, **kwargs: (time.sleep(ATTENTION_DELAY), fn(*args, **kwargs))[1]
+
+    for op in [name for name, d in OPS.items() if d.kind == "attention"]:
+        monkeypatch.setitem(OP_IMPLS, op, slowed(OP_IMPLS[op]))
+    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(kernels="reference", step_plans=False,
+                                                                  cuda_graphs=False))     # op by op: one launch each
+    for entry, profile in (("decode", profile_decode(engine, 4)[0]), ("prefill", profile_prefill(engine, 32))):
+        added = ATTENTION_DELAY * sum(OPS[n.op].kind == "attention" for n in engine.artifact.graphs[entry].nodes)
+        parts = profile.by_category
+        assert added > 0 and parts["attention"] >= added, (entry, parts)
+        assert parts["GEMM/GEMV"] + parts["other kernels"] < added / 2, (entry, parts)
+        assert profile.seconds >= added and abs(parts["python/dispatch"]) < added / 2, (entry, profile)
 
 
 def test_a_profile_longer_than_the_context_is_one_sentence(tiny_family):
