@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
 
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.engine_loop import EngineLoop, LoopStopped, QueueFull
+from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -122,7 +124,7 @@ def test_a_full_waiting_queue_refuses_then_accepts_again(artifact):
             assert out.finish_reason == "length"
 
 
-def test_shutdown_lets_running_requests_finish_within_the_grace_and_aborts_the_rest(artifact):
+def test_shutdown_without_grace_aborts_what_runs_and_refuses_new_requests(artifact):
     engine = Engine(artifact, EngineConfig(max_num_seqs=1))
     loop = EngineLoop(engine).start()
     short, endless = queue.Queue(), queue.Queue()
@@ -138,6 +140,55 @@ def test_shutdown_lets_running_requests_finish_within_the_grace_and_aborts_the_r
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     with pytest.raises(LoopStopped):
         loop.submit(prompts(1)[0], GREEDY, lambda out: None)
+
+
+STEP_DELAY = 0.02        # seconds added to every step below: a request of n tokens runs >= n x this
+
+
+def slow_steps(engine: Engine) -> None:
+    """Each model run STEP_DELAY longer, so a request is certainly still running a few steps in."""
+    real_run = engine.runner.run
+    engine.runner.run = lambda entry, step: (time.sleep(STEP_DELAY), real_run(entry, step))[1]
+
+
+def shut_down_after_the_first_token(engine: Engine, prompt: list[int], params: SamplingParams,
+                                    grace: float) -> tuple[list[tuple[float, RequestOutput]], float, float]:
+    """Start a loop, submit one request, and shut down (with `grace`) once its first token is out.
+    Returns every output with the time it was delivered, when shutdown began and when it returned."""
+    loop, outputs, first = EngineLoop(engine).start(), [], threading.Event()
+
+    def sink(out: RequestOutput) -> None:
+        outputs.append((time.monotonic(), out))
+        first.set()
+
+    loop.submit(prompt, params, sink)
+    assert first.wait(30), "no first token in 30 s"
+    began = time.monotonic()
+    loop.shutdown(grace=grace)
+    return outputs, began, time.monotonic()
+
+
+def test_shutdown_lets_a_running_request_finish_all_its_tokens_within_the_grace(artifact, alone):
+    engine = Engine(artifact)
+    slow_steps(engine)
+    p = prompts(12)[0]
+    outputs, began, _ = shut_down_after_the_first_token(engine, p, GREEDY, grace=60.0)
+    after = [out for t, out in outputs if t > began]
+    assert after and not any(out.finished for t, out in outputs if t <= began)     # running when shutdown began
+    assert after[-1].finish_reason == "length"
+    assert [t for _, out in outputs for t in out.new_token_ids] == alone[tuple(p)]  # every token, the same ones
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.requests
+
+
+def test_past_the_grace_a_running_request_is_aborted(artifact):
+    engine = Engine(artifact)
+    slow_steps(engine)
+    grace, params = 0.5, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)    # 200 steps: >= 4 s
+    outputs, began, returned = shut_down_after_the_first_token(engine, prompts(1)[0], params, grace)
+    tokens_in_grace = sum(len(out.new_token_ids) for t, out in outputs if t > began)
+    assert outputs[-1][1].finish_reason == "abort"
+    assert 3 <= tokens_in_grace < 200 and returned - began < grace + 2.0     # it ran on in the grace, then stopped
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.requests
 
 
 def test_closing_a_stream_early_aborts_its_request(artifact):
