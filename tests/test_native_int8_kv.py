@@ -18,7 +18,6 @@ from llmc.kernels.rope import RopeTables, rope_ref
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
 from paged_layout import poisoned_caches
 from test_native_kernels import assert_matches
-from tolerances import tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
 BS = 16
@@ -54,7 +53,7 @@ def test_mixed_step_with_poisoned_rows_matches_ref(dtype, cache_dtype):
 
 
 def rope_write(dtype: torch.dtype, positions: torch.Tensor, packed: bool, seed: int):
-    """(native, ref) results of rope_kv_write into int8 caches, and the slots written."""
+    """(native, ref) results of rope_kv_write into int8 caches, q's float64 rotation, and the slots written."""
     heads, kv_heads, d, t = 9, 3, 64, positions.numel()
     g = torch.Generator().manual_seed(seed)
     qkv = (torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * 2).to(dtype)
@@ -65,7 +64,8 @@ def rope_write(dtype: torch.dtype, positions: torch.Tensor, packed: bool, seed: 
     attrs = dict(layer=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=d)
     q_got, _ = rope_kv_write_cpu(*parts, positions, caches[0], slots, **attrs, tables=RopeTables(d, 1e4, None))
     q_want, _ = rope_kv_write_ref(*parts, positions, caches[1], slots, **attrs, theta=1e4, scaling=None)
-    return (q_got, caches[0]), (q_want, caches[1]), slots
+    q_exact = rope_ref(qkv[:, :heads * d].double(), positions, d, 1e4, None)
+    return (q_got, caches[0]), (q_want, caches[1]), q_exact, slots
 
 
 def cache_rows(cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Tensor:
@@ -77,8 +77,8 @@ def cache_rows(cache: torch.Tensor, which: int, slots: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("packed", [True, False])
 def test_rope_kv_write_int8_matches_ref(dtype, packed):
     positions = torch.randint(0, 4000, (13,), generator=torch.Generator().manual_seed(5))
-    (q_got, got), (q_want, want), slots = rope_write(dtype, positions, packed, seed=6)
-    torch.testing.assert_close(q_got, q_want, **tolerance(dtype, 2, scale=8))
+    (q_got, got), (q_want, want), q_exact, slots = rope_write(dtype, positions, packed, seed=6)
+    assert_matches(q_got, q_want, q_exact, dtype, 2)
     untouched = torch.ones(4 * BS, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     blocks, offsets = untouched.nonzero()[:, 0] // BS, untouched.nonzero()[:, 0] % BS
@@ -100,7 +100,7 @@ def test_rope_kv_write_int8_matches_ref(dtype, packed):
 def test_rope_kv_write_int8_is_bit_exact_where_the_rotation_is(dtype):
     """At position 0 the rotation is the identity (cos 1, sin 0), exact in any dtype: K's codes
     and scales equal quantize_kv_rows of the input's k, bit for bit."""
-    (_, got), (_, want), slots = rope_write(dtype, torch.zeros(7, dtype=torch.long), False, seed=8)
+    (_, got), (_, want), _, slots = rope_write(dtype, torch.zeros(7, dtype=torch.long), False, seed=8)
     valid = slots[slots >= 0]
     for which in (0, 1):
         torch.testing.assert_close(cache_rows(got, which, valid), cache_rows(want, which, valid), atol=0, rtol=0)
@@ -109,7 +109,7 @@ def test_rope_kv_write_int8_is_bit_exact_where_the_rotation_is(dtype):
 def test_int8_k_rows_are_within_half_a_step_of_the_rotation():
     """Dequantized, the native kernel's K rows are the float64 rotation to within half a code step."""
     positions = torch.randint(0, 4000, (9,), generator=torch.Generator().manual_seed(9))
-    (_, got), _, slots = rope_write(torch.float32, positions, False, seed=10)
+    (_, got), _, _, slots = rope_write(torch.float32, positions, False, seed=10)
     qkv = torch.randn(9, 15 * 64, generator=torch.Generator().manual_seed(10)) * 2   # rope_write's inputs
     k = rope_ref(qkv[:, 9 * 64:12 * 64].double(), positions, 64, 1e4, None)           # [T, KVH*D]
     rows = cache_rows(got, 0, slots[slots >= 0])                                       # [n, KVH, D + 4]
@@ -118,27 +118,47 @@ def test_int8_k_rows_are_within_half_a_step_of_the_rotation():
     assert (scale > 0).all() and (err <= scale * (0.5 + 1e-5)).all()
 
 
-def test_native_op_table_runs_an_int8_cache_natively(monkeypatch):
-    """The native op table's entries take an int8 cache with bf16 activations (no fallback to
-    the refs: those are made to fail) and mean what the refs mean."""
+def op_table_attention(monkeypatch, table_op=None):
+    """The native op table's int8-cache attention entries with bf16 activations (no fallback to the
+    refs: those are made to fail), each as (native, ref, float64 ref) on the native write's q and
+    cache: [prefill of a 21-token prompt, decode of its last token]; `table_op` wraps each entry."""
     from llmc.kernels import native_ops
     from llmc.kernels.torch_ops import OP_IMPLS
 
     table = native_ops.native_op_impls()
     monkeypatch.setattr(native_ops, "OP_IMPLS", {})                    # a fallback would KeyError
+    wrap = table_op or (lambda op: op)
     heads, kv_heads, d, t = 9, 3, 64, 21
     g = torch.Generator().manual_seed(14)
     qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
     positions = slots = torch.arange(t)                                  # a prompt in blocks 0 and 1
     attrs = dict(layer=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, theta=1e4, scaling=None, scale=0.125)
     caches = [torch.zeros(1, 2, 3, kv_heads, BS, d + 4, dtype=torch.int8) for _ in range(2)]
-    q_got, _ = table["rope_kv_write"]([qkv, positions, caches[0], slots], attrs)
-    q_want, _ = OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
+    q, _ = table["rope_kv_write"]([qkv, positions, caches[0], slots], attrs)
+    OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
     assert (caches[0][..., :-4].int() - caches[1][..., :-4].int()).abs().max() <= 1
     step = [torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)]
     qsl = torch.tensor([0, t], dtype=torch.int32)
-    got = table["paged_attention"]([q_got, caches[0], *step, qsl], attrs)
-    want = OP_IMPLS["paged_attention"]([q_want, caches[1], *step, qsl], attrs)
-    torch.testing.assert_close(got.float(), want.float(), **tolerance(torch.bfloat16, t))
-    got = table["paged_decode_attention"]([q_got[-1:], caches[0], *step], attrs)
-    torch.testing.assert_close(got.float(), want[-1:].float(), **tolerance(torch.bfloat16, t))
+    exact = paged_attention_ref(q.double(), caches[0], *step, qsl, 0, d, 0.125)
+    inputs = {"paged_attention": ([q, caches[0], *step, qsl], exact),
+              "paged_decode_attention": ([q[-1:], caches[0], *step], exact[-1:])}
+    return [(wrap(table[op])(x, attrs), OP_IMPLS[op](x, attrs), e) for op, (x, e) in inputs.items()]
+
+
+def test_native_op_table_runs_an_int8_cache_natively(monkeypatch):
+    """The table's entries run natively and mean what the refs mean: the write within a code of
+    the ref's, each attention as close to the float64 one over the same rows as the ref's."""
+    for got, want, exact in op_table_attention(monkeypatch):
+        assert_matches(got, want, exact, torch.bfloat16, 21)
+
+
+BUGS = {"zeroed": 0.0, "negated": -1.0, "1.5x": 1.5, "3% high": 1.03, "3% low": 0.97}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_a_bug_planted_in_the_op_tables_attention_fails_the_check(monkeypatch, bug):
+    """Each entry made to return its output scaled: the check above fails."""
+    runs = op_table_attention(monkeypatch, lambda op: lambda x, a: op(x, a) * BUGS[bug])
+    for got, want, exact in runs:
+        with pytest.raises(AssertionError):
+            assert_matches(got, want, exact, torch.bfloat16, 21)
