@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -17,11 +18,25 @@ import pytest
 from test_bad_inputs import assert_process_error, run_llmc
 
 
-class ServeProcess:
-    """`llmc serve ART --port 0 ...` in a child process; the port is read from its start line."""
+# `llmc serve` with every model run made a given number of seconds longer (the test's only change
+# to the production process: a request of n tokens then certainly runs for at least n x that).
+SLOWED_CLI = """
+import sys, time
+from llmc.runtime.model_runner import ModelRunner
+delay, run = float(sys.argv.pop(1)), ModelRunner.run
+ModelRunner.run = lambda self, entry, step: (time.sleep(delay), run(self, entry, step))[1]
+from llmc.tools.cli import app
+app()
+"""
 
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, "-m", "llmc.tools.cli", "serve", *map(str, args)],
+
+class ServeProcess:
+    """`llmc serve ART --port 0 ...` in a child process; the port is read from its start line.
+    With `step_delay`, each model run in it takes that many seconds longer."""
+
+    def __init__(self, *args, step_delay: float = 0.0):
+        cli = ["-c", SLOWED_CLI, str(step_delay)] if step_delay else ["-m", "llmc.tools.cli"]
+        self.proc = subprocess.Popen([sys.executable, *cli, "serve", *map(str, args)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         for line in self.proc.stderr:
@@ -36,6 +51,18 @@ class ServeProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout=timeout)
+
+    def wait_until_it_stops_listening(self, timeout: float = 30) -> None:
+        """Return once a new connection is refused: the shutdown has begun (the engine loop is told
+        to stop before uvicorn closes its sockets)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                httpx.get(f"{self.url}/health", timeout=1)
+            except httpx.ConnectError:
+                return
+            assert time.monotonic() < deadline, f"still accepting connections {timeout} s after the signal"
+            time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +86,25 @@ def start_stream(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
     return thread, events
 
 
+STEP_DELAY = 0.02          # seconds added to each step of the server below
+
+
 def test_sigterm_lets_a_running_stream_finish_then_exits_0(artifact):
-    server = ServeProcess(artifact, "--port", 0, "--served-model-name", "tiny")
+    server = ServeProcess(artifact, "--port", 0, "--served-model-name", "tiny", step_delay=STEP_DELAY)
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
-    thread, events = start_stream(server.url, {"prompt": "x", "max_tokens": 200, "temperature": 0,
-                                               "ignore_eos": True})
-    assert server.stop() == 0, "".join(server.lines)
+    tokens = 100                                                  # >= 2 s of steps after the first token
+    thread, events = start_stream(server.url, {"prompt": "x", "max_tokens": tokens, "temperature": 0,
+                                               "ignore_eos": True, "stream_options": {"include_usage": True}})
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_until_it_stops_listening()
+    seen_at_shutdown = list(events)
+    assert server.proc.wait(timeout=60) == 0, "".join(server.lines)
     thread.join(30)
-    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "[DONE]" not in seen_at_shutdown and not any(
+        c["choices"][0]["finish_reason"] for c in map(json.loads, seen_at_shutdown) if c["choices"])   # in flight
+    assert events[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens                 # every token, after the signal too
     assert "Traceback" not in "".join(server.lines)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
