@@ -1,14 +1,17 @@
 """Generated kernels against the interpreted graph they came from (Triton interpreter).
 
 Each case is a small IR graph; fusion_grouping groups it as the pipeline would, codegen writes
-one kernel per unit, and the kernels' outputs must equal the torch backend's on the same inputs,
-fp32 and fp16, at tolerances from the dtype. Outputs are allocated with torch.empty under
-deterministic mode, which fills them with NaN: an element a kernel forgets to write fails.
+one kernel per unit, and the kernels' outputs must equal the torch backend's on the same inputs:
+fp32 within the dtype's tolerance; fp16 as close to the fp32 graph on the same inputs as the
+interpreted fp16 graph is; a bug planted in every kernel (outputs zeroed, negated, 3% off) fails.
+Outputs are allocated with torch.empty under deterministic mode, which fills them with NaN: an
+element a kernel forgets to write fails.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 import textwrap
 
 import pytest
@@ -22,7 +25,7 @@ from llmc.passes.fusion_grouping import fusion_grouping
 from llmc.passes.rewrite import PassContext
 from llmc.runtime.slot_program import LaunchSpec, SlotProgram
 from llmc.runtime.torch_backend import interpret
-from tolerances import tolerance
+from tolerances import assert_as_close_as_ref, tolerance
 
 CASES = {
     # residual add + norm (two results), then a norm of its sum: width 72, not a power of two
@@ -125,28 +128,79 @@ def inputs_for(graph, tokens: int, seed: int = 0):
     return feeds, weights
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
-@pytest.mark.parametrize("dtype", ["f32", "f16"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_generated_kernels_equal_the_interpreted_graph(case, dtype, tokens, tmp_path):
-    graph = graph_of(case, dtype)
-    feeds, weights = inputs_for(graph, tokens)
-    assert_generated_equals_interpreted(graph, weights, feeds, tmp_path)
+def widened_inputs(exact_graph, weights, feeds):
+    """`weights` and `feeds` as `exact_graph` (the same graph in f32) declares them: f16 values made
+    f32 exactly; ids, codes and what it declares f16 (quantization scales) as they are."""
+    types = {n.name: to_torch(n.type.dtype) for n in exact_graph.nodes if n.op in ("input", "weight")}
+    return ({name: w.to(types[f"w.{name}"]) for name, w in weights.items()},
+            {name: x.to(types[name]) for name, x in feeds.items()})
 
 
-def assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, reduction: int | None = None,
-                                        scale: float = 1.0) -> None:
+def assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, exact_graph=None,
+                                        reduction: int | None = None, scale: float = 1.0) -> None:
     """The generated kernels' outputs (every element written: torch.empty fills NaN under
-    deterministic algorithms) equal the interpreted graph's within the dtype's tolerance."""
+    deterministic algorithms) match the interpreted graph's. Without `exact_graph` (f32 graphs):
+    within the dtype's tolerance. With it (the f32 twin of an f16 graph, whose fused kernels round
+    at other points than the op-by-op graph): as close to its outputs on the same inputs as the
+    interpreted f16 graph's are, within twice their error and an f16 rounding
+    (tolerances.assert_as_close_as_ref)."""
     expected = interpret(graph, weights, feeds)
+    exact = expected if exact_graph is None else interpret(exact_graph, *widened_inputs(exact_graph, weights, feeds))
     torch.use_deterministic_algorithms(True)
     try:
         got, _ = run_generated(graph, weights, feeds, tmp_path)
     finally:
         torch.use_deterministic_algorithms(False)
-    for g_out, e_out in zip(got, expected, strict=True):
+    for g_out, e_out, x_out in zip(got, expected, exact, strict=True):
         assert not g_out.isnan().any()
-        torch.testing.assert_close(g_out, e_out, **tolerance(e_out.dtype, reduction or g_out.shape[-1], scale=scale))
+        if exact_graph is None:
+            tol = tolerance(e_out.dtype, reduction or g_out.shape[-1], scale=scale)
+            torch.testing.assert_close(g_out, e_out, **tol)
+        else:
+            assert_as_close_as_ref(g_out, e_out, x_out, torch.float16)
+
+
+def planted_import(factor: float):
+    """import_module whose kernels return their outputs times `factor`: a bug in every kernel."""
+    def load(tmp_path, name, source, import_module=import_module):
+        module = import_module(tmp_path, name, source)
+
+        def build(device, build=module.build):
+            launch = build(device)
+            return lambda *args: tuple(out * factor for out in launch(*args))
+
+        module.build = build
+        return module
+
+    return load
+
+
+def check_case(case: str, dtype: str, tokens: int, tmp_path) -> None:
+    """Case `case` in `dtype` on random inputs: generated against interpreted (f16: and the f32 graph)."""
+    graph = graph_of(case, dtype)
+    feeds, weights = inputs_for(graph, tokens)
+    exact_graph = graph_of(case, "f32") if dtype == "f16" else None
+    assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, exact_graph)
+
+
+# Planted in every generated kernel: each must fail the check.
+BUGS = {"zeroed": 0.0, "negated": -1.0, "3% high": 1.03, "3% low": 0.97}
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_generated_kernels_equal_the_interpreted_graph(case, dtype, tokens, tmp_path):
+    check_case(case, dtype, tokens, tmp_path)
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bug_planted_in_every_generated_kernel_fails_the_check(case, dtype, bug, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "import_module", planted_import(BUGS[bug]))
+    with pytest.raises(AssertionError):
+        check_case(case, dtype, 5, tmp_path)
 
 
 @pytest.mark.parametrize("case", ["silu_mul_chain", "split_cast", "norm_epilogue", "chain_into_norm", "gemm_residual",

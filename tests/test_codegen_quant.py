@@ -3,7 +3,9 @@ interpreted graph they came from (kernels/quant.py's refs), in Triton's interpre
 
 Each case is a small IR graph grouped as the pipeline would; its quantized weights are real
 quantizations (kernels/quant.py) of random float weights. Outputs are allocated under
-deterministic mode, which fills them with NaN: an element a kernel forgets to write fails.
+deterministic mode, which fills them with NaN: an element a kernel forgets to write fails. f16
+outputs are measured against the f32 graph on the same inputs (test_codegen_kernels' rule), and
+a bug planted in every kernel (outputs zeroed, negated, 3% off) fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 from llmc.compiler.codegen import lower
 from llmc.compiler.dtypes import to_torch
 from llmc.kernels.quant import quantize_int4, quantize_int8
-from test_codegen_kernels import assert_generated_equals_interpreted, graph_of as grouped_graph
+import test_codegen_kernels
+from test_codegen_kernels import BUGS, assert_generated_equals_interpreted, graph_of as grouped_graph, planted_import
 
 CASES = {
     # int8 per output channel (K = 72, not a power of two), bias, then a residual add
@@ -93,13 +96,29 @@ def quantized_inputs(graph, tokens: int, seed: int = 0):
     return feeds, weights
 
 
+def check_case(case: str, dtype: str, tokens: int, tmp_path) -> None:
+    """The generated kernels against the interpreted graph: f32 within its tolerance, f16 as close
+    to the f32 graph on the same inputs as the interpreted f16 graph is."""
+    graph = graph_of(case, dtype)
+    feeds, weights = quantized_inputs(graph, tokens)
+    exact_graph = graph_of(case, "f32") if dtype == "f16" else None
+    assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, exact_graph, reduction=256, scale=4.0)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_generated_quantized_kernels_equal_the_interpreted_graph(case, dtype, tokens, tmp_path):
-    graph = graph_of(case, dtype)
-    feeds, weights = quantized_inputs(graph, tokens)
-    assert_generated_equals_interpreted(graph, weights, feeds, tmp_path, reduction=256, scale=4.0)
+    check_case(case, dtype, tokens, tmp_path)
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bug_planted_in_every_generated_kernel_fails_the_check(case, dtype, bug, tmp_path, monkeypatch):
+    monkeypatch.setattr(test_codegen_kernels, "import_module", planted_import(BUGS[bug]))
+    with pytest.raises(AssertionError):
+        check_case(case, dtype, 5, tmp_path)
 
 
 UNITS = {

@@ -33,4 +33,4 @@ def assert_as_close_as_ref(got: torch.Tensor, want: torch.Tensor, exact: torch.T
     size = {"max": lambda x: x.abs().max().item(), "rms": lambda x: x.square().mean().sqrt().item()}[norm]
     err_got, err_ref = (size(x.double() - exact) for x in (got, want))
     bound = 2 * err_ref + EPS[dtype] / 2 * size(exact)
-    assert err_got <= bound, f"{norm} error {err_got:.3g} > {bound:.3g} (twice the ref's {err_ref:.3g} plus a rounding)"
+    assert err_got <= bound, f"{norm} error {err_got:.3g} > {bound:.3g}: twice the ref's {err_ref:.3g} and a rounding"
