@@ -10,7 +10,9 @@ IR lines of every unit it serves.
 
 `lower(graphs)` is deterministic: the compiler writes its modules into the artifact's kernels/
 folder, and the triton executor lowers the artifact's IR again to know which module each unit
-launches and to check that the files are the ones this llmc generates.
+launches and to check that the files are the ones this llmc generates. aot.py launches an
+artifact's modules on meta tensors, for kernels/triton/aot_compile.py to compile them for a GPU
+without one.
 """
 
 from __future__ import annotations

@@ -10,5 +10,6 @@ tensors under `TRITON_INTERPRET=1`.
   paged_kv.py                  the paged-cache contract and tile helpers both attention kernels share
   gather.py                    row gather (embedding, index_select)
   qembedding.py                row gather of a quantized table, dequantized (qembedding)
-  aot_compile.py               compiles the quantized variants for sm_90 without a GPU (a CLI)
+  aot_compile.py               compiles every template, and an artifact's generated kernels, for sm_90
+                               in fp16/bf16/fp32 without a GPU (a CLI; the launchers on meta tensors)
 """
