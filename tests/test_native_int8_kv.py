@@ -121,7 +121,8 @@ def test_int8_k_rows_are_within_half_a_step_of_the_rotation():
 def op_table_attention(monkeypatch, table_op=None):
     """The native op table's int8-cache attention entries with bf16 activations (no fallback to the
     refs: those are made to fail), each as (native, ref, float64 ref) on the native write's q and
-    cache: [prefill of a 21-token prompt, decode of its last token]; `table_op` wraps each entry."""
+    cache: [prefill of a 21-token prompt, decode of its last token]; `table_op` wraps both entries.
+    The write's q is checked as rope_kv_write_cpu's is, its codes within one of the ref's."""
     from llmc.kernels import native_ops
     from llmc.kernels.torch_ops import OP_IMPLS
 
@@ -135,7 +136,8 @@ def op_table_attention(monkeypatch, table_op=None):
     attrs = dict(layer=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, theta=1e4, scaling=None, scale=0.125)
     caches = [torch.zeros(1, 2, 3, kv_heads, BS, d + 4, dtype=torch.int8) for _ in range(2)]
     q, _ = table["rope_kv_write"]([qkv, positions, caches[0], slots], attrs)
-    OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
+    q_ref, _ = OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
+    assert_matches(q, q_ref, rope_ref(qkv[:, :heads * d].double(), positions, d, 1e4, None), torch.bfloat16, 2)
     assert (caches[0][..., :-4].int() - caches[1][..., :-4].int()).abs().max() <= 1
     step = [torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)]
     qsl = torch.tensor([0, t], dtype=torch.int32)
@@ -146,8 +148,8 @@ def op_table_attention(monkeypatch, table_op=None):
 
 
 def test_native_op_table_runs_an_int8_cache_natively(monkeypatch):
-    """The table's entries run natively and mean what the refs mean: the write within a code of
-    the ref's, each attention as close to the float64 one over the same rows as the ref's."""
+    """The table's entries run natively and mean what the refs mean: each attention as close to
+    the float64 one over the same q and rows as the ref's."""
     for got, want, exact in op_table_attention(monkeypatch):
         assert_matches(got, want, exact, torch.bfloat16, 21)
 
