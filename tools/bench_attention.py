@@ -18,7 +18,7 @@ from memory, not from the last call's L3). It prints ms per call for `paged_atte
 attention_decode.h) and `paged_attention_rows` (old: the row-by-row decode it replaced, a
 block widened into scratch and a horizontal sum per key), the K/V bytes one call reads, both
 kernels' GB/s, the new one's fraction of the read bandwidth measured in the same run
-(`profile_steps.read_bandwidth`, torch.sum over 512 MiB), and old/new. `--dtype float32
+(`read_floor.read_bandwidth`, the native read floor), and old/new. `--dtype float32
 --kv-dtype int8` times an int8 cache under f32 q.
 A benchmark, not a test: the numbers depend on the machine and its load.
 """
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_kv_rows
 from llmc.tools.bench_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, step_layout
-from llmc.tools.profile_steps import read_bandwidth
+from llmc.tools.read_floor import read_bandwidth
 
 DECODE_STEPS = "64:100:500,8:1000:4000"
 COLD_BYTES = 256 * 2**20        # K/V cycled through per decode step: well past the L3
@@ -115,7 +115,7 @@ def time_decode(seqs: int, lo: int, hi: int, dtype: torch.dtype, kv_dtype: str, 
 def run_decode(spec: str, dtype: torch.dtype, kv_dtype: str) -> None:
     rng = random.Random(0)
     bandwidth = read_bandwidth()
-    print(f"read bandwidth (torch.sum over 512 MiB fp32): {bandwidth / 1e9:.1f} GB/s")
+    print(f"read bandwidth (the native read floor): {bandwidth / 1e9:.1f} GB/s")
     print(f"{'decode step':<22}{'new ms':>9}{'old ms':>9}{'KV MB':>8}{'new GB/s':>10}{'of read':>9}"
           f"{'old GB/s':>10}{'old/new':>9}")
     for entry in spec.split(","):

@@ -4,7 +4,7 @@ At SmolLM2-135M's GEMM shapes (hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocab 
 per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32, all in panels) the time of one
 call of the native kernel (kernels/gemv.py), the bytes it must read (panels, or codes, scales and
 mins; x is noise), the GB/s that makes and its fraction of the read bandwidth measured in the same
-run (tools/profile_steps.py's floor); oneDNN's packed GEMM (kernels/linear.py) at f32 and bf16 is
+run (tools/read_floor.py's floor); oneDNN's packed GEMM (kernels/linear.py) at f32 and bf16 is
 the peer. Each weight is copied until the copies fill 256 MiB and the calls cycle through them, so
 every call reads from memory, not from the 32 MiB-class caches, as a decode step does.
 Then the crossover: one layer's four GEMMs at several token counts, the panels against oneDNN on
@@ -31,7 +31,8 @@ from llmc.kernels.gemv import GemvWeight, gemv_cpu, prepare_linear_weight, prepa
 from llmc.kernels.linear import PackedLinear, onednn_linear
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_int4, quantize_int8
-from llmc.tools.profile_steps import cpu_name, read_bandwidth
+from llmc.tools.profile_steps import cpu_name
+from llmc.tools.read_floor import read_bandwidth
 
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
 SHAPES = {"q/o": (HIDDEN, HIDDEN), "qkv": (HIDDEN + 2 * 192, HIDDEN), "gate_up": (2 * MLP, HIDDEN),
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if again > bandwidth:
         rows = [_rescale(row, bandwidth / again) for row in rows]
     print(f"{cpu_name()} | torch threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.1f} | "
-          f"read bandwidth {max(bandwidth, again) / 1e9:.1f} GB/s (torch.sum over 512 MiB, best of two in this run) | "
+          f"read bandwidth {max(bandwidth, again) / 1e9:.1f} GB/s (the native read floor, best of two in this run) | "
           f"batch 1, cold weights, quantized x {args.x_dtype}")
     print(f"{'GEMM':<9}{'format':<10}{'path':<15}{'us/call':>9}{'MB':>9}{'GB/s':>8}{'of bw':>8}")
     for row in rows:

@@ -19,13 +19,15 @@ from typing import Optional
 import torch
 import typer
 
+from llmc.compiler.artifact import stale_code
 from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import RequestError
 
 from .bench import Workload, parse_range, run_llmc
-from .profile_steps import ROUND_TOKENS, ReadBandwidth, cpu_name, decode_bytes, profile_decode
+from .profile_steps import ROUND_TOKENS, cpu_name, decode_bytes, profile_decode
+from .read_floor import ReadBandwidth
 
 DEFAULT_RECIPES = "none,int8,int4,int4+rtn,int8+kv8"
 
@@ -38,9 +40,11 @@ def parse_recipe(text: str) -> QuantRecipe:
 
 
 def compiled(model: Optional[str], recipe: str, dtype: str, work_dir: Path) -> Path:
-    """The artifact of `recipe`, compiled into work_dir once and reused."""
+    """The artifact of `recipe`, compiled into work_dir once and reused while the code that made it
+    is this code."""
     out = work_dir / f"{dtype}-{recipe.replace('+', '-')}"
-    if not (out / "manifest.json").is_file():
+    manifest = out / "manifest.json"
+    if not manifest.is_file() or stale_code(json.loads(manifest.read_text())):
         compile_model(model, out, CompileConfig(dtype=dtype, quant=parse_recipe(recipe)))
     return out
 
@@ -59,7 +63,7 @@ def measure(artifact: Path, decode_tokens: int, workload: Workload, bandwidth: R
 
 def format_table(result: dict) -> str:
     lines = [f"{result['cpu']} | torch threads {result['threads']} | {result['dtype']} | native kernels | "
-             f"floor: read bandwidth (torch.sum over 512 MiB) sampled beside every {ROUND_TOKENS} decode steps; "
+             f"floor: the native read floor (tools/read_floor.py) sampled beside every {ROUND_TOKENS} decode steps; "
              f"'of floor' is the median over those rounds",
              f"{'recipe':<12} {'weights MB':>10} {'MB/token':>9} {'ms/token':>9} {'tok/s':>7} {'GB/s':>6} "
              f"{'floor GB/s':>10} {'of floor':>8} {'bench tok/s':>11}"]

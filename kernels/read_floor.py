@@ -1,0 +1,31 @@
+"""The read-bandwidth floor's kernel: one pass over a buffer as fast as the CPU reads memory
+(kernels/cpu/read_floor.cpp: every thread of the team streams its own slice with eight 64-byte
+loads in flight and nothing else to do), so that no llmc kernel reading the same bytes can beat
+it. tools/read_floor.py turns its time into the floor every "% of floor" figure is against.
+
+Contract: x, a contiguous f32 CPU tensor of any length, and `ahead`, bytes of software prefetch
+ahead of the loads (0: the hardware prefetcher alone) -> a f32 scalar, the sum of x accumulated
+in fp32 per thread and lane (another order than torch.sum: equal within fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def read_floor_ref(x: torch.Tensor) -> torch.Tensor:
+    """The meaning: the sum of x, in float64."""
+    return x.double().sum()
+
+
+PREFETCH_AHEAD = (0, 1024, 4096, 16384)    # the distances tools/read_floor.py tries: the best differs by CPU
+
+
+def read_floor_cpu(x: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+    """Launcher: read_floor_ref's meaning through the native kernel (which must be loaded)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"the read floor reads a contiguous f32 CPU tensor; got {x.dtype} on {x.device}"
+                         f"{'' if x.is_contiguous() else ', not contiguous'}")
+    if ahead < 0:
+        raise ValueError(f"the prefetch distance must be at least 0 bytes, not {ahead}")
+    return torch.ops.llmc.read_floor(x, ahead)

@@ -1,0 +1,84 @@
+"""The read-bandwidth floor that every "% of floor" figure is measured against, and that no llmc
+kernel may beat: bytes per second of kernels/read_floor.py's native pass (all threads, 64-byte
+loads, eight in flight per thread) over buffers of several sizes, the best of several passes.
+
+The sizes are 128, 256 and 512 MiB, each at least four times the last-level cache (so they are
+read from memory; a CPU with a larger cache takes larger buffers), and a sample is the best rate
+over them. Software prefetch helps some CPUs and not others (the panel GEMVs use it), so the
+distance is chosen on this machine when the floor is set up, from kernels/read_floor.py's list. The floor moves with the neighbours' load on a shared machine, so a profile samples it
+beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
+GEMV has read faster than, so it is no ceiling) and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from llmc.kernels.native import NativeBuildError, load_native_kernels
+from llmc.kernels.read_floor import PREFETCH_AHEAD, read_floor_cpu
+
+SIZES_MIB = (128, 256, 512)
+CACHE_MULTIPLE = 4
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache the kernel reports for CPU 0 (0 where it does not say)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+def buffer_sizes() -> list[int]:
+    """Bytes of each buffer: SIZES_MIB, each raised to CACHE_MULTIPLE x the last-level cache."""
+    floor = CACHE_MULTIPLE * last_level_cache_bytes()
+    return sorted({max(mib * 2**20, floor) for mib in SIZES_MIB})
+
+
+def best_pass_seconds(read, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `read`, after one untimed call."""
+    read()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class ReadBandwidth:
+    """The read floor, sampled as often as asked (bytes/s). The prefetch distance that reads
+    fastest on this CPU is chosen once, when it is made, on the largest buffer."""
+
+    def __init__(self, sizes: list[int] | None = None):
+        self.buffers = [torch.ones(n // 4) for n in (sizes or buffer_sizes())]
+        try:
+            load_native_kernels()
+        except NativeBuildError:
+            logging.getLogger("llmc").info("the read floor falls back to torch.sum: without the native kernels "
+                                           "it is not a ceiling for llmc's kernels")
+            self.read, self.kernel = torch.sum, "torch.sum"
+            return
+        largest = self.buffers[-1]
+        self.ahead = min(PREFETCH_AHEAD, key=lambda a: best_pass_seconds(lambda: read_floor_cpu(largest, a), 3))
+        self.read = lambda x: read_floor_cpu(x, self.ahead)
+        self.kernel = f"native read_floor, prefetch {self.ahead} B"
+
+    def sample(self, repeats: int = 2) -> float:
+        """The best rate over the buffers, each the best of `repeats` passes after one warm pass."""
+        return max(x.numel() * 4 / best_pass_seconds(lambda x=x: self.read(x), repeats) for x in self.buffers)
+
+    def describe(self) -> str:
+        sizes = "/".join(f"{x.numel() * 4 // 2**20}" for x in self.buffers)
+        return f"{self.kernel} over {sizes} MiB"
+
+
+def read_bandwidth() -> float:
+    """One sample of the read floor, the best of 5 passes per buffer."""
+    return ReadBandwidth().sample(5)
