@@ -44,13 +44,17 @@ def test_prefill_flops_are_every_gemm_over_every_token_but_the_lm_head_and_causa
 def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_family, tmp_path):
     out = tmp_path / "profile.json"
     proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--prompt-len", 64, "--json", out,
-                    "--baseline", "hf")
+                    "--baseline", "hf", "--no-hf-compile")
     assert proc.returncode == 0, proc.stderr
     assert "of the read bandwidth" in proc.stdout and "of the matmul peak" in proc.stdout
-    assert "transformers, same run: decode" in proc.stdout
+    assert "transformers, same run, same boundaries: decode" in proc.stdout
     result = json.loads(out.read_text())
     assert sorted(result["step_plans"]) == ["decode", "prefill"] and "step plans: " in proc.stdout
-    assert result["hf"]["decode_s"] > 0 and result["hf"]["prefill_s"] > 0
+    hf = result["hf"]
+    assert hf["decode_s"] == min(t["seconds"] for t in hf["decode_tried"] if "seconds" in t) > 0   # its best path
+    assert len(hf["decode_tried"]) >= 3 and hf["prefill_s"] == min(hf["prefill_tried"].values()) > 0
+    assert result["served_decode_s"] > 0 and "as served" in proc.stdout and "same boundaries" in proc.stdout
+    assert result["floor_kernel"].startswith("native read_floor")
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round
     assert result["decode"]["of_bandwidth"] == pytest.approx(
@@ -94,3 +98,24 @@ def test_the_fraction_of_bandwidth_pairs_each_round_with_its_own_floor():
     profile = StepProfile(0.15, {}, rounds=(0.1, 0.2, 0.1), floors=(10.0, 5.0, 20.0))
     assert profile.of_bandwidth(1) == pytest.approx(1.0)
     assert StepProfile(0.15, {}, rounds=(0.1, 0.2), floors=(10.0, 20.0)).of_bandwidth(1) == pytest.approx(0.625)
+
+
+PREFILL_DELAY = 0.3          # seconds added to the prefill step (the tiny model's decode step: ~1 ms)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_served_decode_time_runs_from_the_first_token_out_to_the_last(tiny_family, monkeypatch):
+    """The figure compared with transformers' streamer timing leaves the prefill (and the first
+    token's wait) out on llmc's side too: a slow prefill does not move it."""
+    from llmc.tools.profile_hf import decode_prompt, served_decode
+
+    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(cuda_graphs=False))
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda entry, step: (
+        time.sleep(PREFILL_DELAY if entry == "prefill" else 0), run(entry, step))[1])
+    tokens = 8
+    start = time.perf_counter()
+    per_token = served_decode(engine, decode_prompt(engine.artifact.config.vocab_size), tokens)
+    assert time.perf_counter() - start >= PREFILL_DELAY                    # the prefill was slowed
+    assert 0 < per_token < PREFILL_DELAY / tokens / 4
+    assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks

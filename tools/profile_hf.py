@@ -1,10 +1,14 @@
 """transformers as the peer of `llmc profile --baseline hf`: the same batch-1 decode and prefill,
-same model, same dtype, same machine, in the same run.
+same model, same dtype, same machine, in the same run, timed at the same boundaries as llmc.
 
-decode: `generate` greedily from a 16-token prompt, `tokens` new tokens, minus the prefill of
-those 16 tokens (timed apart), per token. prefill: one forward over `prompt_len` tokens (the
-first call warms up; the best of two timed calls counts), logits at the last position only, as
-llmc's prefill computes them.
+decode: each side generates greedily from the same 16-token prompt, EOS ignored, and its time per
+output token runs from the first token out to the last (llmc: `served_decode`, the engine's own
+steps with its sampler; transformers: `generate`'s streamer, its own greedy pick inside), so
+neither side's prefill nor its set-up is in the figure. transformers runs every path a user would
+try for batch 1 (hf_paths: sdpa or eager, the static cache, torch.compile over it where asked,
+bf16 autocast for float32), and the fastest counts. prefill: one forward over `prompt_len`
+tokens with the logits of the last position only, as llmc's prefill computes them, with sdpa or
+eager (and bf16 autocast for float32): the best of two timed calls after a warm-up, fastest path.
 """
 
 from __future__ import annotations
@@ -14,29 +18,59 @@ import time
 import torch
 
 from llmc.runtime.artifact import Artifact
+from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
 
 from .bench_hf import load_hf_model
+from .hf_paths import HfPath, TokenClock, tune
 from .profile_steps import PROMPT_FOR_DECODE, best_of
 
 
-def _prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
+def decode_prompt(vocab: int, length: int = PROMPT_FOR_DECODE, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, length), generator=g)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-def _forward_seconds(model, ids: torch.Tensor) -> float:
-    return best_of(lambda: model(ids, logits_to_keep=1), 2)
+def served_decode(engine: Engine, prompt: list[int], tokens: int) -> float:
+    """llmc's batch-1 seconds per output token as a serving engine runs it: one request through
+    `engine.step()` (scheduler, runner, sampler), first token out to last token out."""
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+    clock = TokenClock()
+    clock.put(prompt)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                clock.put(out.new_token_ids)
+    return clock.seconds_per_token()
 
 
-@torch.inference_mode()
-def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, prompt_len: int) -> dict:
-    """transformers' batch-1 seconds per decoded token and seconds for a prefill of prompt_len."""
+def _decode_seconds(model, prompt: list[int], tokens: int, path: HfPath) -> float:
+    ids = torch.tensor([prompt])
+    path.generate(model, ids, max_new_tokens=2, do_sample=False)       # warm-up (and compile, on that path)
+    clock = TokenClock()
+    path.generate(model, ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False, streamer=clock)
+    return clock.seconds_per_token()
+
+
+def _prefill_seconds(model, ids: torch.Tensor, path: HfPath) -> float:
+    model.set_attn_implementation(path.attn)
+    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=path.autocast):
+        return best_of(lambda: model(ids, logits_to_keep=1), 2)
+
+
+def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, prompt_len: int,
+               compile: bool = True) -> dict:
+    """transformers' batch-1 seconds per output token and seconds for a prefill of prompt_len, each
+    on its fastest path, with every path tried."""
     model = load_hf_model(artifact, hf_model, device="cpu")
     vocab = artifact.config.vocab_size
-    prompt = _prompt(vocab, PROMPT_FOR_DECODE, 0)
-    short_prefill = _forward_seconds(model, prompt)
-    model.generate(prompt, max_new_tokens=2, do_sample=False)            # warm-up
-    start = time.perf_counter()
-    model.generate(prompt, max_new_tokens=decode_tokens, min_new_tokens=decode_tokens, do_sample=False)
-    decode = (time.perf_counter() - start - short_prefill) / decode_tokens
-    return {"decode_s": decode, "prefill_s": _forward_seconds(model, _prompt(vocab, prompt_len, 1))}
+    prompt = decode_prompt(vocab)
+    decode_path, decode_tries = tune(model.dtype, [1], lambda p: _decode_seconds(model, prompt, decode_tokens, p),
+                                     compile=compile)
+    ids = torch.tensor([decode_prompt(vocab, prompt_len, seed=1)])
+    prefill_paths = [HfPath(batch_size=1), HfPath(batch_size=1, attn="eager")]
+    prefill_paths += [HfPath(batch_size=1, autocast=True)] * (model.dtype == torch.float32)
+    prefill = {p.label: _prefill_seconds(model, ids, p) for p in prefill_paths}
+    decode_s = min(t["seconds"] for t in decode_tries if "seconds" in t)
+    return {"decode_s": decode_s, "decode_path": decode_path.label, "decode_tried": decode_tries,
+            "prefill_s": min(prefill.values()), "prefill_path": min(prefill, key=prefill.get), "prefill_tried": prefill}

@@ -1,7 +1,8 @@
 """`llmc profile ART`: where a step's time goes, against the machine's own floors measured in the
 same run.
 
-Floors: the read bandwidth (`torch.sum` passes over 512 MiB) and the matmul peak in the artifact's
+Floors: the read bandwidth (tools/read_floor.py: a native pass written to read as fast as the
+machine allows, over buffers of several sizes; no llmc kernel can beat it) and the matmul peak in the artifact's
 dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a [512, 2048] x [2048, 2048]
 product). On a shared machine the read bandwidth moves with the neighbours' load (20-80 GB/s
 within minutes on the 2-core EPYC), so the decode runs in rounds of `ROUND_TOKENS` steps with a
@@ -14,6 +15,9 @@ is the rest of that time (its metadata, the runner, the greedy pick; a serving e
 and sampler are not in it). The bytes one decode step must read are every
 weight it multiplies by (the embedding table only for its one row) plus the sequence's K/V;
 bytes / step time, against the bandwidth, is how near the step is to memory speed.
+Batch-1 decode as served: one request of the same prompt length through the engine's own steps
+(scheduler, runner, sampler), first token out to last token out: the figure `--baseline hf`
+compares with transformers' `generate` timed at the same boundaries (profile_hf).
 Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x rows x every GEMM weight (rows:
 every token, or one after the logits gather) plus causal attention's
 2 x 2 x heads x head_dim x tokens (tokens + 1) / 2 per layer; FLOP/s against the matmul peak is
@@ -32,6 +36,7 @@ from typing import Callable, Optional
 import torch
 import typer
 
+from llmc.compiler.artifact import stale_code
 from llmc.compiler.ir import Graph
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
@@ -44,6 +49,7 @@ from llmc.runtime.step_inputs import build_step_inputs
 from llmc.runtime.step_plan import StepPlanProgram
 
 from .bench import STEP_PLANS_OPTION
+from .read_floor import ReadBandwidth
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
 PROMPT_FOR_DECODE = 16
@@ -72,22 +78,6 @@ def best_of(fn: Callable[[], None], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-class ReadBandwidth:
-    """The read bandwidth floor, sampled as often as asked: bytes per second of one full read of a
-    `mib` MiB fp32 tensor (torch.sum, all threads), the best of `repeats` passes."""
-
-    def __init__(self, mib: int = 512):
-        self.x = torch.ones(mib * 2**20 // 4)
-
-    def sample(self, repeats: int = 2) -> float:
-        return self.x.numel() * 4 / best_of(lambda: self.x.sum(), repeats)
-
-
-def read_bandwidth(mib: int = 512) -> float:
-    """One sample of the read bandwidth, the best of 5 passes."""
-    return ReadBandwidth(mib).sample(5)
 
 
 def matmul_peak(dtype: torch.dtype, m: int = 512, n: int = 2048, k: int = 2048) -> float:
@@ -213,7 +203,7 @@ def format_profile(r: dict) -> str:
     return "\n".join([
         f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | step plans: "
         f"{', '.join(r.get('step_plans', [])) or 'none (op by op)'}",
-        f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s (torch.sum over 512 MiB beside "
+        f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s ({r['floor_kernel']} beside "
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
         f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s ({r['dtype']} 512x2048x2048, best GEMM path)",
@@ -222,6 +212,8 @@ def format_profile(r: dict) -> str:
         f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
         f"{100 * d['of_bandwidth']:.0f}% of the read bandwidth (median of {len(d['rounds'])} rounds of "
         f"{ROUND_TOKENS} tokens, each against the samples beside it)",
+        f"batch-1 decode as served (engine steps with the sampler, first token out to last): "
+        f"{1000 * r['served_decode_s']:.1f} ms/token",
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
@@ -232,9 +224,11 @@ def format_profile(r: dict) -> str:
 def _baseline_lines(r: dict) -> list[str]:
     if "hf" not in r:
         return []
-    hf, d, p = r["hf"], r["decode"], r["prefill"]
-    return [f"transformers, same run: decode {1000 * hf['decode_s']:.1f} ms/token (llmc {hf['decode_s'] / d['seconds']:.2f}x "
-            f"as fast), prefill {1000 * hf['prefill_s']:.0f} ms (llmc takes {p['seconds'] / hf['prefill_s']:.2f}x its time)"]
+    hf, served, p = r["hf"], r["served_decode_s"], r["prefill"]
+    return [f"transformers, same run, same boundaries: decode {1000 * hf['decode_s']:.1f} ms/token "
+            f"(llmc as served {hf['decode_s'] / served:.2f}x as fast; its best of {len(hf['decode_tried'])} paths: "
+            f"{hf['decode_path']}), prefill {1000 * hf['prefill_s']:.0f} ms (llmc takes {p['seconds'] / hf['prefill_s']:.2f}x "
+            f"its time; its best of {len(hf['prefill_tried'])}: {hf['prefill_path']})"]
 
 
 def profile_cmd(
@@ -246,6 +240,8 @@ def profile_cmd(
     step_plans: bool = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also time transformers' batch-1 decode and prefill"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
+    hf_compile: bool = typer.Option(True, "--hf-compile/--no-hf-compile", help="among the baseline's paths, also "
+                                    "try torch.compile over transformers' static cache (a first compile: ~1 min)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
@@ -253,28 +249,34 @@ def profile_cmd(
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
     if decode_tokens < 1 or prompt_len < 1:
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
+    from .profile_hf import decode_prompt, hf_profile, served_decode
+
     engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False,  # timed: eager
                                            step_plans=step_plans))
     if max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
+    if stale := stale_code(engine.artifact.manifest):
+        typer.echo(f"note: {stale}", err=True)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "kernels": engine.kernels,
               "step_plans": [entry for entry, program in engine.runner.executor.programs.items()
                              if isinstance(program, StepPlanProgram)],
               "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
-    decode, context = profile_decode(engine, decode_tokens, bandwidth=ReadBandwidth())
+    floor = ReadBandwidth()
+    result["floor_kernel"] = floor.describe()
+    decode, context = profile_decode(engine, decode_tokens, bandwidth=floor)
     step_bytes = decode_bytes(art.graphs["decode"], art, context)
     result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes)}
     result["bandwidth_samples"] = sorted(decode.floors)
     result["bandwidth"] = result["bandwidth_samples"][len(decode.floors) // 2]
+    result["served_decode_s"] = served_decode(engine, decode_prompt(art.config.vocab_size), decode_tokens)
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
     if baseline == "hf":
-        from .profile_hf import hf_profile
-        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len)
+        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len, compile=hf_compile)
     typer.echo(format_profile(result))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2))
