@@ -7,8 +7,10 @@ with the arguments a GPU step gives it. That catches what the interpreter lets t
 operand types and sizes, broadcasts, pointer casts), and it is the only check of the bf16 GPU path
 on a CPU: the interpreter's bf16 dot is wrong, so the interpreted tests give bf16 fp32 dots.
 Each check runs in a child process because conftest puts this one's Triton in interpreter mode.
-Default: one shape of each template and a tiny model's kernels, in bf16 and fp16 (~70 s with a
-cold Triton cache on two busy cores, ~15 s warm); `slow`: every shape, fp32 too, and more models.
+Two checks read the PTX: the int8 KV writer's exact division, and fp16/bf16 dots on tensor cores.
+Default: one or two shapes of each template and a tiny model's kernels, in bf16 and fp16, and two
+planted bugs (~40-70 s with a cold Triton cache on two busy cores, ~10 s warm); `slow`: every
+shape, fp32 too, and six tiny artifacts (338 compiles, ~7 minutes cold, ~10 s warm).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 
 from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.quant_recipe import QuantRecipe
-from llmc.kernels.triton.aot_compile import _exact_division
+from llmc.kernels.triton.aot_compile import _exact_division, _tensor_core_dots
 
 TEMPLATE_KERNELS = ("_linear_kernel", "_qlinear_kernel", "_rope_kv_write_kernel", "_decode_split_kernel",
                     "_decode_merge_kernel", "_prefill_kernel", "_gather_rows_kernel", "_qembedding_kernel")
@@ -129,19 +131,31 @@ import sys
 import torch
 from triton.backends.compiler import GPUTarget
 from llmc.kernels.triton.aot_compile import SM90, AheadOfTime, Case, report, summary
+from llmc.kernels.triton.gemm import _linear_kernel
 sys.path.insert(0, sys.argv[1])
 from planted import narrow_dot_kernel
 
+def gemm(dot_fp32):      # x [16, 64] @ w.T [64, 64] in bf16; the fp32 upcast is the interpreter's workaround
+    x = torch.empty(16, 64, dtype=torch.bfloat16, device="meta")
+    _linear_kernel[(1,)](x, x, x, x, x, 16, 64, 64, 64, 1, 64, 1, 0, 0, 64, 1, HAS_BIAS=False, HAS_RESIDUAL=False,
+                         SILU=False, GATED=False, DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
+                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)
+
 aot = AheadOfTime(GPUTarget(*SM90)).install()
 x = torch.empty(256, dtype=torch.bfloat16, device="meta")
-for c in aot.run(Case("planted bf16", "bf16", lambda: narrow_dot_kernel[(1,)](x, x))):
-    print(report(c))
+for case in (Case("narrow dot", "bf16", lambda: narrow_dot_kernel[(1,)](x, x)),
+             Case("upcast gemm", "bf16", lambda: gemm(True)), Case("bf16 gemm", "bf16", lambda: gemm(False))):
+    for c in aot.run(case):
+        print(report(c))
 print(summary(aot.compiles))
 """
 
 
-def test_a_kernel_only_the_interpreter_takes_fails_to_compile(tmp_path):
-    """A planted bug the interpreter lets through (a dot with K = 8) is one FAIL, not a crash."""
+def test_planted_kernel_bugs_fail(tmp_path):
+    """Two planted bugs, each one FAIL and not a crash: a dot with K = 8, which the interpreter runs
+    (and gets right), and a bf16 GEMM with its dots upcast to fp32 (the interpreter's workaround
+    leaking to the GPU), which compiles but takes no bf16 tensor-core instruction; the same GEMM
+    with bf16 dots passes."""
     import torch
 
     (tmp_path / "planted.py").write_text(textwrap.dedent(PLANTED_KERNEL))
@@ -155,15 +169,26 @@ def test_a_kernel_only_the_interpreter_takes_fails_to_compile(tmp_path):
     torch.testing.assert_close(out.view(16, 16), x[:128].view(16, 8) @ x[:128].view(8, 16))
     run = run_child("-c", PLANTED_CHILD, str(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert compiled(run.stdout) == [("FAIL", "planted bf16", "narrow_dot_kernel")], run.stdout
-    assert "0 compiles for sm_90 OK () of 0 kernels; 1 failed" in run.stdout
+    assert compiled(run.stdout) == [("FAIL", "narrow dot", "narrow_dot_kernel"),
+                                    ("FAIL", "upcast gemm", "_linear_kernel"), ("OK", "bf16 gemm", "_linear_kernel")], \
+        run.stdout
+    assert "K >= 16" in run.stdout and "x_ptr is bf16 but no dot compiles to a bf16 tensor-core" in run.stdout
+    assert "1 compiles for sm_90 OK (bf16 1) of 1 kernels; 2 failed" in run.stdout
 
 
-def test_the_int8_kv_writers_division_check_bites():
-    assert _exact_division({"KV_INT8": True}, "div.rn.f32 %f1, %f2, %f3;") is None
-    assert "div.full.f32" in _exact_division({"KV_INT8": True}, "div.rn.f32 ...; div.full.f32 %f1, %f2, %f3;")
-    assert "no div.rn.f32" in _exact_division({"KV_INT8": True}, "mul.f32 %f1, %f2, %f3;")
-    assert _exact_division({"KV_INT8": False}, "div.full.f32") is None            # a float cache: no rounding rule
+def test_the_ptx_checks_bite():
+    div = {"KV_INT8": True}
+    assert _exact_division(div, {}, "div.rn.f32 %f1, %f2, %f3;") is None
+    assert "div.full.f32" in _exact_division(div, {}, "div.rn.f32 ...; div.full.f32 %f1, %f2, %f3;")
+    assert "no div.rn.f32" in _exact_division(div, {}, "mul.f32 %f1, %f2, %f3;")
+    assert _exact_division({"KV_INT8": False}, {}, "div.full.f32") is None       # a float cache: no rounding rule
+    dots = _tensor_core_dots("x_ptr")
+    for instruction in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}",
+                        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}"):
+        assert dots({}, {"x_ptr": "*bf16"}, instruction) is None
+    assert "no dot compiles" in dots({}, {"x_ptr": "*bf16"}, "fma.rn.f32 %f1, %f2, %f3, %f4;")
+    assert "no dot compiles" in dots({}, {"x_ptr": "*bf16"}, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    assert dots({}, {"x_ptr": "*fp32"}, "fma.rn.f32 %f1, %f2, %f3, %f4;") is None     # fp32: IEEE FMAs
 
 
 @pytest.mark.slow

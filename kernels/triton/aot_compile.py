@@ -23,15 +23,18 @@ that is a power of two and one that is not, the row gather and the quantized gat
 one or two of each. Each ARTIFACT (compiled with `llmc compile --target cuda`) adds every kernel
 its generated modules launch in prefill and decode steps of several sizes (compiler/codegen/aot.py;
 --quick: one of each). Each compile prints OK or FAIL, then a count by dtype; the exit status is
-the number of failures. The int8 KV writer's PTX must also divide with div.rn.f32 only
-(rounding as torch does). It must run without TRITON_INTERPRET=1 (the kernels are decorated as
-interpreted functions otherwise), and it changes Triton's driver for the rest of the process.
+the number of failures. Two checks read the PTX: the int8 KV writer divides with div.rn.f32 only
+(rounding as torch does), and the GEMMs' and attention's fp16/bf16 dots are tensor-core
+instructions on fp16/bf16 operands (mma.sync, or wgmma on sm_90), not fp32 FMAs. It must run
+without TRITON_INTERPRET=1 (the kernels are decorated as interpreted functions otherwise), and it
+changes Triton's driver for the rest of the process.
 It proves compilation only, not numbers or speed: those need the GPU tests.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -46,6 +49,7 @@ SM90 = ("cuda", 90, 32)
 # The int8 KV writer must divide exactly as torch does (scale = amax / 127, x / scale): Triton's
 # `/` on fp32 is div.full.f32 (approximate) on NVIDIA GPUs, tl.math.div_rn is div.rn.f32.
 APPROXIMATE_DIVISION = ("div.full.f32", "div.approx.f32")
+TENSOR_CORE_TYPES = {"fp16": "f16", "bf16": "bf16"}         # Triton's pointer dtype -> PTX's mma operand type
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 GEMM_ROWS = (1, 24, 64, 200)        # pick_config's buckets: decode tile, M <= 32, M <= 64, prefill tile
 # SmolLM2-135M's GEMMs: the merged gate/up ([2 x 1536, 576]: K 576), the down projection (K 1536)
@@ -91,7 +95,7 @@ class _NoLaunchDriver:
         return self.target
 
 
-def _exact_division(constexprs: dict, ptx: str) -> str | None:
+def _exact_division(constexprs: dict, signature: dict, ptx: str) -> str | None:
     """The int8 KV writer divides with div.rn.f32 only; None if so (or if the cache is a float one)."""
     if not constexprs.get("KV_INT8"):
         return None
@@ -100,7 +104,23 @@ def _exact_division(constexprs: dict, ptx: str) -> str | None:
         if found or "div.rn.f32" not in ptx else None
 
 
-PTX_CHECKS = {"_rope_kv_write_kernel": _exact_division}
+def _tensor_core_dots(operand: str) -> Callable[[dict, dict, str], str | None]:
+    """fp16/bf16 `operand` (a pointer argument): its dots compile to mma or wgmma instructions on
+    operands of its dtype (an upcast to fp32 dots, right for the interpreter only, would not)."""
+    def check(constexprs: dict, signature: dict, ptx: str) -> str | None:
+        dtype = signature[operand].lstrip("*")
+        if dtype not in TENSOR_CORE_TYPES:
+            return None
+        ptx_type = TENSOR_CORE_TYPES[dtype]
+        if re.search(rf"\bmma\S*\.{ptx_type}\.{ptx_type}\b", ptx) is None:     # mma.sync.., wgmma.mma_async..
+            return f"{operand} is {dtype} but no dot compiles to a {ptx_type} tensor-core instruction (mma/wgmma)"
+        return None
+    return check
+
+
+PTX_CHECKS = {"_rope_kv_write_kernel": _exact_division, "_linear_kernel": _tensor_core_dots("x_ptr"),
+              "_qlinear_kernel": _tensor_core_dots("x_ptr"), "_decode_split_kernel": _tensor_core_dots("q_ptr"),
+              "_prefill_kernel": _tensor_core_dots("q_ptr")}
 
 
 class AheadOfTime:
@@ -135,7 +155,7 @@ class AheadOfTime:
                 aot.record(jit, values, options, f"{type(exc).__name__}: {str(exc)[:800]}\n     {signature}")
                 raise _Reported from exc
             check = PTX_CHECKS.get(jit.__name__)
-            aot.record(jit, values, options, check(values, kernel.asm["ptx"]) if check else None)
+            aot.record(jit, values, options, check(values, signature, kernel.asm["ptx"]) if check else None)
             return kernel
 
         self.jit.run, self.jit._do_compile = compile_only, recorded
