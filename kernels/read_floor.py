@@ -18,7 +18,7 @@ def read_floor_ref(x: torch.Tensor) -> torch.Tensor:
     return x.double().sum()
 
 
-PREFETCH_AHEAD = (0, 1024, 4096, 16384)    # the distances tools/read_floor.py tries: the best differs by CPU
+PREFETCH_AHEAD = (0, 4096, 16384, 65536)    # the distances tools/read_floor.py tries: the best differs by CPU
 
 
 def read_floor_cpu(x: torch.Tensor, ahead: int = 0) -> torch.Tensor:

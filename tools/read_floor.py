@@ -4,8 +4,8 @@ loads, eight in flight per thread) over buffers of several sizes, the best of se
 
 The sizes are 128, 256 and 512 MiB, each at least four times the last-level cache (so they are
 read from memory; a CPU with a larger cache takes larger buffers), and a sample is the best rate
-over them. Software prefetch helps some CPUs and not others (the panel GEMVs use it), so the
-distance is chosen on this machine when the floor is set up, from kernels/read_floor.py's list. The floor moves with the neighbours' load on a shared machine, so a profile samples it
+over them. Software prefetch helps some CPUs and not others (the panel GEMVs use it), so every
+distance in kernels/read_floor.py's list is tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
 beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
 GEMV has read faster than, so it is no ceiling) and says so once.
 """
@@ -53,8 +53,7 @@ def best_pass_seconds(read, repeats: int) -> float:
 
 
 class ReadBandwidth:
-    """The read floor, sampled as often as asked (bytes/s). The prefetch distance that reads
-    fastest on this CPU is chosen once, when it is made, on the largest buffer."""
+    """The read floor, sampled as often as asked (bytes/s)."""
 
     def __init__(self, sizes: list[int] | None = None):
         self.buffers = [torch.ones(n // 4) for n in (sizes or buffer_sizes())]
@@ -63,20 +62,30 @@ class ReadBandwidth:
         except NativeBuildError:
             logging.getLogger("llmc").info("the read floor falls back to torch.sum: without the native kernels "
                                            "it is not a ceiling for llmc's kernels")
-            self.read, self.kernel = torch.sum, "torch.sum"
+            self.reads, self.kernel = [torch.sum], "torch.sum"
             return
-        largest = self.buffers[-1]
-        self.ahead = min(PREFETCH_AHEAD, key=lambda a: best_pass_seconds(lambda: read_floor_cpu(largest, a), 3))
-        self.read = lambda x: read_floor_cpu(x, self.ahead)
-        self.kernel = f"native read_floor, prefetch {self.ahead} B"
+        self.reads = [lambda x, a=a: read_floor_cpu(x, a) for a in PREFETCH_AHEAD]
+        self.kernel = f"native read_floor, prefetch {'/'.join(str(a) for a in PREFETCH_AHEAD)} B"
 
     def sample(self, repeats: int = 2) -> float:
-        """The best rate over the buffers, each the best of `repeats` passes after one warm pass."""
-        return max(x.numel() * 4 / best_pass_seconds(lambda x=x: self.read(x), repeats) for x in self.buffers)
+        """The best rate over the buffers and prefetch distances, each the best of `repeats` passes
+        (a buffer is read once untimed first)."""
+        best = 0.0
+        for x in self.buffers:
+            self.reads[0](x)
+            for read in self.reads:
+                best = max(best, x.numel() * 4 / min(_seconds(lambda: read(x)) for _ in range(repeats)))
+        return best
 
     def describe(self) -> str:
         sizes = "/".join(f"{x.numel() * 4 // 2**20}" for x in self.buffers)
         return f"{self.kernel} over {sizes} MiB"
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def read_bandwidth() -> float:
