@@ -11,29 +11,16 @@ it synchronises with the host, so the same launches can later be captured in a C
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from llmc.compiler.codegen import Lowering, lower
+from llmc.compiler.codegen import Lowering, import_kernel_module, lower
 from llmc.compiler.ops import OPS
 
 from .artifact import KERNELS_DIR, Artifact, ArtifactError
 from .executor import Executor, KVCacheSpec
 from .slot_program import LaunchSpec, SlotProgram
-
-
-def _import_module(path: Path, name: str) -> ModuleType:
-    """Import one kernel file under a name unique to its artifact (Triton reads its source back)."""
-    qualified = f"llmc_kernels_{abs(hash(str(path.parent)))}.{name}"
-    spec = importlib.util.spec_from_file_location(qualified, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[qualified] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_kernel_modules(artifact: Artifact, lowering: Lowering) -> dict[str, ModuleType]:
@@ -48,7 +35,7 @@ def load_kernel_modules(artifact: Artifact, lowering: Lowering) -> dict[str, Mod
         if path.read_text() != source:
             raise ArtifactError(f"{KERNELS_DIR}/{name}.py differs from what this llmc generates for the artifact's "
                                 "IR; recompile it with `llmc compile --target cuda`")
-        modules[name] = _import_module(path, name)
+        modules[name] = import_kernel_module(path, name)
     return modules
 
 

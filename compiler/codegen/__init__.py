@@ -18,7 +18,11 @@ without one.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 from llmc.compiler.ir import Graph, TensorType, Value
 
@@ -105,3 +109,14 @@ def lower(graphs: dict[str, Graph]) -> Lowering:
         text = body.replace("KERNEL", name)
         lowering.modules[name] = _header(name, lowering.units_of(name)) + text
     return lowering
+
+
+def import_kernel_module(path: Path, name: str) -> ModuleType:
+    """Import one generated kernel file under a name unique to its folder (Triton reads its
+    source back, so the file is imported as itself, not exec'd from a string)."""
+    qualified = f"llmc_kernels_{abs(hash(str(path.parent)))}.{name}"
+    spec = importlib.util.spec_from_file_location(qualified, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[qualified] = module
+    spec.loader.exec_module(module)
+    return module

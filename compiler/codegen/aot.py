@@ -12,13 +12,10 @@ each entry runs at one token count in each of the GEMM configs' M buckets (templ
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -26,7 +23,7 @@ from llmc.compiler.artifact_format import ENTRY_FILES, KERNELS_DIR, ArtifactErro
 from llmc.compiler.dtypes import USER_DTYPES, to_torch
 from llmc.compiler.ir import Graph, IRError, TensorType, Value, parse_graph
 
-from . import Lowering, lower
+from . import Lowering, import_kernel_module, lower
 from .errors import CodegenError
 
 STEP_ROWS = (1, 24, 64, 200)                  # token rows of a step: one per M bucket of the GEMM configs
@@ -57,16 +54,6 @@ def meta_tensor(t: TensorType, sizes: dict[str, int]) -> torch.Tensor:
     return torch.empty([_size(d, sizes) for d in t.shape], dtype=to_torch(t.dtype), device="meta")
 
 
-def _import(path: Path, name: str) -> ModuleType:
-    """One kernel file, imported under a name unique to its folder (Triton reads its source back)."""
-    qualified = f"llmc_aot_kernels_{abs(hash(str(path.parent)))}.{name}"
-    spec = importlib.util.spec_from_file_location(qualified, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[qualified] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_launchers(lowering: Lowering, folder: Path, written: bool) -> dict[str, Callable]:
     """Each kernel module's launcher, built for `meta`: the files of `folder` (an artifact's kernels/,
     checked to be the lowering's text), or the lowering's text written there first if `written`."""
@@ -78,7 +65,7 @@ def load_launchers(lowering: Lowering, folder: Path, written: bool) -> dict[str,
         elif not file.is_file() or file.read_text() != source:
             raise ArtifactError(f"{file} is missing or differs from what this llmc generates for the artifact's "
                                 "IR; recompile it with `llmc compile --target cuda`")
-        launchers[name] = _import(file, name).build(torch.device("meta"))
+        launchers[name] = import_kernel_module(file, name).build(torch.device("meta"))
     return launchers
 
 
