@@ -22,7 +22,7 @@ from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref, rmsnorm_cpu, 
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
 from paged_layout import shuffled_block_tables
-from tolerances import tolerance
+from tolerances import assert_as_close_as_ref, tolerance
 
 DTYPES = [torch.float32, torch.bfloat16]
 BS = 16
@@ -40,9 +40,7 @@ def assert_matches(got, want, exact, dtype, reduction):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **tolerance(dtype, reduction))
         return
-    exact = exact.double()
-    err_got, err_ref = ((x.double() - exact).abs().max().item() for x in (got, want))
-    assert err_got <= 2 * err_ref + 2.0**-8 * exact.abs().max().item(), (err_got, err_ref)
+    assert_as_close_as_ref(got, want, exact, dtype)
 
 
 def random_cache(lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):

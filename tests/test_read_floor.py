@@ -9,7 +9,8 @@ import torch
 from llmc.kernels.gemv import gemv_cpu, prepare_linear_weight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.read_floor import read_floor_cpu, read_floor_ref
-from llmc.tools.read_floor import ReadBandwidth, best_pass_seconds, buffer_sizes, last_level_cache_bytes
+from llmc.tools.profile_steps import best_of
+from llmc.tools.read_floor import ReadBandwidth, buffer_sizes, last_level_cache_bytes
 
 EPS32 = 2.0**-23
 
@@ -56,7 +57,7 @@ def floor_against_gemv(floor: ReadBandwidth) -> tuple[float, float]:
     weight, x = prepare_linear_weight(torch.randn(n, k)), torch.randn(1, k)
     gemv_s, floor_bps = float("inf"), 0.0
     for round in range(MAX_ROUNDS):
-        gemv_s = min(gemv_s, best_pass_seconds(lambda: gemv_cpu(x, weight), 5))
+        gemv_s = min(gemv_s, best_of(lambda: gemv_cpu(x, weight), 5))
         floor_bps = max(floor_bps, floor.sample(5))
         if round + 1 >= MIN_ROUNDS and floor_bps * (1 + RESOLUTION) >= n * k * 4 / gemv_s:
             break

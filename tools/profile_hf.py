@@ -13,8 +13,6 @@ eager (and bf16 autocast for float32): the best of two timed calls after a warm-
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from llmc.runtime.artifact import Artifact

@@ -2,9 +2,9 @@
 same run.
 
 Floors: the read bandwidth (tools/read_floor.py: a native pass written to read as fast as the
-machine allows, over buffers of several sizes; no llmc kernel can beat it) and the matmul peak in the artifact's
-dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a [512, 2048] x [2048, 2048]
-product). On a shared machine the read bandwidth moves with the neighbours' load (20-80 GB/s
+machine allows, over buffers of several sizes; no llmc kernel can beat it) and the matmul peak in
+the artifact's dtype (the best of torch.mm, F.linear and the oneDNN-packed linear on a
+[512, 2048] x [2048, 2048] product). On a shared machine the read bandwidth moves with the neighbours' load (20-80 GB/s
 within minutes on the 2-core EPYC), so the decode runs in rounds of `ROUND_TOKENS` steps with a
 bandwidth sample before and after each, and each round is compared with the mean of the two
 samples beside it: the fraction printed is the median over the rounds.

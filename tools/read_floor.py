@@ -41,17 +41,6 @@ def buffer_sizes() -> list[int]:
     return sorted({max(mib * 2**20, floor) for mib in SIZES_MIB})
 
 
-def best_pass_seconds(read, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of `read`, after one untimed call."""
-    read()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        read()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 class ReadBandwidth:
     """The read floor, sampled as often as asked (bytes/s)."""
 
