@@ -3,8 +3,9 @@
 loads in flight and nothing else to do), so that no llmc kernel reading the same bytes can beat
 it. tools/read_floor.py turns its time into the floor every "% of floor" figure is against.
 
-Contract: x, a contiguous f32 CPU tensor of any length, and `ahead`, bytes of software prefetch
-ahead of the loads (0: the hardware prefetcher alone) -> a f32 scalar, the sum of x accumulated
+Contract: x, a contiguous f32 CPU tensor of any length, `ahead`, bytes of software prefetch ahead
+of the loads (0: the hardware prefetcher alone), and `keep`, prefetching for the caches (as the
+panel GEMVs do) rather than as lines read once -> a f32 scalar, the sum of x accumulated
 in fp32 per thread and lane (another order than torch.sum: equal within fp32 rounding).
 """
 
@@ -18,14 +19,15 @@ def read_floor_ref(x: torch.Tensor) -> torch.Tensor:
     return x.double().sum()
 
 
-PREFETCH_AHEAD = (0, 4096, 16384, 65536)    # the distances tools/read_floor.py tries: the best differs by CPU
+# (ahead, keep) pairs tools/read_floor.py tries, the best differing by CPU; (4096, True) is the GEMVs' own
+READ_STRATEGIES = ((0, False), *((ahead, keep) for ahead in (4096, 16384, 65536) for keep in (True, False)))
 
 
-def read_floor_cpu(x: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+def read_floor_cpu(x: torch.Tensor, ahead: int = 0, keep: bool = False) -> torch.Tensor:
     """Launcher: read_floor_ref's meaning through the native kernel (which must be loaded)."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"the read floor reads a contiguous f32 CPU tensor; got {x.dtype} on {x.device}"
                          f"{'' if x.is_contiguous() else ', not contiguous'}")
     if ahead < 0:
         raise ValueError(f"the prefetch distance must be at least 0 bytes, not {ahead}")
-    return torch.ops.llmc.read_floor(x, ahead)
+    return torch.ops.llmc.read_floor(x, ahead, keep)

@@ -4,8 +4,9 @@ loads, eight in flight per thread) over buffers of several sizes, the best of se
 
 The sizes are 128, 256 and 512 MiB, each at least four times the last-level cache (so they are
 read from memory; a CPU with a larger cache takes larger buffers), and a sample is the best rate
-over them. Software prefetch helps some CPUs and not others (the panel GEMVs use it), so every
-distance in kernels/read_floor.py's list is tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
+over them. Software prefetch helps some CPUs and not others, at distances and cache hints that
+differ, so every strategy in kernels/read_floor.py's list (the panel GEMVs' own among them) is
+tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
 beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
 GEMV has read faster than, so it is no ceiling) and says so once.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from llmc.kernels.native import NativeBuildError, load_native_kernels
-from llmc.kernels.read_floor import PREFETCH_AHEAD, read_floor_cpu
+from llmc.kernels.read_floor import READ_STRATEGIES, read_floor_cpu
 
 SIZES_MIB = (128, 256, 512)
 CACHE_MULTIPLE = 4
@@ -53,11 +54,11 @@ class ReadBandwidth:
                                            "it is not a ceiling for llmc's kernels")
             self.reads, self.kernel = [torch.sum], "torch.sum"
             return
-        self.reads = [lambda x, a=a: read_floor_cpu(x, a) for a in PREFETCH_AHEAD]
-        self.kernel = f"native read_floor, prefetch {'/'.join(str(a) for a in PREFETCH_AHEAD)} B"
+        self.reads = [lambda x, a=a, k=k: read_floor_cpu(x, a, k) for a, k in READ_STRATEGIES]
+        self.kernel = f"native read_floor, {len(READ_STRATEGIES)} prefetch strategies"
 
     def sample(self, repeats: int = 2) -> float:
-        """The best rate over the buffers and prefetch distances, each the best of `repeats` passes
+        """The best rate over the buffers and prefetch strategies, each the best of `repeats` passes
         (a buffer is read once untimed first)."""
         best = 0.0
         for x in self.buffers:
@@ -80,3 +81,18 @@ def _seconds(fn) -> float:
 def read_bandwidth() -> float:
     """One sample of the read floor, the best of 5 passes per buffer."""
     return ReadBandwidth().sample(5)
+
+
+def main(samples: int = 3) -> None:
+    """`python -m llmc.tools.read_floor`: the floor against the torch.sum it replaced, sample by
+    sample in one run (torch.sum over 512 MiB, the best of 5 passes, beside ReadBandwidth().sample(5))."""
+    floor, x = ReadBandwidth(), torch.ones(512 * 2**20 // 4)
+    print(f"read floor: {floor.describe()}")
+    for _ in range(samples):
+        old = x.numel() * 4 / min(_seconds(lambda: x.sum()) for _ in range(5))
+        new = floor.sample(5)
+        print(f"torch.sum over 512 MiB {old / 1e9:6.1f} GB/s   read floor {new / 1e9:6.1f} GB/s   {new / old:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
