@@ -56,11 +56,11 @@ def compiler_code_hash() -> str:
 
 def stale_code(manifest: dict) -> str | None:
     """Why an artifact's figures would not be this code's (it was compiled by other llmc code), or None."""
-    made_by = manifest.get("versions", {}).get("compiler_code")
-    if made_by == compiler_code_hash():
+    made_by, this = manifest.get("versions", {}).get("compiler_code"), compiler_code_hash()
+    if made_by == this:
         return None
     return (f"the artifact was compiled by other llmc code ({made_by or 'before code hashes'}, this is "
-            f"{compiler_code_hash()}); compile it again for figures of this code")
+            f"{this}); compile it again for figures of this code")
 
 
 def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

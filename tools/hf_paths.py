@@ -2,8 +2,8 @@
 
 A fair peer is not one default call: a user tries the batch size, the attention implementation
 (sdpa or eager), transformers' static KV cache, torch.compile over it and, for a float32 model,
-bf16 autocast, and keeps the fastest. `HfPath` is one such choice; `best_path` tries a list of
-them on the same work and keeps every result, so a report shows what was tried and what won.
+bf16 autocast, and keeps the fastest. `HfPath` is one such choice; `tune` tries them as a user
+would on the same work and keeps every result, so a report shows what was tried and what won.
 Every path times the same boundaries as llmc's side: `TokenClock` stamps each token as
 `generate` hands it out (its streamer), so time per output token runs from the first token out
 to the last, with transformers' own greedy pick inside it.
@@ -12,6 +12,7 @@ to the last, with transformers' own greedy pick inside it.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
@@ -42,7 +43,6 @@ class HfPath:
         """model.generate(ids, **kwargs) the way this path runs it."""
         from transformers import CompileConfig
 
-        model.set_attn_implementation(self.attn)
         if self.cache == "static":
             kwargs["cache_implementation"] = "static"
         if self.compile:
@@ -51,8 +51,19 @@ class HfPath:
             kwargs["compile_config"] = config
         else:
             kwargs["disable_compile"] = True
-        with torch.inference_mode(), torch.autocast(model.device.type, torch.bfloat16, enabled=self.autocast):
+        with self._running(model):
             return model.generate(ids, **kwargs)
+
+    def forward(self, model, ids: torch.Tensor, **kwargs):
+        """One forward pass, model(ids, **kwargs), with this path's attention and autocast."""
+        with self._running(model):
+            return model(ids, **kwargs)
+
+    @contextmanager
+    def _running(self, model):
+        model.set_attn_implementation(self.attn)
+        with torch.inference_mode(), torch.autocast(model.device.type, torch.bfloat16, enabled=self.autocast):
+            yield
 
 
 class TokenClock:

@@ -51,9 +51,7 @@ def _decode_seconds(model, prompt: list[int], tokens: int, path: HfPath) -> floa
 
 
 def _prefill_seconds(model, ids: torch.Tensor, path: HfPath) -> float:
-    model.set_attn_implementation(path.attn)
-    with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=path.autocast):
-        return best_of(lambda: model(ids, logits_to_keep=1), 2)
+    return best_of(lambda: path.forward(model, ids, logits_to_keep=1), 2)
 
 
 def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, prompt_len: int,
