@@ -8,13 +8,10 @@ the input dtype, as `silu` followed by `mul` computes it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from llmc.compiler.ops.elementwise import silu_mul_ref
 
-def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    if up is None:
-        gate, up = gate.chunk(2, dim=-1)                                   # [T, N] each
-    return F.silu(gate) * up
+__all__ = ["native_silu_mul_fits", "silu_mul_cpu", "silu_mul_ref"]
 
 
 def native_silu_mul_fits(x: torch.Tensor, up: torch.Tensor | None = None) -> bool:

@@ -1,4 +1,5 @@
-"""Causal attention over packed tokens, with and without the paged KV cache.
+"""Causal attention over packed tokens, with and without the paged KV cache: the native CPU
+launchers; the torch references are the op records' (compiler/ops/attention.py).
 
 Layouts (tokens of all sequences flattened, heads packed per token):
   q            [T, H * D]         k, v   [T, KVH * D]     (H a multiple of KVH: grouped queries)
@@ -18,141 +19,13 @@ Scores are scaled by `scale` and softmaxed in fp32 (by SDPA); a query sees keys 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .quant import cache_head_dim, dequantize_kv_rows, is_int8_cache, quantize_kv_rows
+from llmc.compiler.ops.attention import attention_ref, kv_write_ref, paged_attention_ref, paged_decode_attention_ref
 
+from .quant import cache_head_dim
 
-def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return x.view(x.shape[0], -1, head_dim)                                 # [T, H, D]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-          scale: float, causal: bool = False) -> torch.Tensor:
-    """q [n, H, D], k/v [L, KVH, D] -> [n, H, D]; mask [n, L] bool (True = attend)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
-
-
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
-                  head_dim: int, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence (a prompt with no earlier context)."""
-    qh, kh, vh = _heads(q, head_dim), _heads(k, head_dim), _heads(v, head_dim)
-    out = torch.empty_like(qh)
-    bounds = query_start_loc.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            out[start:end] = _sdpa(qh[start:end], kh[start:end], vh[start:end], None, scale, causal=True)
-    return out.view(q.shape)
-
-
-def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor, layer: int) -> torch.Tensor:
-    """Store each token's K and V at its slot of `layer`, in place; returns the cache."""
-    kv_heads, block_size = kv_cache.shape[3:5]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    for which, x in ((0, k), (1, v)):
-        rows = x.view(x.shape[0], kv_heads, x.shape[1] // kv_heads)[valid]      # [n, KVH, D]
-        rows = quantize_kv_rows(rows) if is_int8_cache(kv_cache) else rows.to(kv_cache.dtype)
-        kv_cache[layer, which][blocks, :, offsets] = rows
-    return kv_cache
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Grouped-query attention of B sequences with padded contexts.
-
-    q [B, n, H*D], k/v [B, KVH, L, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D].
-    The G query heads that share a KV head are stacked with the n queries as the rows of one
-    matrix ([B, KVH, G*n, D]), so each KV head's K and V are multiplied once, unrepeated.
-    """
-    batch, n, width = q.shape
-    kv_heads, head_dim = k.shape[1], k.shape[3]
-    groups = width // (kv_heads * head_dim)
-    rows = q.view(batch, n, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, KVH, G, n, D]
-    rows = rows.reshape(batch, kv_heads, groups * n, head_dim)                 # [B, KVH, G*n, D]
-    acc = torch.promote_types(q.dtype, torch.float32)                           # float64 stays float64
-    scores = torch.matmul(rows, k.transpose(-1, -2)).to(acc) * scale          # [B, KVH, G*n, L]
-    mask = allowed[:, None, None].expand(batch, 1, groups, n, allowed.shape[-1])
-    scores = scores.masked_fill(~mask.reshape(batch, 1, groups * n, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v)                                               # [B, KVH, G*n, D]
-    out = out.view(batch, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4)  # [B, n, KVH, G, D]
-    return out.reshape(batch, n, width)
-
-
-def _gather_context(kv_cache: torch.Tensor, layer: int, tables: torch.Tensor, dtype: torch.dtype):
-    """Keys and values [B, KVH, MB*BS, D] of B sequences, read through their block tables.
-
-    One index per (sequence, head, block) into the cache viewed as [NB*KVH, BS, D] lands the
-    rows of each head's context next to each other: no copy beyond the gather itself.
-    """
-    kv_heads, block_size, row = kv_cache.shape[3:]
-    heads = torch.arange(kv_heads, device=tables.device)[None, :, None]
-    index = tables.long()[:, None, :] * kv_heads + heads                      # [B, KVH, MB]
-    shape = (tables.shape[0], kv_heads, tables.shape[1] * block_size, row)
-    k, v = (torch.index_select(kv_cache[layer, which].flatten(0, 1), 0, index.flatten()).view(shape)
-            for which in (0, 1))
-    if is_int8_cache(kv_cache):
-        return dequantize_kv_rows(k, dtype), dequantize_kv_rows(v, dtype)
-    return k.to(dtype), v.to(dtype)
-
-
-def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, layer: int, head_dim: int,
-                               scale: float, bucket: int = 16) -> torch.Tensor:
-    """One query per sequence (its newest token) over its cached context, batched.
-
-    Sequences are sorted by length and attended in buckets of `bucket`, each padded only to its
-    own longest context, so short sequences do not read as many blocks as the longest one.
-    """
-    if q.shape[0] <= bucket:
-        return _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale)
-    out = torch.empty_like(q)
-    block_size = kv_cache.shape[4]
-    for index in torch.argsort(seq_lens).split(bucket):
-        width = -(-int(seq_lens[index].max()) // block_size)
-        out[index] = _decode_bucket(q[index], kv_cache, block_tables[index, :width], seq_lens[index], layer, scale)
-    return out
-
-
-def _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale):
-    k, v = _gather_context(kv_cache, layer, block_tables, q.dtype)           # [S, KVH, L, D]
-    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None].long()
-    return _attend(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
-
-
-def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
-                        head_dim: int, scale: float) -> torch.Tensor:
-    """Each sequence's query chunk attends causally to its whole cached context.
-
-    Sequences with one query token (decodes in a mixed step) are batched together; each
-    longer chunk is attended on its own, with the causal mask offset by its cached context.
-    """
-    out = torch.empty_like(q)
-    bounds, lens = query_start_loc.tolist(), seq_lens.tolist()
-    singles = [s for s in range(len(lens)) if bounds[s + 1] - bounds[s] == 1]
-    if singles:
-        rows = torch.tensor([bounds[s] for s in singles], device=q.device)
-        index = torch.tensor(singles, device=q.device)
-        out[rows] = paged_decode_attention_ref(q[rows], kv_cache, block_tables[index], seq_lens[index],
-                                               layer, head_dim, scale)
-    block_size = kv_cache.shape[4]
-    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        n, length = end - start, lens[s]
-        if n <= 1:
-            continue
-        table = block_tables[s:s + 1, : (length + block_size - 1) // block_size]
-        k, v = _gather_context(kv_cache, layer, table, q.dtype)              # [1, KVH, L', D]
-        q_pos = torch.arange(length - n, length, device=q.device)[:, None]   # [n, 1]
-        allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [n, L']
-        out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale)[0]
-    return out
+__all__ = ["attention_ref", "kv_write_ref", "native_attention_fits", "paged_attention_cpu", "paged_attention_ref",
+           "paged_decode_attention_cpu", "paged_decode_attention_ref", "run_paged_decode_attention"]
 
 
 def native_attention_fits(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
+from llmc.compiler.ops import OPS, Operands, bind
+from llmc.compiler.ops.rope import qkv_columns
 
 from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
@@ -30,26 +32,27 @@ from .panels import from_panels, panel_rows, quantized_rows
 from .quant import dequantize_weight
 from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
-from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write, unpack_inputs
-from .torch_ops import OP_IMPLS, OpImpl
+from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write
+from .torch_ops import OpImpl
 
 
 def native_op_impls() -> dict[str, OpImpl]:
-    """A fresh op table (its RoPE tables are its own); load_native_kernels() must have run."""
+    """The native kernels by op, each taking a node's inputs by name (kernels/torch_ops.py); ops
+    not here run their reference. A fresh table (its RoPE tables are its own); load_native_kernels()
+    must have run."""
     rope_tables: dict[tuple, RopeTables] = {}
 
     def linear(x, a):
-        weight, bias = x[1], (x[2] if len(x) > 2 else None)
-        if type(weight) is GemvWeight and gemv_fits(x[0], weight, bias):
-            return run_gemv(x[0], weight, bias)
-        return F.linear(x[0], _plain(weight), bias)
+        weight, bias = x.weight, x.get("bias")
+        if type(weight) is GemvWeight and gemv_fits(x.x, weight, bias):
+            return run_gemv(x.x, weight, bias)
+        return F.linear(x.x, _plain(weight), bias)
 
     def qlinear(x, a):
-        codes = x[1]
-        if type(codes) is GemvWeight:          # x, codes, scales[, mins][, bias]: the bias comes after the mins;
-            bias = x[-1] if len(x) > (4 if codes.bits == 4 else 3) else None   # scales and mins are in `codes`
-            return run_gemv(x[0], codes, bias) if gemv_fits(x[0], codes, bias) else gemv_ref(x[0], codes, bias)
-        return OP_IMPLS["qlinear"](x, a)
+        if type(x.codes) is GemvWeight:          # its scales and mins are in the prepared codes
+            bias = x.get("bias")
+            return run_gemv(x.x, x.codes, bias) if gemv_fits(x.x, x.codes, bias) else gemv_ref(x.x, x.codes, bias)
+        return OPS["qlinear"].reference(x, a)
 
     def tables_for(a: dict) -> RopeTables:
         key = RopeTables.key(a)
@@ -58,34 +61,35 @@ def native_op_impls() -> dict[str, OpImpl]:
         return rope_tables[key]
 
     def rope_kv_write(x, a):
-        q, k, v, positions, cache, slots = unpack_inputs(x, a["num_heads"], a["num_kv_heads"], a["head_dim"])
-        if not native_rope_kv_write_fits(cache, q.dtype, a["head_dim"]):
-            return OP_IMPLS["rope_kv_write"](x, a)
-        return run_rope_kv_write(q, k, v, positions, cache, slots, a["layer"], tables_for(a))
+        q, k, v = qkv_columns(x, a)
+        if not native_rope_kv_write_fits(x.kv_cache, q.dtype, a["head_dim"]):
+            return OPS["rope_kv_write"].reference(x, a)
+        return run_rope_kv_write(q, k, v, x.positions, x.kv_cache, x.slot_mapping, a["layer"], tables_for(a))
 
     def paged_attention(x, a):
-        if not native_attention_fits(x[0], x[1]):
-            return OP_IMPLS["paged_attention"](x, a)
-        return paged_attention_cpu(*x, a["layer"], a["scale"])
+        if not native_attention_fits(x.q, x.kv_cache):
+            return OPS["paged_attention"].reference(x, a)
+        return paged_attention_cpu(x.q, x.kv_cache, x.block_tables, x.seq_lens, x.query_start_loc, a["layer"],
+                                   a["scale"])
 
     def paged_decode_attention(x, a):
-        if not native_attention_fits(x[0], x[1]):
-            return OP_IMPLS["paged_decode_attention"](x, a)
-        return run_paged_decode_attention(*x, a["layer"], a["scale"])
+        if not native_attention_fits(x.q, x.kv_cache):
+            return OPS["paged_decode_attention"].reference(x, a)
+        return run_paged_decode_attention(x.q, x.kv_cache, x.block_tables, x.seq_lens, a["layer"], a["scale"])
 
     def add_rmsnorm(x, a):
-        fits = native_norm_fits(x[0]) and x[0].dtype == x[1].dtype == x[2].dtype
-        return add_rmsnorm_cpu(*x, a["eps"]) if fits else OP_IMPLS["add_rmsnorm"](x, a)
+        fits = native_norm_fits(x.x) and x.x.dtype == x.residual.dtype == x.weight.dtype
+        return add_rmsnorm_cpu(x.x, x.residual, x.weight, a["eps"]) if fits else OPS["add_rmsnorm"].reference(x, a)
 
     def rmsnorm(x, a):
-        fits = native_norm_fits(x[0]) and x[0].dtype == x[1].dtype
-        return rmsnorm_cpu(*x, a["eps"]) if fits else OP_IMPLS["rmsnorm"](x, a)
+        fits = native_norm_fits(x.x) and x.x.dtype == x.weight.dtype
+        return rmsnorm_cpu(x.x, x.weight, a["eps"]) if fits else OPS["rmsnorm"].reference(x, a)
 
     def silu_mul(x, a):
-        return silu_mul_cpu(*x) if native_silu_mul_fits(*x) else OP_IMPLS["silu_mul"](x, a)
+        gate, up = (x.x, None) if "x" in x else (x.gate, x.up)
+        return silu_mul_cpu(gate, up) if native_silu_mul_fits(gate, up) else OPS["silu_mul"].reference(x, a)
 
-    return {**OP_IMPLS, "linear": linear, "qlinear": qlinear, "embedding": embedding_rows,
-            "qembedding": qembedding_rows,
+    return {"linear": linear, "qlinear": qlinear, "embedding": embedding_rows, "qembedding": qembedding_rows,
             "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
             "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
             "silu_mul": silu_mul}
@@ -96,49 +100,60 @@ def _plain(t: Any) -> torch.Tensor:
     return from_panels(t.weight, t.rows) if isinstance(t, GemvWeight) else t
 
 
-def embedding_rows(x: list, a: dict) -> torch.Tensor:
+def embedding_rows(x: Operands, a: dict) -> torch.Tensor:
     """The embedding op: rows `ids` of a plain table, or of a tied float table kept as panels."""
-    table, ids = x
-    return panel_rows(table.weight, ids) if isinstance(table, GemvWeight) else F.embedding(ids, table)
+    return panel_rows(x.table.weight, x.ids) if isinstance(x.table, GemvWeight) else F.embedding(x.ids, x.table)
 
 
-def qembedding_rows(x: list, a: dict) -> torch.Tensor:
+def qembedding_rows(x: Operands, a: dict) -> torch.Tensor:
     """The qembedding op; a tied table kept as panels gives its rows (codes, scales, mins) back in
     the artifact's layout, dequantized as qembedding_ref does."""
-    codes = x[0]
+    codes = x.codes
     if not isinstance(codes, GemvWeight):
-        return OP_IMPLS["qembedding"](x, a)
-    rows = quantized_rows(codes.weight, codes.scales, codes.mins, x[-1].long(), codes.bits)
+        return OPS["qembedding"].reference(x, a)
+    rows = quantized_rows(codes.weight, codes.scales, codes.mins, x.ids.long(), codes.bits)
     return dequantize_weight(*rows, codes.bits).to(to_torch(a["dtype"]))      # qembedding_ref's fp32 rounding
 
 
-# (op, input position) of the reads a prepared weight serves: the GEMM's weight, and the table
-# lookups of a tied embedding, which unwrap it
-GEMM_WEIGHT_READS = {"linear": {("linear", 1), ("embedding", 0)}, "qlinear": {("qlinear", 1), ("qembedding", 0)}}
+# (op, operand) of the reads a prepared weight serves: the GEMM's weight, and the table lookups
+# of a tied embedding, which unwrap it
+GEMM_WEIGHT_READS = {"linear": {("linear", "weight"), ("embedding", "table")},
+                     "qlinear": {("qlinear", "codes"), ("qembedding", "codes")}}
 # the reads of a quantized weight's scales and mins, which its prepared weight serves too
-PARAM_READS = {"scales": {("qlinear", 2), ("qembedding", 1)}, "mins": {("qlinear", 3), ("qembedding", 2)}}
+PARAM_READS = {"scales": {("qlinear", "scales"), ("qembedding", "scales")},
+               "mins": {("qlinear", "mins"), ("qembedding", "mins")}}
 
 
-def _weight_reads(graphs: Iterable[Graph]) -> dict[str, set[tuple[str, int]]]:
-    """Weight name -> every (op, input position) that reads it."""
-    reads: dict[str, set[tuple[str, int]]] = defaultdict(set)
-    for graph in graphs:
-        for node in graph.nodes:
-            for i, v in enumerate(node.inputs):
-                if v.node.startswith("w."):
-                    reads[v.node[2:]].add((node.op, i))
+def _named_inputs(node) -> Operands:
+    return bind(OPS[node.op], node.inputs, node.attrs)
+
+
+def _weight_reads(graphs: Iterable[Graph]) -> dict[str, set[tuple[str, str]]]:
+    """Weight name -> every (op, operand name) that reads it."""
+    reads: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for node in (n for g in graphs for n in g.nodes if n.op not in ("input", "weight")):
+        for name, v in _named_inputs(node).items():
+            for value in (v if isinstance(v, list) else [v]):
+                if value.node.startswith("w."):
+                    reads[value.node[2:]].add((node.op, name))
     return reads
 
 
-def _gemm_weights(graphs: Iterable[Graph], reads: dict[str, set[tuple[str, int]]]) -> dict[str, tuple | None]:
-    """Weight name -> (op, names of its weight operands, bits, group size) for every weight a GEMM
-    multiplies by; None where it cannot be prepared: two different GEMMs over it, or another op
-    (other than a tied embedding's lookup) reading it."""
+def _stored(v) -> str | None:
+    return v.node[2:] if v is not None and v.node.startswith("w.") else None
+
+
+def _gemm_weights(graphs: Iterable[Graph], reads: dict[str, set[tuple[str, str]]]) -> dict[str, tuple | None]:
+    """Weight name -> (op, {scales, mins: stored weight names or None}, bits, group size) for every
+    weight a GEMM multiplies by; None where it cannot be prepared: two different GEMMs over it, or
+    another op (other than a tied embedding's lookup) reading it."""
     uses: dict[str, set[tuple]] = defaultdict(set)
     for node in (n for g in graphs for n in g.nodes if n.op in GEMM_WEIGHT_READS):
-        if node.inputs[1].node.startswith("w."):
-            operands = tuple(v.node[2:] if v.node.startswith("w.") else None for v in node.inputs[1:])
-            uses[node.inputs[1].node[2:]].add((node.op, operands, node.attrs.get("bits"), node.attrs.get("group_size")))
+        x = _named_inputs(node)
+        weight = _stored(x.weight if node.op == "linear" else x.codes)
+        if weight is not None:
+            params = () if node.op == "linear" else (("scales", _stored(x.scales)), ("mins", _stored(x.get("mins"))))
+            uses[weight].add((node.op, params, node.attrs.get("bits"), node.attrs.get("group_size")))
     return {name: next(iter(u)) if len(u) == 1 and reads[name] <= GEMM_WEIGHT_READS[next(iter(u))[0]] else None
             for name, u in uses.items()}
 
@@ -158,8 +173,8 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -
     for name, use in _gemm_weights(graphs, reads).items():
         if use is None:
             continue
-        op, operands, bits, group = use
-        params = {"scales": operands[1], "mins": operands[2] if bits == 4 else None} if op == "qlinear" else {}
+        op, params, bits, group = use
+        params = dict(params)
         if op == "linear":
             gemv_weight = prepare_linear_weight(weights[name])
         elif params["scales"] is None or (bits == 4 and params["mins"] is None):
@@ -181,18 +196,19 @@ KERNEL_CHOICES = ("auto", "native", "reference")
 
 
 def choose_op_impls(kernels: str) -> tuple[dict[str, OpImpl], str]:
-    """The op table for a kernel choice, and what it resolved to ('native' or 'reference').
+    """The op table for a kernel choice (ops not in it run their reference), and what it resolved
+    to ('native' or 'reference').
 
     'reference' runs the torch refs; 'native' builds the C++ kernels or fails with
     NativeBuildError; 'auto' builds them and, where that fails, logs one warning and runs the refs.
     """
     if kernels == "reference":
-        return dict(OP_IMPLS), "reference"
+        return {}, "reference"
     try:
         load_native_kernels()
     except NativeBuildError as err:
         if kernels == "native":
             raise
         logging.getLogger("llmc").warning("%s; running the torch reference kernels instead", err)
-        return dict(OP_IMPLS), "reference"
+        return {}, "reference"
     return native_op_impls(), "native"

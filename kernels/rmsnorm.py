@@ -1,4 +1,4 @@
-"""RMSNorm.
+"""RMSNorm: the native CPU launchers; the references are the op records' (compiler/ops/norms.py).
 
 Contract: x [T, D] (f32/f16/bf16), weight [D] of the same dtype; returns [T, D] in x's dtype.
 y = x / sqrt(mean(x^2, -1) + eps) * weight, with the mean and the scaling done in fp32 (float64
@@ -10,21 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from llmc.compiler.ops.norms import add_rmsnorm_ref, rmsnorm_ref
 
-def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add fused with the norm after it: returns (rmsnorm(x + r), x + r).
-
-    The sum is taken in x's dtype, exactly as an `add` followed by `rmsnorm` computes it.
-    """
-    total = x + residual
-    return rmsnorm_ref(total, weight, eps), total
+__all__ = ["add_rmsnorm_cpu", "add_rmsnorm_ref", "native_norm_fits", "rmsnorm_cpu", "rmsnorm_ref"]
 
 
 def native_norm_fits(x: torch.Tensor) -> bool:

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from .attention import kv_write_ref
+from llmc.compiler.ops.rope import rope_kv_write_ref as _ref
+
 from .quant import cache_head_dim
-from .rope import RopeTables, rope_ref
+from .rope import RopeTables
 
 
 def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_heads: int,
@@ -30,11 +31,10 @@ def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_head
 
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tensors` is (qkv, positions, cache, slots) or (q, k, v, positions, cache, slots)."""
+    """The op record's reference (compiler/ops/rope.py) in the launchers' signature: `tensors` is
+    (qkv, positions, cache, slots) or (q, k, v, positions, cache, slots)."""
     q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
-    q = rope_ref(q, positions, head_dim, theta, scaling)
-    k = rope_ref(k, positions, head_dim, theta, scaling)
-    return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
+    return _ref(q, k, v, positions, kv_cache, slot_mapping, layer=layer, head_dim=head_dim, theta=theta, scaling=scaling)
 
 
 def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:

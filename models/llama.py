@@ -14,9 +14,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.kernels.attention import attention_ref
-from llmc.kernels.rmsnorm import rmsnorm_ref
-from llmc.kernels.rope import rope_ref
+from llmc.compiler.ops.attention import attention_ref
+from llmc.compiler.ops.norms import rmsnorm_ref
+from llmc.compiler.ops.rope import rope_ref
 
 from .config import ModelConfig
 

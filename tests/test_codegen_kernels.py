@@ -227,7 +227,7 @@ def test_a_unit_source_is_readable_and_shared_between_identical_layers():
     source = lowering.modules[lowering.plan["g"][0]]
     assert "%0 = add_rmsnorm(%x, %r, %w.a, eps=1e-05)" in source        # the IR lines it serves
     assert "%1 = add_rmsnorm(%0, %0#1, %w.b, eps=1e-05)" in source
-    assert "inv_rms = tl.rsqrt(tl.sum(" in source and "@triton.jit" in source
+    assert "tl.rsqrt(" in source and "tl.sum(" in source and "@triton.jit" in source
 
 
 def test_an_op_codegen_cannot_lower_is_named():

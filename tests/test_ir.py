@@ -123,7 +123,7 @@ VERIFY_CASES = {
     use_before_definition: "which is not defined before it",
     wrong_declared_type: "but the linear rule gives",
     unknown_op: "unknown op 'frobnicate'",
-    wrong_arity: "linear takes 2..3 inputs, got 1",
+    wrong_arity: "linear takes (x, weight, bias?), got 1 inputs",
     missing_attribute: "rmsnorm is missing attribute(s) ['eps']",
     duplicate_name: "is defined twice",
 }

@@ -33,6 +33,13 @@ def passes_cmd() -> None:
         typer.echo(f"{i:02d} {p.name:<24} {p.summary}" + ("  (required)" if p.required else ""))
 
 
+def ops_cmd(verbose: bool = typer.Option(False, "--verbose", "-v", help="each cell's kernel or reason")) -> None:
+    """The op x backend matrix: what each backend does with each op (lowered, declined, missing)."""
+    from llmc.compiler.ops.matrix import format_matrix
+
+    typer.echo(format_matrix(verbose))
+
+
 def _is_artifact(path: Path) -> bool:
     from llmc.runtime.artifact import MANIFEST
 
@@ -150,8 +157,9 @@ def diff_cmd(
 
 
 def register(app: typer.Typer, user_errors: Callable) -> None:
-    """Add `passes`, `ir` and the `debug` sub-app to the main `llmc` app."""
+    """Add `passes`, `ops`, `ir` and the `debug` sub-app to the main `llmc` app."""
     app.command("passes")(passes_cmd)
+    app.command("ops")(ops_cmd)
     app.command("ir")(user_errors(ir_cmd))
     debug = typer.Typer(no_args_is_help=True, help="Find what a pass did to a model: bisect, diff.")
     debug.command("bisect")(user_errors(bisect_cmd))

@@ -1,6 +1,6 @@
 """The compiler's back end: every kernel unit of the lowered graphs becomes a Triton kernel module.
 
-Elementwise and row-wise units get a kernel written from their IR (pointwise.py); GEMM groups,
+Elementwise and row-wise units get a kernel written from their ops' formulas (pointwise.py); GEMM groups,
 RoPE + KV write, paged attention and row gathers (over float or int8/int4 weights, a float or
 int8 KV cache) instantiate hand-written templates (templates.py). A unit nothing can lower
 stops the compile with a CodegenError naming it: no group falls back silently. Modules with
@@ -27,21 +27,14 @@ from types import ModuleType
 from llmc.compiler.ir import Graph, TensorType, Value
 
 from .errors import CodegenError
-from .pointwise import POINTWISE_OPS, pointwise_kernel_source
+from llmc.compiler.ops import OPS, Declined
+
+from .pointwise import pointwise_kernel_source, pointwise_ops
 from .templates import TEMPLATE_OPS, template_module_source
 from .units import KernelUnit, kernel_units
 
-LOWERED_OPS = POINTWISE_OPS + TEMPLATE_OPS
-# ops the default pipeline rewrites away before codegen; a graph that still has one is refused
-NOT_LOWERED = {
-    "attention": "attention without the KV cache; keep the insert_paged_attention pass",
-    "kv_write": "a KV cache write outside rope_kv_write; keep the fuse_rope_kv_write pass",
-    "rope": "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass",
-    "concat": "a concat the fold_weights pass computes at compile time; keep that pass",
-    "input": "a graph input, not an op", "weight": "a weight, not an op",
-}
 MAX_LISTED_UNITS = 6
-__all__ = ["CodegenError", "KernelUnit", "Lowering", "LOWERED_OPS", "NOT_LOWERED", "kernel_units", "lower"]
+__all__ = ["CodegenError", "KernelUnit", "Lowering", "TEMPLATE_OPS", "kernel_units", "lower", "pointwise_ops"]
 
 _POINTWISE_HEADER = ["import torch", "import triton", "import triton.language as tl"]
 
@@ -64,15 +57,16 @@ def _refuse_unlowered_ops(graphs: dict[str, Graph]) -> None:
     """The first op left that the pipeline should have rewritten away, named with its fix."""
     for graph in graphs.values():
         for node in graph.nodes:
-            if node.op in NOT_LOWERED and node.op not in ("input", "weight"):
+            declined = OPS[node.op].lowering("triton")
+            if isinstance(declined, Declined) and node.op not in ("input", "weight"):
                 raise CodegenError(f"the {graph.name} graph still has op {node.op!r} (%{node.name}), which codegen "
-                                   f"cannot lower: {NOT_LOWERED[node.op]}, or compile for --target cpu")
+                                   f"cannot lower: {declined.reason}, or compile for --target cpu")
 
 
 def _body(unit: KernelUnit, types: dict[Value, TensorType]) -> tuple[str, str]:
     """(kind stem, module body with the placeholder name KERNEL) of one unit."""
     ops = "_".join(dict.fromkeys(n.op for n in unit.nodes))
-    if all(n.op in POINTWISE_OPS for n in unit.nodes):
+    if all(OPS[n.op].formula is not None for n in unit.nodes):
         source = pointwise_kernel_source(unit, types, "KERNEL")
         return f"pointwise_{ops}", "\n".join(_POINTWISE_HEADER) + "\n\n\n" + source + \
             "\n\n\ndef build(device):\n    return launch\n"

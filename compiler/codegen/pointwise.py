@@ -7,8 +7,9 @@ op's result is rounded to its IR dtype, as the op-by-op torch reference rounds i
 kernel computes what the unfused ops compute. Loads, the op chain (each op under its IR line,
 written over the kernel's own value names, as a comment), and stores of the unit's outputs.
 
-Lowered here: add, mul, silu, cast, silu_mul, rmsnorm, add_rmsnorm, split. A one-input
-silu_mul or a split reads column ranges, so its operand must come from outside the unit.
+Lowered here: every op whose record has a formula (compiler/formula.py), rendered as Triton;
+an op reading column ranges of an operand (a one-input silu_mul, a split) needs that operand
+from outside the unit.
 """
 
 from __future__ import annotations
@@ -17,14 +18,25 @@ from dataclasses import dataclass, field
 
 import triton
 
-from llmc.compiler.ir import TensorType, Value
+from llmc.compiler.dtypes import FLOAT_DTYPES, to_torch
+from llmc.compiler.formula import Expr, Row
+from llmc.compiler.ir import Node, TensorType, Value
+from llmc.compiler.ops import OPS, bind
 
 from .errors import CodegenError
 from .units import KernelUnit
 
-TL_DTYPES = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16"}
-TORCH_DTYPES = {"f32": "torch.float32", "f16": "torch.float16", "bf16": "torch.bfloat16"}
-POINTWISE_OPS = ("add", "mul", "silu", "cast", "silu_mul", "rmsnorm", "add_rmsnorm", "split")
+# the float types a generated kernel computes in, as its source spells them: torch.float32, tl.float32
+TORCH_DTYPES = {d: str(to_torch(d)) for d in FLOAT_DTYPES}
+TL_DTYPES = {d: "tl." + name.removeprefix("torch.") for d, name in TORCH_DTYPES.items()}
+_CALLS = {"exp": "tl.exp({})", "sigmoid": "tl.sigmoid({})", "rsqrt": "tl.rsqrt({})", "sqrt": "tl.sqrt({})",
+          "tanh": "(2.0 * tl.sigmoid(2.0 * {}) - 1.0)", "neg": "-{}", "max": "tl.maximum({}, {})",
+          "min": "tl.minimum({}, {})", "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}"}
+
+
+def pointwise_ops() -> tuple[str, ...]:
+    """The ops this generator lowers: every op with a formula."""
+    return tuple(name for name, r in OPS.items() if r.formula is not None)
 
 
 @dataclass
@@ -81,44 +93,52 @@ class _Emitter:
         attrs = "".join(f", {k}={v!r}" for k, v in node.attrs.items() if k != "group")
         self.lines.append(f"# {node.op}({', '.join(operands)}{attrs}) : {', '.join(map(str, node.types))}")
 
-    def rmsnorm(self, x: str, w: Value, eps: float, out: Value) -> None:
-        width = self.width(out)
-        self.lines.append(f"inv_rms = tl.rsqrt(tl.sum({x} * {x}, axis=0) / {width} + {eps!r})")
-        normed = self.round(f"{x} * inv_rms", out)
-        self.define(out, f"{normed} * {self.operand(w)}")
+    def leaf(self, node: Node, operands: dict, leaf) -> str:
+        """A register vector of a formula leaf: an operand's whole row, or a column range of one
+        from outside the unit."""
+        v = operands[leaf.name]
+        if leaf.start == 0 and leaf.width == self.width(v) or len(self.types[v].shape) == 1:
+            return self.operand(v)
+        self.external(v, node.op)
+        return self.load(v, leaf.start, leaf.width)
 
-
-def _emit_node(e: _Emitter, node) -> None:
-    ins, out = node.inputs, node.value(0)
-    e.comment(node)
-    if node.op in ("add", "mul"):
-        e.define(out, f"{e.operand(ins[0])} {'+' if node.op == 'add' else '*'} {e.operand(ins[1])}")
-    elif node.op == "silu":
-        x = e.operand(ins[0])
-        e.define(out, f"{x} * tl.sigmoid({x})")
-    elif node.op == "cast":
-        e.define(out, e.operand(ins[0]))
-    elif node.op == "silu_mul":
-        if len(ins) == 2:
-            gate, up = e.operand(ins[0]), e.operand(ins[1])
+    def render(self, node: Node, operands: dict, e: Expr, memo: dict) -> tuple[str, int | None]:
+        """(Triton expression of `e`, its width; None for a per-row scalar)."""
+        if id(e) in memo:
+            return memo[id(e)]
+        if e.op == "operand":
+            out = self.leaf(node, operands, e.value), e.value.width
+        elif e.op == "const":
+            out = repr(float(e.value)), None
         else:
-            e.external(ins[0], "silu_mul")
-            half = e.width(out)
-            gate, up = e.load(ins[0], 0, half), e.load(ins[0], half, half)
-        e.define(out, e.round(f"{gate} * tl.sigmoid({gate})", out) + f" * {up}")
-    elif node.op == "rmsnorm":
-        e.rmsnorm(e.operand(ins[0]), ins[1], node.attrs["eps"], out)
-    elif node.op == "add_rmsnorm":
-        e.define(node.value(1), f"{e.operand(ins[0])} + {e.operand(ins[1])}")
-        e.rmsnorm(e.names[node.value(1)], ins[2], node.attrs["eps"], out)
-    elif node.op == "split":
-        e.external(ins[0], "split")
-        start = 0
-        for i, size in enumerate(node.attrs["sizes"]):
-            e.names[node.value(i)] = e.load(ins[0], start, size)
-            start += size
-    else:
+            args = [self.render(node, operands, a, memo) for a in e.args]
+            width = max((w for _, w in args if w is not None), default=None)
+            if e.op == "row_sum":
+                text = f"tl.sum(tl.where(cols < {args[0][1]}, {args[0][0]}, 0.0), axis=0)"
+                width = None
+            elif e.op == "round":
+                text = args[0][0] if e.value == "f32" else f"({args[0][0]}).to({TL_DTYPES[e.value]}).to(tl.float32)"
+            else:
+                text = _CALLS[e.op].format(*(f"({t})" for t, _ in args))
+            name = f"e{len(self.lines)}"
+            self.lines.append(f"{name} = {text}")
+            out = name, width
+        memo[id(e)] = out
+        return out
+
+
+def _emit_node(e: _Emitter, node: Node) -> None:
+    record = OPS[node.op]
+    if record.formula is None:
         raise CodegenError(f"{e.unit.label}: codegen cannot lower op {node.op!r} into a pointwise kernel")
+    e.comment(node)
+    operands = bind(record, node.inputs, node.attrs)
+    row = Row({k: e.types[v].shape[-1] for k, v in operands.items()},
+              {k: e.types[v].dtype for k, v in operands.items()}, [t.dtype for t in node.types])
+    memo: dict = {}
+    for i, expr in enumerate(record.formula(row, node.attrs)):
+        text, _ = e.render(node, operands, expr, memo)
+        e.define(node.value(i), text)
 
 
 def _signature(e: _Emitter, outputs: list[str]) -> list[str]:
@@ -134,8 +154,6 @@ def pointwise_kernel_source(unit: KernelUnit, types: dict[Value, TensorType], na
     e = _Emitter(unit, types)
     e.args = {v: f"in{i}" for i, v in enumerate(unit.inputs)}
     for node in unit.nodes:
-        if node.op not in POINTWISE_OPS:
-            raise CodegenError(f"{unit.label}: codegen cannot lower op {node.op!r} into a pointwise kernel")
         _emit_node(e, node)
     outputs = [f"out{i}" for i in range(len(unit.outputs))]
     for v, o in zip(unit.outputs, outputs):

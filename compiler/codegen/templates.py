@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node, TensorType, Value
+from llmc.compiler.ops import OPS, Operands, bind
 
 from .errors import CodegenError
+from .gemm_configs import pick_config, pick_qconfig
 from .units import KernelUnit
-
-TEMPLATE_OPS = ("linear", "qlinear", "rope_kv_write", "paged_attention", "paged_decode_attention", "embedding",
-                "index_select", "qembedding")
-
 
 def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str],
             constants: list[str] = ()) -> str:
@@ -58,8 +56,6 @@ def _pick(unit: KernelUnit, node: Node) -> list[str]:
 
 def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
     """Launch configs chosen now, at compile time, per bucket of M (the step's token count)."""
-    from llmc.kernels.triton.gemm import pick_config
-    from llmc.kernels.triton.qgemm import pick_qconfig
 
     def pick(m: int):
         if gemm.op == "qlinear":
@@ -73,15 +69,17 @@ def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
             "", "", "def config_for(tokens):", "    return next(c for limit, c in configs if limit is None or tokens <= limit)"]
 
 
+def _named(unit: KernelUnit, node: Node) -> Operands:
+    """The node's operands by name, as launch() arguments."""
+    return Operands({k: _arg(unit, v) for k, v in bind(OPS[node.op], node.inputs, node.attrs).items()})
+
+
 def _gemm_operands(unit: KernelUnit, gemm: Node) -> tuple[str, str, str]:
     """(x, weight arguments, bias) of a linear or qlinear node as launch() expressions: a float
     weight `w`, or the quantized weight's `codes, scales, mins`."""
-    args = [_arg(unit, v) for v in gemm.inputs]
-    if gemm.op == "linear":
-        return args[0], args[1], args[2] if len(args) == 3 else "None"
-    parts = 3 if gemm.attrs["bits"] == 4 else 2
-    weight = args[1:1 + parts] + ([] if parts == 3 else ["None"])
-    return args[0], ", ".join(weight), args[1 + parts] if len(args) > 1 + parts else "None"
+    x = _named(unit, gemm)
+    weight = x.weight if gemm.op == "linear" else f"{x.codes}, {x.scales}, {x.get('mins', 'None')}"
+    return x.x, weight, x.get("bias", "None")
 
 
 def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool) -> str:
@@ -137,7 +135,7 @@ def _split_views(unit: KernelUnit, split: Node) -> list[str]:
 
 def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
     a = node.attrs
-    args = ", ".join(_arg(unit, v) for v in node.inputs)
+    args = ", ".join(_named(unit, node).values())          # (qkv | q, k, v), positions, kv_cache, slot_mapping
     prelude = [f"inv_freq = rope_inv_freq({a['head_dim']}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
     call = (f"rope_kv_write_triton({args}, layer={a['layer']}, num_heads={a['num_heads']}, "
             f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq)")
@@ -147,7 +145,7 @@ def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
 
 
 def _attention(unit: KernelUnit, node: Node) -> str:
-    a, args = node.attrs, ", ".join(_arg(unit, v) for v in node.inputs)
+    a, args = node.attrs, ", ".join(_named(unit, node).values())   # q, kv_cache, block_tables, seq_lens[, qsl]
     kind = "decode" if node.op == "paged_decode_attention" else "prefill"
     function = f"paged_{kind}_attention_triton"
     call = f"{function}({args}, {a['layer']}, {a['scale']!r})"
@@ -155,19 +153,24 @@ def _attention(unit: KernelUnit, node: Node) -> str:
 
 
 def _qembedding(unit: KernelUnit, node: Node) -> str:
-    a = node.attrs
-    codes, scales, *rest = (_arg(unit, v) for v in node.inputs)
-    mins, ids = (rest if a["bits"] == 4 else ["None", *rest])
-    call = (f"qembedding_triton({codes}, {scales}, {mins}, {ids}, bits={a['bits']}, group_size={a['group_size']}, "
+    a, x = node.attrs, _named(unit, node)
+    call = (f"qembedding_triton({x.codes}, {x.scales}, {x.get('mins', 'None')}, {x.ids}, bits={a['bits']}, group_size={a['group_size']}, "
             f"dtype={to_torch(a['dtype'])})")
     return _module(unit, ["import torch", "", "from llmc.kernels.triton.qembedding import qembedding_triton"], [],
                    call, ["result"])
 
 
 def _gather(unit: KernelUnit, node: Node) -> str:
-    table, index = (node.inputs[0], node.inputs[1])
-    call = f"gather_rows_triton({_arg(unit, table)}, {_arg(unit, index)})"
+    x = _named(unit, node)
+    table, rows = (x.table, x.ids) if node.op == "embedding" else (x.x, x.indices)
+    call = f"gather_rows_triton({table}, {rows})"
     return _module(unit, ["from llmc.kernels.triton.gather import gather_rows_triton"], [], call, ["result"])
+
+
+# op -> the template of a unit that is that one node; a GEMM's unit is the GEMM and its epilogue
+TEMPLATES = {"rope_kv_write": _rope_kv_write, "paged_attention": _attention, "paged_decode_attention": _attention,
+             "embedding": _gather, "index_select": _gather, "qembedding": _qembedding}
+TEMPLATE_OPS = ("linear", "qlinear", *TEMPLATES)
 
 
 def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
@@ -177,13 +180,7 @@ def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> 
         return _gemm(unit, types)
     if len(unit.nodes) != 1:
         raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")
-    if first.op == "rope_kv_write":
-        return _rope_kv_write(unit, first)
-    if first.op in ("paged_attention", "paged_decode_attention"):
-        return _attention(unit, first)
-    if first.op in ("embedding", "index_select"):
-        return _gather(unit, first)
-    if first.op == "qembedding":
-        return _qembedding(unit, first)
+    if first.op in TEMPLATES:
+        return TEMPLATES[first.op](unit, first)
     raise CodegenError(f"{unit.label}: codegen cannot lower op {first.op!r}; compile for --target cpu, or keep the "
                        "passes that turn it into ops with kernels")

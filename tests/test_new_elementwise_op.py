@@ -1,0 +1,63 @@
+"""A new elementwise op is one definition: `gelu_tanh` (Gemma's MLP activation) is registered
+here, in one record with its reference and formula, and nothing else in llmc changes. A tiny
+graph that uses it runs on the torch backend, in Triton's interpreter from the generated kernel,
+and as a CPU step plan with a generated C++ kernel; each equals the op's reference, which is
+torch's own `gelu(approximate="tanh")`."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmc.compiler.formula import tanh
+from llmc.compiler.ops import OpRecord, operands, registered
+from llmc.compiler.ops.elementwise import unary_float
+from llmc.runtime.torch_backend import interpret
+from test_codegen_kernels import graph_of, inputs_for, run_generated
+from tolerances import tolerance
+
+GELU_TANH = OpRecord(
+    "gelu_tanh", (operands("x"),), (), unary_float, "elementwise", "x * Phi(x), Phi by its tanh approximation",
+    reference=lambda x, a: F.gelu(x.x, approximate="tanh"),
+    formula=lambda r, a: (0.5 * r["x"] * (1 + tanh(math.sqrt(2 / math.pi) * (r["x"] + 0.044715 * r["x"] * r["x"]
+                                                                             * r["x"]))),))
+
+CASES = {"gelu": """
+        %x = input() : {dt}[T,100]
+        %y = input() : {dt}[T,100]
+        %0 = gelu_tanh(%x) : {dt}[T,100]
+        %1 = mul(%0, %y) : {dt}[T,100]
+        return %1"""}
+
+
+@pytest.fixture
+def gelu_op():
+    with registered(GELU_TANH) as record:
+        yield record
+
+
+def _reference(feeds, dtype):
+    return F.gelu(feeds["x"], approximate="tanh") * feeds["y"]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_torch_backend_runs_the_new_op_as_its_reference(gelu_op, tokens):
+    graph = graph_of("gelu", "f32", CASES)
+    feeds, weights = inputs_for(graph, tokens)
+    (got,) = interpret(graph, weights, feeds)
+    assert torch.equal(got, _reference(feeds, torch.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_triton_kernel_generated_from_the_formula_equals_the_reference(gelu_op, tokens, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
+    graph = graph_of("gelu", "f32", CASES)
+    feeds, weights = inputs_for(graph, tokens)
+    (got,), lowering = run_generated(graph, weights, feeds, tmp_path)
+    assert any("gelu_tanh" in name for name in lowering.modules)
+    torch.testing.assert_close(got, _reference(feeds, torch.float32), **tolerance(torch.float32, 1))
