@@ -14,7 +14,6 @@ frontend, so a mistrace fails `verify` at the node that caused it.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch
@@ -27,7 +26,7 @@ from llmc.models.config import ModelConfig
 
 from .dtypes import from_torch, to_torch
 from .ir import Graph, IRError, Node, TensorType, Value
-from .ops import infer_types, verify
+from .ops import OPS, infer_types, verify
 
 ENTRIES = ("prefill", "decode")
 
@@ -123,14 +122,23 @@ _FUNCTIONS: dict[Any, Callable[..., Value]] = {
     llama.rmsnorm: _fn_rmsnorm,
     llama.rope: _fn_rope,
     llama.causal_attention: _fn_attention,
-    operator.add: lambda b, x, y: b.op("add", [x, y]),
-    torch.add: lambda b, x, y: b.op("add", [x, y]),
-    operator.mul: lambda b, x, y: b.op("mul", [x, y]),
-    torch.mul: lambda b, x, y: b.op("mul", [x, y]),
-    F.silu: lambda b, x, inplace=False: b.op("silu", [x]),
     F.linear: lambda b, x, w, bias=None: _linear(b, x, w, bias),
     torch.index_select: _fn_index_select,
 }
+
+
+def _traced_elementwise(target: Any) -> Callable[..., Value] | None:
+    """The elementwise op whose record lists `target` among the torch functions it traces from:
+    its tensor arguments are the op's operands in order (an `inplace=False` is ignored)."""
+    name = next((r.name for r in OPS.values() if target in r.traced), None)
+    if name is None:
+        return None
+
+    def lower(b: _Builder, *args: Value, inplace: bool = False) -> Value:
+        if inplace:
+            raise IRError(f"the frontend cannot lower an in-place {target}; the model must not write in place")
+        return b.op(name, list(args))
+    return lower
 
 
 def _lower_node(b: _Builder, node: torch.fx.Node, inputs: dict[str, TensorType]) -> None:
@@ -144,7 +152,7 @@ def _lower_node(b: _Builder, node: torch.fx.Node, inputs: dict[str, TensorType])
     elif node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
         return  # fx's guard for the concrete `logits_indices=None` of the decode trace
     elif node.op == "call_function":
-        lower = _FUNCTIONS.get(node.target)
+        lower = _FUNCTIONS.get(node.target) or _traced_elementwise(node.target)
         if lower is None:
             raise IRError(f"the frontend has no lowering for {node.target} (fx node {node.name})")
         args = [_arg(b, a) for a in node.args]

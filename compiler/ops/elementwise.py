@@ -7,6 +7,8 @@ rounds). tests/test_op_records.py checks every formula against its reference.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 
@@ -74,11 +76,11 @@ def _cast_types(ts: Operands, attrs: dict) -> tuple[TensorType, ...]:
 
 RECORDS = [
     OpRecord("add", (operands("a", "b"),), (), binary, "elementwise", "a + b",
-             reference=lambda x, a: x.a + x.b, formula=lambda r, a: (r["a"] + r["b"],)),
+             reference=lambda x, a: x.a + x.b, formula=lambda r, a: (r["a"] + r["b"],), traced=(operator.add, torch.add)),
     OpRecord("mul", (operands("a", "b"),), (), binary, "elementwise", "a * b",
-             reference=lambda x, a: x.a * x.b, formula=lambda r, a: (r["a"] * r["b"],)),
+             reference=lambda x, a: x.a * x.b, formula=lambda r, a: (r["a"] * r["b"],), traced=(operator.mul, torch.mul)),
     OpRecord("silu", (operands("x"),), (), unary_float, "elementwise", "x * sigmoid(x)",
-             reference=lambda x, a: F.silu(x.x), formula=lambda r, a: (r["x"] * sigmoid(r["x"]),)),
+             reference=lambda x, a: F.silu(x.x), formula=lambda r, a: (r["x"] * sigmoid(r["x"]),), traced=(F.silu,)),
     OpRecord("cast", (operands("x"),), ("dtype",), _cast_types, "elementwise", "convert element type",
              reference=lambda x, a: x.x.to(to_torch(a["dtype"])), formula=lambda r, a: (r["x"],)),
     OpRecord("silu_mul", (operands("x"), operands("gate", "up")), (), _silu_mul_types, "elementwise",

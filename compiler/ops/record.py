@@ -4,7 +4,8 @@ backend does with it.
 An `OpRecord` holds the op's named operands (in one or more forms: an operand may be optional,
 present only under an attribute, or variadic), its attributes, type rule and kind; its torch
 reference (the meaning of the op, taking the operands by name); for elementwise and row-wise
-ops, the row formula every code generator renders (compiler/formula.py); and per backend either
+ops, the row formula every code generator renders (compiler/formula.py) and the torch functions
+the frontend traces into the op; and per backend either
 `Lowered(where)` or `Declined(reason)`. Backends build their tables from these records: an op
 they lower must have an implementation there, and nothing else may. An elementwise op with a
 formula needs no entry for the backends that generate their kernels (`GENERATED_BY`).
@@ -79,6 +80,7 @@ class OpRecord:
     formula: Formula | None = None
     backends: dict[str, Lowered | Declined] = field(default_factory=dict)
     side_effects: bool = False
+    traced: tuple = ()          # torch functions the frontend maps to this op, tensor args = operands
 
     def __post_init__(self) -> None:
         assert self.kind in OP_KINDS, f"op {self.name} has unknown kind {self.kind!r}"
