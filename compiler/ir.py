@@ -22,9 +22,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-# i8: signed 8-bit codes (int8 weights, the int8 KV cache); u4x2: two unsigned 4-bit codes per
-# byte (packed int4 weights; a u4x2 shape counts bytes, so [N, K/2] holds N rows of K codes).
-DTYPES = ("f32", "f16", "bf16", "i64", "i32", "i8", "u8", "u4x2", "bool")
+# The element types (compiler/dtypes.py): i8 signed 8-bit codes (int8 weights, the int8 KV cache);
+# u4x2 two unsigned 4-bit codes per byte (packed int4 weights; a u4x2 shape counts bytes, so
+# [N, K/2] holds N rows of K codes).
+from .dtypes import DTYPES
 
 Dim = int | str
 

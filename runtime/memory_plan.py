@@ -14,12 +14,13 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from llmc.compiler.dtypes import USER_DTYPES, dtype_info
 from llmc.compiler.quant_recipe import kv_row_bytes, quantized_weight_bytes
 from llmc.models.config import ModelConfig, expected_weights
 
 from .sampling_params import RequestError
 
-BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+BYTES_PER_ELEMENT = {user: dtype_info(ir).element_size for user, ir in USER_DTYPES.items()}
 QUANT_BITS = {"int8": 8, "int4": 4}
 EMBEDDING_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmc.compiler.dtypes import USER_DTYPES, to_torch
+from llmc.compiler.dtypes import FLOAT_DTYPES, USER_DTYPES, to_torch
 from llmc.compiler.frontend import ENTRIES, trace
 from llmc.compiler.ir import Graph, Value, format_node
 from llmc.models.config import LoadedModel, ModelConfig
@@ -44,7 +44,7 @@ from llmc.runtime.torch_backend import TorchProgram
 from .bisect_probes import Probe, make_probes, prepare, probe_logits, runs_as_is
 from .feeds import greedy_tokens
 
-EPS = {"f32": 2.0**-23, "bf16": 2.0**-7, "f16": 2.0**-10}
+EPS = {d: torch.finfo(to_torch(d)).eps for d in FLOAT_DTYPES}      # f32 2^-23, bf16 2^-7, f16 2^-10
 FACTOR = 4.0
 DEFAULT_PROMPT = "What is the capital of France?"
 

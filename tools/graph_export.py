@@ -8,14 +8,17 @@ ONNX: every op becomes a node of the custom domain `llmc` (its attributes carrie
 ints, floats, strings and their lists as such, anything else as its Python text); values keep
 their IR names (`%7`, `%7#1`). Graph inputs and weights are typed graph inputs (symbolic dims
 as dim_param, so `T` and `S+1` show as such); weights carry no data, which keeps the file small
-and the viewer fast. Every intermediate value has a value_info with its type. The model passes
-`onnx.checker.check_model`; it is for looking at, not for running in an ONNX runtime.
+and the viewer fast. Every intermediate value has a value_info with its type: the ONNX type of
+its IR element type (compiler/dtypes.py); packed int4 codes (u4x2) are UINT8 bytes, two codes
+each, and say so in their doc_string. The model passes `onnx.checker.check_model`; it is for
+looking at, not for running in an ONNX runtime.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from llmc.compiler.dtypes import dtype_info
 from llmc.compiler.ir import Graph, Node, TensorType
 
 ONNX_DOMAIN = "llmc"
@@ -72,19 +75,13 @@ def to_dot(graph: Graph) -> str:
 # --------------------------------------------------------------------------------- ONNX
 
 
-def _onnx_type(ttype: TensorType) -> int:
-    from onnx import TensorProto
-
-    return {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16,
-            "i64": TensorProto.INT64, "i32": TensorProto.INT32, "u8": TensorProto.UINT8,
-            "bool": TensorProto.BOOL}[ttype.dtype]
-
-
 def _value_info(name: str, ttype: TensorType):
-    from onnx import helper
+    from onnx import TensorProto, helper
 
-    return helper.make_tensor_value_info(name, _onnx_type(ttype), [d if isinstance(d, int) else str(d)
-                                                                  for d in ttype.shape])
+    dtype = dtype_info(ttype.dtype)
+    return helper.make_tensor_value_info(name, getattr(TensorProto, dtype.onnx),
+                                         [d if isinstance(d, int) else str(d) for d in ttype.shape],
+                                         doc_string=f"llmc {dtype.name}: {dtype.note}" if dtype.note else "")
 
 
 def _onnx_attr(value: Any) -> Any:
