@@ -2,7 +2,7 @@
 
   --quant none | int8 | int4 | int4-g32 | int4-g64 | int4-g128
       int8: symmetric, one scale per output channel; int4: asymmetric (scale and min) per group
-      of 32, 64 or 128 inputs (int4 = int4-g32). Round to nearest. Formats: kernels/quant.py.
+      of 32, 64 or 128 inputs (int4 = int4-g32). Round to nearest. Formats: compiler/quant_format.py.
   --kv-dtype auto | int8     auto: the compute dtype; int8: codes + one fp32 scale per token per KV head
   --quant-embeddings         also the token embedding and the LM head (else they stay in the compute dtype)
   --requantize               round every weight from its float values, even where the source file's own
@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from .quant_format import kv_row_width, weight_format
+
 WEIGHT_RECIPES = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 KV_DTYPES = ("auto", "int8")
-KV_SCALE_BYTES = 4
 _INT4 = re.compile(r"int4(?:-g(\d+))?")
 
 
@@ -70,12 +71,9 @@ class QuantRecipe:
 
 def quantized_weight_bytes(n: int, k: int, bits: int, group_size: int | None) -> int:
     """Bytes of an [N, K] weight as codes + fp16 scales (+ fp16 mins for int4)."""
-    groups = n * (k // (group_size or k))
-    if bits == 8:
-        return n * k + 2 * groups
-    return n * k // 2 + 4 * groups
+    return weight_format(bits).stored_bytes(n, k, group_size or k)
 
 
 def kv_row_bytes(head_dim: int, kv_dtype_bytes: int, int8: bool) -> int:
     """Bytes of one token's K (or V) for one KV head: int8 rows carry their fp32 scale."""
-    return head_dim + KV_SCALE_BYTES if int8 else head_dim * kv_dtype_bytes
+    return kv_row_width(head_dim, int8) if int8 else head_dim * kv_dtype_bytes

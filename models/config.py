@@ -115,7 +115,7 @@ class LoadedModel:
     source_files: dict[str, str] = field(default_factory=dict)  # file name -> sha256
     source_format: str = "hf"
     source_path: str = ""          # where it was loaded from (recorded in the artifact's manifest)
-    quantized: dict = field(default_factory=dict)  # name -> kernels.quant.QuantizedWeight the file stores as such
+    quantized: dict = field(default_factory=dict)  # name -> QuantizedWeight the file stores (compiler/quant_format.py)
 
 
 def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

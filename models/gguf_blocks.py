@@ -5,8 +5,9 @@ llama.cpp's Q8_0, Q4_0 and Q4_1 blocks hold 32 weights of one row (ggml-common.h
   Q4_0  fp16 d, 16 bytes of 4-bit q            w = d * (q - 8)
   Q4_1  fp16 d, fp16 m, 16 bytes of 4-bit q    w = d * q + m
 with byte j of the 16 holding weight j in its low nibble and weight j + 16 in its high one, the
-order of llmc's int4 format (kernels/quant.py). So Q8_0 is int8 with groups of 32, Q4_1 is int4-g32
-as it stands, and Q4_0 is int4-g32 with min = -8d (exact in fp16 and in the fp32 dequantization).
+order of llmc's int4 format (compiler/quant_format.py). So Q8_0 is int8 with groups of 32, Q4_1
+is int4-g32 as it stands, and Q4_0 is int4-g32 with min = -8d (exact in fp16 and in the fp32
+dequantization).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from llmc.kernels.quant import QuantizedWeight
+from llmc.compiler.quant_format import QuantizedWeight
 
 BLOCK = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")

@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from llmc.kernels.quant import QuantizedWeight
+from llmc.compiler.quant_format import QuantizedWeight
 
 from .config import LoadedModel, ModelConfig, ModelError, check_weights
 from .gguf_blocks import read_blocks

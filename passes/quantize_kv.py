@@ -2,7 +2,7 @@
 
 Matches: the `kv_cache` graph input, a float [L, 2, NB, KVH, BS, D].
 Produces: `kv_cache` as i8 [L, 2, NB, KVH, BS, D + 4], each row D codes and its scale
-  (kernels/quant.py); every op that reads or returns the cache is re-typed by its rule. The cache
+  (compiler/quant_format.py); every op that reads or returns the cache is re-typed by its rule. The cache
   writers (rope_kv_write, kv_write) quantize each row as they store it and the paged attention
   ops dequantize rows as they read them, so nothing dequantizes the whole cache.
 Requires: insert_paged_attention (the cache exists). Preserves: numerics within int8 rounding of
@@ -12,16 +12,16 @@ Off unless `ctx.options["quant"]` is a QuantRecipe with kv_dtype "int8".
 
 from __future__ import annotations
 
+from llmc.compiler.dtypes import FLOAT_DTYPES
 from llmc.compiler.ir import Graph, Node, TensorType
-from llmc.compiler.ops import FLOAT_DTYPES
-from llmc.compiler.quant_recipe import KV_SCALE_BYTES
+from llmc.compiler.quant_format import KV_CODES_DTYPE, kv_row_width
 
 from .rewrite import PassContext, RewriteState, rewrite
 
 
 def int8_cache_type(cache: TensorType) -> TensorType:
     *outer, head_dim = cache.shape
-    return TensorType("i8", (*outer, head_dim + KV_SCALE_BYTES))
+    return TensorType(KV_CODES_DTYPE, (*outer, kv_row_width(head_dim, int8=True)))
 
 
 def quantize_cache_input(node: Node, state: RewriteState):

@@ -4,11 +4,11 @@ Matches: `linear(x, %w.W[, b])` with a float weight W [N, K]; with the recipe's 
   also `embedding(%w.E, ids)` and the linear that reads E (a tied LM head) or `lm_head.weight`.
 Produces: `qlinear(x, %w.W.codes, %w.W.scales[, %w.W.mins][, b], bits, group_size)` and
   `qembedding(...)` over new weights, computed once into `ctx.weights`: int8 symmetric per output
-  channel, or int4 asymmetric per group of 32/64/128, round to nearest (kernels/quant.py). A weight
-  the source file already stores in a format of the recipe's width (`ctx.quantized`: GGUF Q8_0 for
-  int8, Q4_0/Q4_1 for int4; merged QKV and gate/up stacks of them too) keeps the file's codes and
-  scales bit for bit (unless the recipe says requantize). `ctx.records["quantize_weights"]` says,
-  per weight, which way it went.
+  channel, or int4 asymmetric per group of 32/64/128, round to nearest (compiler/quant_format.py). A
+  weight the source file already stores in a format of the recipe's width (`ctx.quantized`: GGUF
+  Q8_0 for int8, Q4_0/Q4_1 for int4; merged QKV and gate/up stacks of them too) keeps the file's
+  codes and scales bit for bit (unless the recipe says requantize). `ctx.records["quantize_weights"]`
+  says, per weight, which way it went.
 Requires: fold_weights (so merged weights quantize as one). Preserves: numerics within the
   quantization step of each weight (not exactly: this is the pass that trades accuracy for bytes).
 Off unless `ctx.options["quant"]` is a QuantRecipe with bits.
@@ -16,10 +16,10 @@ Off unless `ctx.options["quant"]` is a QuantRecipe with bits.
 
 from __future__ import annotations
 
-from llmc.compiler.ir import Graph, Node, TensorType, Value
-from llmc.compiler.ops import FLOAT_DTYPES
+from llmc.compiler.dtypes import FLOAT_DTYPES
+from llmc.compiler.ir import Graph, Node, Value
+from llmc.compiler.quant_format import INT4_BLOCK, QuantizedWeight, quantize_int4, quantize_int8, weight_format
 from llmc.compiler.quant_recipe import QuantRecipe
-from llmc.kernels.quant import INT4_BLOCK, QuantizedWeight, quantize_int4, quantize_int8
 
 from .rewrite import PassContext, PassError, RewriteState, rewrite
 
@@ -69,9 +69,7 @@ def _declare(name: str, n: int, k: int, recipe: QuantRecipe, state: RewriteState
         qw = _make(name, n, k, recipe, ctx)
         bits = qw.bits if qw is not None else recipe.bits
         group = qw.group_size if qw is not None else (recipe.group_size or k)
-        codes = TensorType("i8", (n, k)) if bits == 8 else TensorType("u4x2", (n, k // 2))
-        scales = TensorType("f16", (n, k // group))
-        parts = {"codes": codes, "scales": scales} | ({"mins": scales} if bits == 4 else {})
+        parts = weight_format(bits).part_types(n, k, group)
         for part, ttype in parts.items():
             state.declare(f"w.{name}.{part}", "weight", ttype)
             if qw is not None and ctx.weights is not None:

@@ -35,8 +35,9 @@ class PassContext:
 
     options: pass options by name. hits: nodes the rules of each pass took. weights: the model's
     tensors by canonical name, when a pass needs data (fold_weights adds what it computes), else
-    None. quantized: weights the source file stores quantized (kernels.quant.QuantizedWeight by
-    name; fold_weights merges them too). records: facts a pass reports into report.json.
+    None. quantized: weights the source file stores quantized (compiler/quant_format.py's
+    QuantizedWeight by name; fold_weights merges them too). records: facts a pass reports into
+    report.json.
     value_map: old value -> new value over the last pass (None until a rewrite sets it).
     """
 

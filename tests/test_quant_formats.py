@@ -1,13 +1,21 @@
-"""kernels/quant.py's formats: packing round-trips, GGUF's nibble order, rounding within half a step,
-and the int8 KV rows, each against plain float64 arithmetic."""
+"""compiler/quant_format.py's formats: packing round-trips, GGUF's nibble order, rounding within half
+a step, and the int8 KV rows, each against plain float64 arithmetic; the formats' stored types and
+bytes against what quantizing makes; the C++ kernels' KV row width against the Python one."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from llmc.kernels.quant import (dequantize_kv_rows, dequantize_weight, pack_int4, quantize_int4, quantize_int8,
-                                quantize_kv_rows, unpack_int4)
+from llmc.compiler.dtypes import to_torch
+from llmc.compiler.quant_format import (KV_SCALE_BYTES, WEIGHT_FORMATS, dequantize_kv_rows, dequantize_weight,
+                                        pack_int4, quantize_int4, quantize_int8, quantize_kv_rows, unpack_int4)
+from llmc.kernels.native import SOURCE_DIR
+
+KV_ROWS_HEADER = Path(SOURCE_DIR) / "kv_rows.h"
 
 
 def test_int4_packing_round_trips_in_ggufs_order():
@@ -64,3 +72,21 @@ def test_kv_rows_hold_codes_then_their_fp32_scale():
     back = dequantize_kv_rows(rows).double()
     assert ((back - x.double()).abs() <= scale.double()[..., None] / 2 + 1e-7).all()
     assert not back[1, 0].any()
+
+
+@pytest.mark.parametrize("bits, group", [(8, None), (8, 32), (4, 32), (4, 64)])
+def test_a_format_states_the_types_and_bytes_quantizing_makes(bits, group):
+    w = torch.randn(6, 128, generator=torch.Generator().manual_seed(4))
+    made = quantize_int8(w, group) if bits == 8 else quantize_int4(w, group)
+    fmt = WEIGHT_FORMATS[bits]
+    types = fmt.part_types(6, 128, group or 128)
+    assert list(types) == list(fmt.parts)
+    for part, tensor in zip(fmt.parts, made, strict=True):
+        assert tensor.dtype == to_torch(types[part].dtype) and tuple(tensor.shape) == types[part].shape
+    assert fmt.stored_bytes(6, 128, group or 128) == sum(t.numel() * t.element_size() for t in made)
+
+
+def test_the_cpp_kernels_kv_row_scale_is_the_python_one():
+    """kernels/cpu/kv_rows.h keeps its own kScaleBytes (C++ cannot import it): the two must agree."""
+    found = re.findall(r"constexpr\s+int64_t\s+kScaleBytes\s*=\s*(\d+)\s*;", KV_ROWS_HEADER.read_text())
+    assert found == [str(KV_SCALE_BYTES)]
