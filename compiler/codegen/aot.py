@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,15 @@ QUICK_ROWS = {"prefill": (37,), "decode": (1,)}
 CACHE_BLOCKS, BLOCK_SIZE, TABLE_WIDTH = 64, 16, 8   # NB, BS (the engine's default), MB: 128 keys a sequence
 SHORT_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 _DIM = re.compile(r"([A-Za-z_]\w*)([+-]\d+)?")      # a symbol, optionally plus or minus a constant: S+1
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launcher call (or one step of an artifact): every kernel it launches gets compiled
+    (kernels/triton/aot_compile.py runs them)."""
+    label: str
+    dtype: str                      # the float dtype it computes in, for the summary
+    launch: Callable[[], object]
 
 
 def step_sizes(entry: str, rows: int) -> dict[str, int]:
@@ -80,12 +90,10 @@ def run_step(entry: str, graph: Graph, lowering: Lowering, launchers: dict[str, 
 
 
 def graph_cases(graphs: dict[str, Graph], label: str, dtype: str, rows: dict[str, tuple[int, ...]],
-                kernels: Path | None = None) -> Iterator:
+                kernels: Path | None = None) -> Iterator[Case]:
     """aot_compile's cases for `graphs` (computing in `dtype`: fp32, fp16 or bf16) lowered by this
     codegen: each graph's step at each of its token counts `rows[entry]`, through the modules in
     `kernels` (an artifact's folder), or, if None, modules written to a temporary folder."""
-    from llmc.kernels.triton.aot_compile import Case
-
     lowering = lower(graphs)
     with tempfile.TemporaryDirectory(prefix="llmc-aot-") as scratch:
         launchers = load_launchers(lowering, kernels or Path(scratch), written=kernels is None)
@@ -97,12 +105,10 @@ def graph_cases(graphs: dict[str, Graph], label: str, dtype: str, rows: dict[str
                                                                                   sizes))
 
 
-def artifact_cases(path: str | Path, quick: bool) -> Iterator:
+def artifact_cases(path: str | Path, quick: bool) -> Iterator[Case]:
     """aot_compile's cases for the artifact at `path` (compiled with --target cuda): its prefill
     and decode steps at STEP_ROWS tokens (`quick`: QUICK_ROWS). An artifact that cannot be read is
     one failing case."""
-    from llmc.kernels.triton.aot_compile import Case
-
     path = Path(path)
     try:
         config = read_manifest(path)["compile"]

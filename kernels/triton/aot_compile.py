@@ -45,6 +45,9 @@ from pathlib import Path
 
 import torch
 
+from llmc.compiler.codegen.aot import Case, artifact_cases
+from llmc.compiler.quant_format import KV_SCALE_BYTES
+
 SM90 = ("cuda", 90, 32)
 # The int8 KV writer must divide exactly as torch does (scale = amax / 127, x / scale): Triton's
 # `/` on fp32 is div.full.f32 (approximate) on NVIDIA GPUs, tl.math.div_rn is div.rn.f32.
@@ -60,14 +63,6 @@ WEIGHT_FORMATS = {"int8": (8, None), "q8_0": (8, 32), "int4-g32": (4, 32), "int4
 # (heads, KV heads, head_dim): SmolLM2-135M's, and a head_dim padded to a power of two with masks
 HEAD_SHAPES = ((9, 3, 64), (6, 2, 80))
 BLOCK_SIZE, CACHE_BLOCKS, TABLE_WIDTH = 16, 64, 8
-
-
-@dataclass(frozen=True)
-class Case:
-    """One launcher call (or one step of an artifact): every kernel it launches gets compiled."""
-    label: str
-    dtype: str                      # the float dtype it computes in, for the summary
-    launch: Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -186,7 +181,7 @@ def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _quantized(rows: int, width: int, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes, scales, mins) of a [rows, width] weight as kernels/quant.py stores it; int8 has no mins."""
+    """(codes, scales, mins) of a [rows, width] weight as compiler/quant_format.py stores it; int8 has no mins."""
     codes = meta(rows, width, dtype=torch.int8) if bits == 8 else meta(rows, width // 2, dtype=torch.uint8)
     scales = meta(rows, width // group, dtype=torch.float16)
     return codes, scales, scales if bits == 4 else None
@@ -202,7 +197,8 @@ def _gemm(launcher: Callable, x: torch.Tensor, weight: tuple, epilogue: dict, **
 
 def _cache(heads: tuple[int, int, int], dtype: torch.dtype, int8: bool) -> torch.Tensor:
     _, kv_heads, head_dim = heads          # [L, 2, NB, KVH, BS, D], int8: rows of D codes + a 4-byte scale
-    return meta(2, 2, CACHE_BLOCKS, kv_heads, BLOCK_SIZE, head_dim + 4 * int8, dtype=torch.int8 if int8 else dtype)
+    return meta(2, 2, CACHE_BLOCKS, kv_heads, BLOCK_SIZE, head_dim + KV_SCALE_BYTES * int8,
+                dtype=torch.int8 if int8 else dtype)
 
 
 def gemm_cases(dtypes, rows, epilogues) -> Iterator[Case]:
@@ -310,8 +306,7 @@ def main(argv: list[str]) -> int:
     quick = "--quick" in argv
     artifacts = [Path(a) for a in argv if a != "--quick"]
     cases: Iterator[Case] = template_cases(quick)
-    if artifacts:                             # the CLI's one reach upward: codegen knows each unit's inputs
-        from llmc.compiler.codegen.aot import artifact_cases
+    if artifacts:                             # codegen knows each unit's inputs
         cases = (case for source in (cases, *(artifact_cases(a, quick) for a in artifacts)) for case in source)
     aot = AheadOfTime(GPUTarget(*SM90)).install()
     for case in cases:

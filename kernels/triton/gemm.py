@@ -15,20 +15,21 @@ is rounded to x's dtype once, at the store. Epilogue, in order:
                stored). The gate's SiLU is implied; `activation` must stay "none".
   then y += residual.
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
-fused group. Block sizes come from `pick_config(M, N, K)`: BLOCK_M 16 for decode-sized M, larger
-tiles for prefill; M, N and K edges are masked (no divisibility is required). fp32 inputs use
+fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
+code generator calls it at compile time): BLOCK_M 16 for decode-sized M, larger tiles for
+prefill; M, N and K edges are masked (no divisibility is required). fp32 inputs use
 IEEE fp32 dots (torch's default; no TF32). bf16 operands are upcast to fp32 for the dot on CPU
 tensors, because Triton's interpreter computes bf16 dots wrongly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from llmc.compiler.codegen.gemm_configs import GemmConfig, pick_config
 
 ACTIVATIONS = ("none", "silu")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,43 +48,6 @@ def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Launch parameters of one GEMM instance, chosen at compile time and recorded."""
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
-def _clamp_block(block: int, dim: int) -> int:
-    """A block no larger than the dimension needs, and at least 16 (the GPU's smallest dot)."""
-    return max(16, min(block, triton.next_power_of_2(max(dim, 1))))
-
-
-def pick_config(M: int, N: int, K: int, *, gated: bool = False) -> GemmConfig:
-    """Block sizes from the problem shape. N is the output width (N_w // 2 when gated).
-
-    Decode (M <= 16): one 16-row tile, narrow 64-column tiles so that many programs stream
-    the weight; M up to 64: one M tile of M rounded up; prefill: the Triton tutorial's
-    128 x 128 x 32 tile. A gated GEMM keeps two accumulators, so its N tile is halved. Stages
-    are sized so that fp32 operands fit in 164 KB of shared memory (A100) as well as H100/H200's.
-    Not tuned on a GPU yet: the numbers are the tutorial's and gemlite's starting points.
-    """
-    if M <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 3
-    elif M <= 64:
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), 64, 64, 4, 3
-    else:
-        block_m, block_n, block_k, warps, stages = 128, 128, 32, 4, 4
-    if gated:
-        block_n //= 2
-    return GemmConfig(block_m=_clamp_block(block_m, M), block_n=_clamp_block(block_n, N),
-                      block_k=_clamp_block(block_k, K), group_m=8, num_warps=warps, num_stages=stages)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Dequantizing GEMM with a fused epilogue: y = epilogue(x @ dequant(w).T + bias), one Triton template.
 
-Contract (the `qlinear` op; kernels/quant.py states the weight formats):
+Contract (the `qlinear` op; compiler/quant_format.py states the weight formats):
   x        [M, K]  fp32, fp16 or bf16 (any strides)
   codes    int8:  i8 [N_w, K];   int4: uint8 [N_w, K/2], blocks of 32 codes in GGUF order
            (byte b of a block: code b in the low nibble, code b + 16 in the high one)
@@ -23,21 +23,21 @@ an IEEE fp32 dot; bf16 x is upcast to fp32 for the dot on CPU tensors (the inter
 dot is wrong), as in gemm.py. int4 tiles of BLOCK_K codes are BLOCK_K / 2 bytes: the low
 nibbles hold inputs k0 + 32b + (0..15) of each 32-block b, the high nibbles 16 further on, so the
 tile is two dots of K = BLOCK_K / 2 against the matching two gathers of x; no shuffle of codes.
-Block sizes come from `pick_qconfig` (the float GEMM's buckets, BLOCK_K fitted to the group);
-M and N edges are masked, and K where G = K is not a multiple of BLOCK_K.
+Block sizes come from `pick_qconfig` (compiler/codegen/gemm_configs.py: the float GEMM's buckets,
+BLOCK_K fitted to the group); M and N edges are masked, and K where G = K is not a multiple of
+BLOCK_K.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from ..quant import INT4_BLOCK, dequantize_weight
-from .gemm import ACTIVATIONS, DTYPES, GemmConfig, dot_acc, grouped_tile, linear_epilogue_ref, pick_config, \
-    store_epilogue
+from llmc.compiler.codegen.gemm_configs import GemmConfig, k_tile_fits_group, pick_qconfig
+from llmc.compiler.quant_format import INT4_BLOCK, dequantize_weight
+
+from .gemm import ACTIVATIONS, DTYPES, dot_acc, grouped_tile, linear_epilogue_ref, store_epilogue
 
 __all__ = ["pick_qconfig", "qlinear_epilogue_ref", "qlinear_triton"]
 
@@ -48,26 +48,6 @@ def qlinear_epilogue_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     """The contract in torch: dequantize in fp32, then gemm.py's fp32 GEMM and epilogue."""
     w = dequantize_weight(codes, scales, mins, bits)                                # [N_w, K] fp32
     return linear_epilogue_ref(x, w, bias, residual, activation=activation, gated=gated)
-
-
-def _fits_group(block_k: int, K: int, bits: int, group_size: int) -> bool:
-    if bits == 4 and block_k % INT4_BLOCK:
-        return False
-    return group_size % block_k == 0 or (bits == 8 and group_size == K)
-
-
-def pick_qconfig(M: int, N: int, K: int, *, bits: int, group_size: int, gated: bool = False) -> GemmConfig:
-    """The float GEMM's config for this shape (gemm.py `pick_config`: 16-row tiles and 64-column
-    tiles for decode, so many programs stream the weight; larger tiles for prefill), with BLOCK_K
-    the largest power of two no larger than its choice that keeps each K tile inside one group
-    (int4: at least one 32-code block)."""
-    config = pick_config(M, N, K, gated=gated)
-    block_k = max(config.block_k, INT4_BLOCK if bits == 4 else 16)
-    while not _fits_group(block_k, K, bits, group_size):
-        block_k //= 2
-        if block_k < 16:
-            raise ValueError(f"no K tile fits {bits}-bit groups of {group_size} over K = {K}")
-    return dataclasses.replace(config, block_k=block_k)
 
 
 @triton.jit
@@ -169,7 +149,7 @@ def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
     if M == 0 or n_out == 0:
         return out
     cfg = config or pick_qconfig(M, n_out, K, bits=bits, group_size=group_size, gated=gated)
-    if not _fits_group(cfg.block_k, K, bits, group_size):
+    if not k_tile_fits_group(cfg.block_k, K, bits, group_size):
         raise ValueError(f"block_k {cfg.block_k} does not fit {bits}-bit groups of {group_size} over K = {K}")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_out, cfg.block_n),)
     res_strides = residual.stride() if residual is not None else (0, 0)
