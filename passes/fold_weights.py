@@ -1,12 +1,12 @@
 """Fold computations over weights alone into new weights (the last data-changing phase).
 
-Matches: a pure single-result op node all of whose operands are weights (such as the
-  `concat(%w.layers.0.q_proj.weight, %w.layers.0.k_proj.weight, ...)` that merge_qkv emits).
+Matches: an op this pass can evaluate (FOLDABLE: concat) all of whose operands are weights (such
+  as the `concat(%w.layers.0.q_proj.weight, %w.layers.0.k_proj.weight, ...)` that merge_qkv emits).
 Produces: a `weight` node with a canonical name built from its operands' names
-  (`layers.0.qkv_proj.weight`, `layers.0.gate_up_proj.weight`), whose tensor the torch backend
-  computes once, at compile time, into `ctx.weights` (when the context carries weights); rows
-  stacked from weights the file stores quantized (`ctx.quantized`) are stacked there too. The
-  operands are left for dce, which also drops weights nobody reads any more.
+  (`layers.0.qkv_proj.weight`, `layers.0.gate_up_proj.weight`), whose tensor is computed once, at
+  compile time, into `ctx.weights` (when the context carries weights); rows stacked from weights
+  the file stores quantized (`ctx.quantized`) are stacked there too. The operands are left for
+  dce, which also drops weights nobody reads any more.
 Requires: nothing. Preserves: numerics exactly (the same op, evaluated earlier).
 """
 
@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import os
 
+import torch
+
+from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, Node
-from llmc.compiler.ops import OPS
-from llmc.kernels.quant import concat_rows
+from llmc.compiler.quant_format import concat_rows
 
 from .rewrite import PassContext, RewriteState, rewrite
 
@@ -41,12 +43,13 @@ def folded_name(node: Node, operand_names: list[str]) -> str:
     return f"{operand_names[0]}.{node.op}_{digest[:8]}"
 
 
-def _evaluate(node: Node, operand_names: list[str], weights: dict) -> object:
-    from llmc.compiler.dtypes import to_torch
-    from llmc.kernels.torch_ops import OP_IMPLS
+# op -> its value over weight tensors, as the op means it
+FOLDABLE = {"concat": lambda operands, attrs: torch.cat(operands, dim=attrs["dim"])}
 
+
+def _evaluate(node: Node, operand_names: list[str], weights: dict) -> torch.Tensor:
     operands = [weights[n] for n in operand_names]
-    return OP_IMPLS[node.op](operands, node.attrs).to(to_torch(node.type.dtype)).contiguous()
+    return FOLDABLE[node.op](operands, node.attrs).to(to_torch(node.type.dtype)).contiguous()
 
 
 def _merge_quantized(node: Node, name: str, operand_names: list[str], quantized: dict) -> None:
@@ -59,7 +62,7 @@ def _merge_quantized(node: Node, name: str, operand_names: list[str], quantized:
 
 def _make_rule(ctx: PassContext):
     def fold_weight_expression(node: Node, state: RewriteState):
-        if node.op in ("input", "weight") or OPS[node.op].side_effects or len(node.types) != 1:
+        if node.op not in FOLDABLE:
             return None
         new_operands = [state.new_producer(state.get(v)) for v in node.inputs]
         if not new_operands or any(n.op != "weight" for n in new_operands):
