@@ -14,18 +14,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from llmc.compiler.dtypes import USER_DTYPES
-from llmc.kernels.native_ops import KERNEL_CHOICES
 
 from .artifact import Artifact, load_artifact
+from .backends import check_backend_name, check_backend_options, choose_backend
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
-from .executor import BACKENDS, DEVICES
-from .memory_plan import kv_bytes_per_token
+from .executor import DEVICES
 from .model_runner import ModelRunner
 from .request import Completion, Request, RequestOutput
 from .sampler import make_generator, sample
@@ -40,7 +39,12 @@ log = logging.getLogger("llmc")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """KV cache budget and batching limits; validated on construction."""
+    """KV cache budget, batching limits and the backend; validated on construction.
+
+    backend_options: the backend's own options by name, opaque here (the torch backend's kernels
+    and step_plans, every backend's cuda_graphs: backends.py); each must be an option of some
+    backend with a value valid there, and the chosen backend ignores, with one INFO line, those
+    that are another's."""
 
     kv_cache_bytes: int = 256 * 2**20
     block_size: int = 16
@@ -48,22 +52,19 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # vLLM's online default; on a CPU, 512 cost ~10% throughput
     enable_prefix_caching: bool = True
     chunked_prefill: bool = True
-    kernels: str = "auto"           # "native" (C++ CPU kernels), "reference" (torch refs) or "auto"
-    backend: str = "auto"           # "torch", "triton", or "auto": triton on a GPU if the artifact has kernels
+    backend: str = "auto"           # a registered backend (torch, triton) or "auto": triton on a GPU if it has kernels
     device: str = "auto"            # "cpu", "cuda", or "auto" (the backend's: torch runs on the CPU unless told)
-    cuda_graphs: bool | None = None  # decode as CUDA graphs: None = where the backend can (a GPU), False = never
-    step_plans: bool = True         # native kernels: each graph that lowers whole runs as one native call per step
+    backend_options: Mapping[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise RequestError(f"engine option {name}={getattr(self, name)} must be positive")
-        if self.kernels not in KERNEL_CHOICES:
-            raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
-        if self.backend not in BACKENDS:
-            raise RequestError(f"backend {self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
+        check_backend_name(self.backend)
         if self.device not in DEVICES:
             raise RequestError(f"device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
+        object.__setattr__(self, "backend_options", dict(self.backend_options))     # the config's own copy
+        check_backend_options(self.backend_options)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ class Engine:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.config = config
         self.tokenizer = Tokenizer(self.artifact.tokenizer)
-        per_block = kv_bytes_per_token(self.artifact.config, kv_cache_dtype(self.artifact)) * config.block_size
+        backend = choose_backend(config.backend, self.artifact, config.device, config.backend_options)
+        cache_type = self.artifact.graphs["prefill"].node_map()["kv_cache"].type
+        per_block = backend.kv_bytes_per_block(cache_type, config.block_size)    # the backend's layout
         num_blocks = config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise RequestError(f"a KV cache of {config.kv_cache_bytes} bytes holds no block of "
@@ -96,13 +99,12 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
-        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, config.backend, config.kernels,
-                                  config.device, config.cuda_graphs, config.max_num_seqs, config.step_plans)
+        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, backend, config.max_num_seqs)
         if not isinstance(artifact, Artifact):
             # loaded here, so nobody else reads its weights: the executor holds them now (in the layouts it
             # chose) and the artifact keeps their shapes and dtypes, so no second copy stays resident
             self.artifact.weights = {name: w.to("meta") for name, w in self.artifact.weights.items()}
-        self.kernels = self.runner.kernels
+        self.kernels = self.runner.capabilities.kernels     # what computes the ops, for reports
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}
         self.num_steps = 0

@@ -1,14 +1,19 @@
-"""The executor seam (DESIGN decision 4): one interface, one backend per file.
+"""The executor seam (DESIGN decision 4): one interface, one backend per file, chosen from a registry.
 
-An executor is built from an artifact (graphs + weights), a device and a KV cache spec; it owns
-the paged KV cache on that device (plus one scratch block the block manager never hands out, for
-padding rows) and the weights in the layout its kernels want (decided once, here, never at run
-time); `run(entry, step)` runs one step's graph and returns the logits of the sampled positions,
-[S, vocab] fp32 on the device. `step(entry, host_step, buffers)` is what the runner calls: a
-pure-decode step replays a captured CUDA graph when `capture_decode_graphs` made them
-(cuda_graphs.py), any other step runs eagerly on its metadata on the device (a GPU: loaded into
-the runner's buffers; the CPU: the host's tensors).
-The runner owns the step's metadata and knows no backend's insides.
+An executor is built from an artifact (graphs + weights), a device, a KV cache spec and its
+backend's options; it owns the paged KV cache on that device (plus one scratch block the block
+manager never hands out, for padding rows) and the weights in the layout its kernels want
+(decided once, here, never at run time); `run(entry, step)` runs one step's graph and returns the
+logits of the sampled positions, [S, vocab] fp32 on the device. `step(entry, host_step, buffers)`
+is what the runner calls: a pure-decode step replays a captured CUDA graph when
+`capture_decode` made them (cuda_graphs.py), any other step runs eagerly on its metadata on the
+device (a GPU: loaded into the runner's buffers; the CPU: the host's tensors).
+
+A backend tells the engine what it needs and what it does: `kv_bytes_per_block` (the engine sizes
+the cache with it), `capabilities()` (which kernels run, whether decode replays CUDA graphs, which
+graphs run as one step plan and why the others do not), and where it runs (`place`, `auto_picks`,
+read by the registry in backends.py). Its options are a frozen dataclass (`options_type`) that
+validates itself. The runner and the engine know no backend's insides.
 
   torch    torch_executor.py   every op through torch (aten), native CPU kernels where they fit; with
                                those, a graph they all take runs as one step plan (step_plan.py)
@@ -18,9 +23,9 @@ The runner owns the step's metadata and knows no backend's insides.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -36,13 +41,16 @@ from .step_inputs import StepBuffers, StepInputs
 if TYPE_CHECKING:
     from .step_plan import StepPlanProgram
 
-BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+
+log = logging.getLogger("llmc")
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The paged KV cache the graphs declare, sized: [L, 2, NB, KVH, BS, D] of `dtype`."""
+    """The paged KV cache the graphs declare, sized: [L, 2, NB, KVH, BS, D] of `dtype`. D is a cache
+    row: head_dim elements, or for an int8 cache head_dim codes then their fp32 scale (KV_SCALE_BYTES),
+    as the quantize_kv pass typed it."""
 
     layers: int
     num_blocks: int
@@ -56,26 +64,136 @@ class KVCacheSpec:
         layers, _, _, kv_heads, _, head_dim = cache_type.shape
         return cls(layers, num_blocks, kv_heads, block_size, head_dim, to_torch(cache_type.dtype))
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: K and V of every layer and KV head, block_size rows of D elements."""
+        return self.layers * 2 * self.kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
+
     def allocate(self, device: torch.device, extra_blocks: int = 0) -> torch.Tensor:
         blocks = self.num_blocks + extra_blocks
         return torch.zeros(self.layers, 2, blocks, self.kv_heads, self.block_size, self.head_dim,
                            dtype=self.dtype, device=device)
 
 
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """The options every executor has: the capture of its decode step (the base class's `capture_decode`).
+
+    cuda_graphs: None captures on a GPU where the backend allows it (vLLM's default), True asks for
+    it (and says once why it cannot where it cannot), False never does. A backend's own options
+    subclass this, each field validated in its __post_init__ (RequestError: one sentence)."""
+
+    cuda_graphs: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise RequestError(f"backend option cuda_graphs={self.cuda_graphs!r} must be true, false or unset")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """How one entry graph runs: as one step plan, or op by op and why (the node and the reason)."""
+
+    entry: str
+    plan: bool
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an executor runs and how, as the engine and the tools read it."""
+
+    kernels: str                    # what computes the ops: 'native' or 'reference' (torch), 'triton'
+    graph_safe: bool                # its decode step can be captured as CUDA graphs
+    cuda_graphs: bool               # pure-decode steps replay captured CUDA graphs now
+    graphs: tuple[GraphRun, ...]    # each entry graph: a step plan, or op by op and why
+
+    def plans(self) -> list[str]:
+        """The entry graphs that run as one step plan."""
+        return [g.entry for g in self.graphs if g.plan]
+
+    def describe_plans(self) -> str:
+        """'step plans: prefill yes, decode yes', or 'step plans: prefill yes, decode op by op (%12
+        (gelu) has no plan kernel)'; one reason shared by every graph is said once."""
+        off = [g for g in self.graphs if not g.plan]
+        if off and len(off) == len(self.graphs) and len({g.why for g in off}) == 1:
+            return f"step plans: none; {', '.join(g.entry for g in off)} op by op ({off[0].why})"
+        return "step plans: " + ", ".join(f"{g.entry} yes" if g.plan else f"{g.entry} op by op ({g.why})"
+                                          for g in self.graphs)
+
+
 class Executor:
-    """The base of both backends: a backend's __init__ builds `programs`, one per entry graph."""
+    """The base of every backend: a backend's __init__ builds `programs`, one per entry graph, and
+    says how each runs (`graph_runs`) and with which kernels (`kernels`); its class says where it
+    runs (`place`, `auto_picks`), its options (`options_type`) and its cache's bytes per block."""
 
-    backend: str = ""
-    graph_safe: bool = True     # a step's launches never wait for the host, so a CUDA graph can hold them
+    backend: ClassVar[str] = ""                  # its name in the registry and on the command line
+    options_type: ClassVar[type[ExecutorOptions]] = ExecutorOptions
+    graph_safe: ClassVar[bool] = True            # its launches never wait for the host: a CUDA graph can hold them
+    auto_rank: ClassVar[int] = 0                 # `--backend auto` asks backends from the highest rank down
 
-    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec):
+    @classmethod
+    def place(cls, artifact: Artifact, device: str) -> torch.device:
+        """The device this backend runs `artifact` on when asked for `device` ('auto', 'cpu' or 'cuda',
+        a GPU being there if asked for); RequestError, one sentence with the fix, where it cannot."""
+        raise NotImplementedError
+
+    @classmethod
+    def auto_picks(cls, artifact: Artifact, device: str) -> bool:
+        """Whether `--backend auto` takes this backend (when no higher-ranked one did)."""
+        return False
+
+    @classmethod
+    def kv_bytes_per_block(cls, kv: KVCacheSpec) -> int:
+        """Bytes one block of the cache takes on the device: the engine sizes the cache with it."""
+        return kv.block_bytes
+
+    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec,
+                 options: ExecutorOptions | None = None):
         self.artifact = artifact
         self.device = device
+        self.options = self.options_type() if options is None else options
+        assert isinstance(self.options, self.options_type), f"{self.backend} takes {self.options_type.__name__}"
         self.kv_cache = kv.allocate(device, extra_blocks=1)
         self.scratch_block = kv.num_blocks             # the extra block: padding rows write only there
         self.block_size = kv.block_size
         self.programs: dict[str, SlotProgram | StepPlanProgram] = {}   # entry -> its graph's program (set by the backend)
+        self.graph_runs: dict[str, GraphRun] = {}      # entry -> how its program runs (set by the backend)
+        self.kernels = self.backend                    # what computes the ops (a backend may say more)
         self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(self.kernels, self.graph_safe, self.graphs is not None, tuple(self.graph_runs.values()))
+
+    def capture_decode(self, max_num_seqs: int) -> CaptureReport | None:
+        """Capture the decode step for up to `max_num_seqs` sequences as `options.cuda_graphs` asks,
+        where the device and the backend allow; a capture that fails leaves every step eager, says
+        why once (a warning) and keeps it in `graph_error`."""
+        wanted = self.options.cuda_graphs
+        if wanted is False:
+            return None
+        if self.device.type != "cuda" or not self.graph_safe:
+            if wanted:
+                why = "without a CUDA GPU there is nothing to capture" if self.device.type != "cuda" else \
+                    f"the {self.backend} backend's ops wait for the host, which a CUDA graph cannot hold"
+                log.info("--cuda-graphs does nothing here: %s; every step runs eagerly", why)
+            return None
+        context = self.artifact.config.max_position_embeddings
+        max_blocks = min(self.scratch_block, -(-context // self.block_size))
+        try:
+            report = self.capture_decode_graphs(max_num_seqs, max_blocks)
+        except RuntimeError as exc:     # a kernel that cannot be captured: serve eagerly, and say why
+            self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"
+            log.warning("capturing CUDA graphs of the decode step failed (%s); every step runs eagerly",
+                        self.graph_error)
+            return None
+        log.info("%s", report.describe())
+        return report
 
     def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int, stand_in: bool = False) -> CaptureReport:
         """Capture the decode step for every batch size up to `max_num_seqs`, block tables `max_blocks`
@@ -119,33 +237,3 @@ class Executor:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: blocks `src` to `dst` (all layers, K and V), before a step writes them."""
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-
-
-def resolve_backend(backend: str, artifact: Artifact, device: str = "auto") -> tuple[str, torch.device]:
-    """The backend and device a request for `backend` on `device` means here; RequestError if it cannot run.
-
-    auto: triton on a GPU when the artifact has kernels, torch on the CPU elsewhere. triton
-    needs the artifact's kernels and a GPU, or TRITON_INTERPRET=1 to run them on the CPU. torch
-    runs on the CPU unless `device` is cuda (the GPU reference of the triton backend).
-    """
-    if backend not in BACKENDS:
-        raise RequestError(f"backend {backend!r} is unknown; choose one of {', '.join(BACKENDS)}")
-    if device not in DEVICES:
-        raise RequestError(f"device {device!r} is unknown; choose one of {', '.join(DEVICES)}")
-    has_kernels = "triton" in artifact.manifest.get("backends", [])
-    gpu = torch.cuda.is_available()
-    if device == "cuda" and not gpu:
-        raise RequestError("device cuda was asked for but torch sees no CUDA GPU here; use --device cpu")
-    if backend == "auto":
-        backend = "triton" if gpu and has_kernels and device != "cpu" else "torch"
-    if backend == "torch":
-        return "torch", torch.device("cuda" if device == "cuda" else "cpu")
-    if not has_kernels:
-        raise RequestError(f"{artifact.path} has no Triton kernels; compile it with `llmc compile --target cuda` "
-                           "or use --backend torch")
-    if gpu and device != "cpu":
-        return "triton", torch.device("cuda")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "triton", torch.device("cpu")
-    raise RequestError("--backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run its kernels slowly in "
-                       "Triton's interpreter on the CPU); use --backend torch here")

@@ -1,90 +1,64 @@
 """ModelRunner: owns the device, the step metadata buffers and one executor.
 
-It picks the backend (`executor.resolve_backend`), sizes the paged KV cache from what the
-graphs declare, asks the executor to capture CUDA graphs of the decode step where it can, hands
-each step's host-built metadata to the executor (which copies it into persistent device buffers,
-`step_inputs.StepBuffers`, or replays a graph), and hands logits back on the host for sampling.
-It knows no backend's insides: everything device- or kernel-specific is the executor's.
+It builds the executor a `BackendChoice` names (backends.py: the registry picks the backend, its
+device and options), sizing the paged KV cache from what the graphs declare, asks it to capture
+CUDA graphs of the decode step as its options say, hands each step's host-built metadata to the
+executor (which copies it into persistent device buffers, `step_inputs.StepBuffers`, or replays a
+graph), and hands logits back on the host for sampling. It knows no backend's insides: what the
+executor runs and how is its `capabilities()`.
 """
 
 from __future__ import annotations
 
-import logging
+from typing import Mapping
 
 import torch
 
 from .artifact import Artifact
+from .backends import BackendChoice, choose_backend
 from .cuda_graphs import CaptureReport
-from .executor import Executor, KVCacheSpec, resolve_backend
+from .executor import Capabilities, KVCacheSpec
 from .slot_program import LaunchTime
 from .step_inputs import StepBuffers, StepInputs, build_step_inputs  # noqa: F401  (re-exported)
-from .torch_executor import TorchExecutor
-from .triton_executor import TritonExecutor
-
-log = logging.getLogger("llmc")
-
-
-def make_executor(backend: str, artifact: Artifact, device: torch.device, kv: KVCacheSpec,
-                  kernels: str, step_plans: bool = True) -> Executor:
-    if backend == "triton":
-        return TritonExecutor(artifact, device, kv)
-    return TorchExecutor(artifact, device, kv, kernels, step_plans)
 
 
 class ModelRunner:
-    """Runs the artifact's prefill and decode graphs against one paged KV cache.
+    """Runs the artifact's prefill and decode graphs against one paged KV cache of `num_blocks` blocks."""
 
-    cuda_graphs: None captures the decode step on a GPU when the backend allows it (vLLM's
-    default), True asks for it (and says once why it cannot where it cannot), False never does.
-    """
-
-    def __init__(self, artifact: Artifact, num_blocks: int, block_size: int, backend: str = "torch",
-                 kernels: str = "auto", device: str = "auto", cuda_graphs: bool | None = None,
-                 max_num_seqs: int = 64, step_plans: bool = True):
+    def __init__(self, artifact: Artifact, num_blocks: int, block_size: int, backend: BackendChoice,
+                 max_num_seqs: int = 64):
         self.artifact = artifact
-        self.backend, self.device = resolve_backend(backend, artifact, device)
+        self.backend, self.device = backend.name, backend.device
         cache_type = artifact.graphs["prefill"].node_map()["kv_cache"].type
-        kv = KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size)
-        self.executor = make_executor(self.backend, artifact, self.device, kv, kernels, step_plans)
+        self.executor = backend.build(artifact, KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size))
         self.buffers = StepBuffers(self.device)
-        self.graph_error: str | None = None
-        self.graph_report = self._capture(cuda_graphs, max_num_seqs, num_blocks, block_size)
+        self.graph_report: CaptureReport | None = self.executor.capture_decode(max_num_seqs)
 
-    def _capture(self, wanted: bool | None, max_num_seqs: int, num_blocks: int,
-                 block_size: int) -> CaptureReport | None:
-        if wanted is False:
-            return None
-        if self.device.type != "cuda" or not self.executor.graph_safe:
-            if wanted:
-                why = "without a CUDA GPU there is nothing to capture" if self.device.type != "cuda" else \
-                    f"the {self.backend} backend's ops wait for the host, which a CUDA graph cannot hold"
-                log.info("--cuda-graphs does nothing here: %s; every step runs eagerly", why)
-            return None
-        context = self.artifact.config.max_position_embeddings
-        max_blocks = min(num_blocks, -(-context // block_size))
-        try:
-            report = self.executor.capture_decode_graphs(max_num_seqs, max_blocks)
-        except RuntimeError as exc:     # a kernel that cannot be captured: serve eagerly, and say why
-            self.executor.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"
-            log.warning("capturing CUDA graphs of the decode step failed (%s); every step runs eagerly",
-                        self.graph_error)
-            return None
-        log.info("%s", report.describe())
-        return report
+    @classmethod
+    def for_backend(cls, artifact: Artifact, num_blocks: int, block_size: int, backend: str = "torch",
+                    options: Mapping[str, object] | None = None, device: str = "auto",
+                    max_num_seqs: int = 64) -> "ModelRunner":
+        """A runner on the backend `choose_backend` picks for `backend`, `device` and `options`."""
+        return cls(artifact, num_blocks, block_size, choose_backend(backend, artifact, device, options), max_num_seqs)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Which kernels run, whether decode replays CUDA graphs, which graphs run as step plans."""
+        return self.executor.capabilities()
 
     @property
     def cuda_graphs(self) -> bool:
         """Whether pure-decode steps replay captured CUDA graphs."""
-        return self.executor.graphs is not None
+        return self.capabilities.cuda_graphs
+
+    @property
+    def graph_error(self) -> str | None:
+        """Why capturing CUDA graphs failed, where it did."""
+        return self.executor.graph_error
 
     @property
     def kv_cache(self) -> torch.Tensor:
         return self.executor.kv_cache
-
-    @property
-    def kernels(self) -> str:
-        """What computes the ops: 'native' or 'reference' (torch backend), 'triton'."""
-        return getattr(self.executor, "kernels", self.backend)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Apply copy-on-write block copies (all layers, K and V) before a step writes."""

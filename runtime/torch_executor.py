@@ -6,21 +6,25 @@ the refs run there (the native kernels are CPU code). Weights move to the device
 native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weights lays them out, once.
 With the native kernels, a graph whose ops all have plan kernels (prefill and decode) runs as one
 step plan (step_plan.py): one native call per step in place of a Python launch per op, the same
-kernels on the same work, so the same numbers; `step_plans=False` keeps every graph op by op.
+kernels on the same work, so the same numbers; `step_plans=False` keeps every graph op by op. A
+graph the plan cannot take runs op by op, said once at INFO (the node and why) and kept in the
+executor's capabilities, which `llmc profile` and `llmc inspect` print.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from llmc.compiler.ir import Graph
-from llmc.kernels.native_ops import choose_op_impls, prepare_weights
+from llmc.kernels.native_ops import KERNEL_CHOICES, choose_op_impls, prepare_weights
 from llmc.kernels.torch_ops import OP_IMPLS
 
 from .artifact import Artifact
-from .executor import Executor, KVCacheSpec
+from .executor import Executor, ExecutorOptions, GraphRun, KVCacheSpec
+from .sampling_params import RequestError
 from .slot_program import SlotProgram
 from .step_plan import NotPlannable, StepPlanProgram, lower_step_plan
 from .torch_backend import TorchProgram
@@ -28,15 +32,42 @@ from .torch_backend import TorchProgram
 log = logging.getLogger("llmc")
 
 
+@dataclass(frozen=True)
+class TorchOptions(ExecutorOptions):
+    """kernels: 'native' (llmc's C++ CPU kernels; a build failure is an error), 'reference' (the torch
+    refs) or 'auto' (native where they build, else the refs with one warning). step_plans: with the
+    native kernels, each graph whose ops all have plan kernels runs as one native call per step."""
+
+    kernels: str = "auto"
+    step_plans: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kernels not in KERNEL_CHOICES:
+            raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
+        if not isinstance(self.step_plans, bool):
+            raise RequestError(f"backend option step_plans={self.step_plans!r} must be true or false")
+
+
 class TorchExecutor(Executor):
     backend = "torch"
+    options_type = TorchOptions
     graph_safe = False      # the torch refs read lengths and slots on the host (.tolist(), masks)
+    auto_rank = 0           # auto's last resort: it runs any artifact anywhere
 
-    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, kernels: str = "auto",
-                 step_plans: bool = True):
-        super().__init__(artifact, device, kv)
+    @classmethod
+    def place(cls, artifact: Artifact, device: str) -> torch.device:
+        """The CPU unless `device` is cuda (then it is the GPU reference of the triton backend)."""
+        return torch.device("cuda" if device == "cuda" else "cpu")
+
+    @classmethod
+    def auto_picks(cls, artifact: Artifact, device: str) -> bool:
+        return True
+
+    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, options: TorchOptions | None = None):
+        super().__init__(artifact, device, kv, options)
         if device.type == "cpu":
-            impls, self.kernels = choose_op_impls(kernels)
+            impls, self.kernels = choose_op_impls(self.options.kernels)
         else:
             impls, self.kernels = dict(OP_IMPLS), "reference"
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
@@ -46,17 +77,30 @@ class TorchExecutor(Executor):
             # Own memory: a tensor as the artifact loaded it is a view of the weights file's mapping,
             # which stays mapped (its pages resident) while any such view lives.
             weights = {name: w.clone() if isinstance(w, torch.Tensor) else w for name, w in weights.items()}
-        plans = step_plans and self.kernels == "native" and device.type == "cpu"
-        self.programs = {entry: self._program(g, weights, impls, kv.block_size, plans)
-                         for entry, g in artifact.graphs.items()}
+        no_plans = self._why_no_plans()
+        for entry, graph in artifact.graphs.items():
+            self.programs[entry], self.graph_runs[entry] = self._program(entry, graph, weights, impls, kv.block_size,
+                                                                         no_plans)
+
+    def _why_no_plans(self) -> str:
+        """Why no graph can be a step plan here, or '' where each graph may be one."""
+        if not self.options.step_plans:
+            return "step plans are off"
+        if self.device.type != "cpu":
+            return f"step plans are native CPU code, this runs on {self.device.type}"
+        if self.kernels != "native":
+            return f"step plans need the native kernels, these are the {self.kernels} ones"
+        return ""
 
     @staticmethod
-    def _program(graph: Graph, weights: dict, impls: dict, block_size: int,
-                 plans: bool) -> SlotProgram | StepPlanProgram:
-        """The graph as one native step plan where every op lowers to one (with `plans`), else op by op."""
-        if plans:
-            try:
-                return lower_step_plan(graph, weights, block_size)
-            except NotPlannable as why:
-                log.debug("graph %s runs op by op: %s", graph.name, why)
-        return TorchProgram(graph, weights, impls)
+    def _program(entry: str, graph: Graph, weights: dict, impls: dict, block_size: int,
+                 no_plans: str) -> tuple[SlotProgram | StepPlanProgram, GraphRun]:
+        """The graph as one native step plan where every op lowers to one, else op by op; and how it
+        runs. A graph that could be a plan but is not is a slower path: said once, at INFO."""
+        if no_plans:
+            return TorchProgram(graph, weights, impls), GraphRun(entry, False, no_plans)
+        try:
+            return lower_step_plan(graph, weights, block_size), GraphRun(entry, True)
+        except NotPlannable as why:
+            log.info("graph %s runs op by op, not as one step plan: %s", entry, why)
+            return TorchProgram(graph, weights, impls), GraphRun(entry, False, str(why))

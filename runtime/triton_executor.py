@@ -11,6 +11,8 @@ it synchronises with the host, so the same launches can later be captured in a C
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -19,7 +21,8 @@ from llmc.compiler.codegen import Lowering, import_kernel_module, lower
 from llmc.compiler.ops import OPS
 
 from .artifact import KERNELS_DIR, Artifact, ArtifactError
-from .executor import Executor, KVCacheSpec
+from .executor import Executor, ExecutorOptions, GraphRun, KVCacheSpec
+from .sampling_params import RequestError
 from .slot_program import LaunchSpec, SlotProgram
 
 
@@ -43,11 +46,39 @@ def _launch(launcher):
     return lambda args, attrs: launcher(*args)
 
 
+@dataclass(frozen=True)
+class TritonOptions(ExecutorOptions):
+    """Only what every executor takes: the capture of the decode step as CUDA graphs (cuda_graphs)."""
+
+
+def has_triton_kernels(artifact: Artifact) -> bool:
+    return "triton" in artifact.manifest.get("backends", [])
+
+
 class TritonExecutor(Executor):
     backend = "triton"
+    options_type = TritonOptions
+    auto_rank = 10          # auto's first choice where it runs: a GPU and an artifact with kernels
 
-    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec):
-        super().__init__(artifact, device, kv)
+    @classmethod
+    def place(cls, artifact: Artifact, device: str) -> torch.device:
+        """A GPU unless `device` is cpu; the CPU only with TRITON_INTERPRET=1 (Triton's interpreter)."""
+        if not has_triton_kernels(artifact):
+            raise RequestError(f"{artifact.path} has no Triton kernels; compile it with `llmc compile --target cuda` "
+                               "or use --backend torch")
+        if torch.cuda.is_available() and device != "cpu":
+            return torch.device("cuda")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return torch.device("cpu")
+        raise RequestError("--backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run its kernels slowly in "
+                           "Triton's interpreter on the CPU); use --backend torch here")
+
+    @classmethod
+    def auto_picks(cls, artifact: Artifact, device: str) -> bool:
+        return torch.cuda.is_available() and has_triton_kernels(artifact) and device != "cpu"
+
+    def __init__(self, artifact: Artifact, device: torch.device, kv: KVCacheSpec, options: TritonOptions | None = None):
+        super().__init__(artifact, device, kv, options)
         lowering = lower(artifact.graphs)
         modules = load_kernel_modules(artifact, lowering)
         launchers = {name: module.build(device) for name, module in modules.items()}
@@ -59,3 +90,5 @@ class TritonExecutor(Executor):
                            OPS[unit.nodes[0].op].kind)
                 for unit, module in zip(lowering.units[entry], lowering.plan[entry])])
             for entry, graph in artifact.graphs.items()}
+        self.graph_runs = {entry: GraphRun(entry, False, "the triton backend launches one kernel per fusion unit")
+                           for entry in artifact.graphs}

@@ -40,6 +40,12 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def error_line(stderr: str) -> str:
+    """stderr less llmc's own notes before the error (log lines such as a graph run op by op, each
+    'llmc: ...'), rich's line wrapping undone."""
+    return one_line("\n".join(line for line in stderr.splitlines() if not line.startswith("llmc: ")))
+
+
 def assert_one_sentence(message: str, *words: str) -> None:
     assert "\n" not in message and ". " not in message.rstrip("."), message
     for w in words:
@@ -56,7 +62,7 @@ def assert_cli_error(result, *words: str) -> None:
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert result.stdout == ""
-    message = one_line(result.stderr)
+    message = error_line(result.stderr)
     assert message.startswith("error: ")
     assert_one_sentence(message.removeprefix("error: "), *words)
 
@@ -72,7 +78,7 @@ def assert_process_error(proc: subprocess.CompletedProcess, *words: str) -> None
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
-    assert_one_sentence(one_line(proc.stderr).removeprefix("error: "), *words)
+    assert_one_sentence(error_line(proc.stderr).removeprefix("error: "), *words)
 
 
 @pytest.fixture(scope="module")

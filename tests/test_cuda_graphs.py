@@ -12,7 +12,7 @@ from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.cuda_graphs import addresses, decode_batch_sizes, pad_decode_step
 from llmc.runtime.engine import EngineConfig
-from llmc.runtime.executor import resolve_backend
+from llmc.runtime.backends import resolve_backend
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
@@ -83,7 +83,8 @@ def test_step_buffers_hold_a_step_in_one_buffer_at_fixed_addresses():
 
 def _prefilled_runner(artifact, backend: str = "torch") -> tuple[ModelRunner, list[torch.Tensor], BlockManager,
                                                                    list[Sequence]]:
-    runner = ModelRunner(artifact, NUM_BLOCKS, BLOCK_SIZE, backend, "reference", cuda_graphs=False)
+    options = {"cuda_graphs": False, **({"kernels": "reference"} if backend == "torch" else {})}
+    runner = ModelRunner.for_backend(artifact, NUM_BLOCKS, BLOCK_SIZE, backend, options)
     blocks = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
     g = torch.Generator().manual_seed(0)
     seqs = [Sequence(i, torch.randint(3, 300, (n,), generator=g).tolist(), SamplingParams())
@@ -159,7 +160,8 @@ def test_device_and_graph_options_are_checked(artifact):
     if not torch.cuda.is_available():
         with pytest.raises(RequestError, match="no CUDA GPU"):
             resolve_backend("torch", artifact, "cuda")
-        runner = ModelRunner(artifact, NUM_BLOCKS, BLOCK_SIZE, "torch", "reference", cuda_graphs=True)
+        runner = ModelRunner.for_backend(artifact, NUM_BLOCKS, BLOCK_SIZE, "torch",
+                                         {"kernels": "reference", "cuda_graphs": True})
         assert not runner.cuda_graphs and runner.graph_report is None
 
 
@@ -201,7 +203,7 @@ def test_captured_graphs_replay_the_eager_triton_step_on_a_gpu(tiny_family, tmp_
 
     cuda = load_artifact(compile_model(tiny_family("llama_gqa")[1], tmp_path / "cuda", CompileConfig(target="cuda")))
     eager, blocks, seqs = _prefilled_runner(cuda, "triton")
-    graphs = ModelRunner(cuda, NUM_BLOCKS, BLOCK_SIZE, "triton", cuda_graphs=True, max_num_seqs=8)
+    graphs = ModelRunner.for_backend(cuda, NUM_BLOCKS, BLOCK_SIZE, "triton", {"cuda_graphs": True}, max_num_seqs=8)
     assert graphs.cuda_graphs and graphs.graph_report.batch_sizes == (1, 2, 4, 8)
     replayed = _Follower(graphs, blocks, seqs)
     tol = tolerance(torch.float32, cuda.config.intermediate_size, scale=4.0)

@@ -42,8 +42,13 @@ def block_bytes(engine: Engine) -> int:
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def config_of(kernels: str = "auto", **config) -> EngineConfig:
+    """The tests' engine: a 4 MiB cache, the torch backend's `kernels`, and `config`."""
+    return EngineConfig(**{"kv_cache_bytes": 2**22, "backend_options": {"kernels": kernels}, **config})
+
+
 def run(artifact, batch, params=GREEDY, **config):
-    engine = Engine(artifact, EngineConfig(**{"kv_cache_bytes": 2**22, **config}))
+    engine = Engine(artifact, config_of(**config))
     outputs = [c.token_ids for c in engine.generate(batch, params)]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     return engine, outputs
@@ -52,7 +57,7 @@ def run(artifact, batch, params=GREEDY, **config):
 def run_in_this_thread(artifact, batch, params=GREEDY, **config) -> list[list[int]]:
     """`run`, but stepping the engine here rather than in an EngineLoop thread (the profiler sees
     only this thread's ops)."""
-    engine = Engine(artifact, EngineConfig(**{"kv_cache_bytes": 2**22, **config}))
+    engine = Engine(artifact, config_of(**config))
     tokens = {engine.add_request(p, params): [] for p in batch}
     while engine.has_unfinished():
         for out in engine.step():
@@ -93,7 +98,7 @@ def test_prefix_cache_hits_and_copy_on_write_give_the_same_output(family_artifac
     system = prompts(1, seed=3, lo=40, hi=41)[0]              # 40 shared tokens: 2 full blocks
     batch = [system + p for p in prompts(5, seed=4)] + [system[:32]] * 2   # last two: fully cached
     _, uncached = run(artifact, batch, kernels=kernels, enable_prefix_caching=False)
-    engine = Engine(artifact, EngineConfig(kernels=kernels))
+    engine = Engine(artifact, EngineConfig(backend_options={"kernels": kernels}))
     copied = []
     copy_blocks = engine.runner.copy_blocks
     engine.runner.copy_blocks = lambda copies: (copied.extend(copies), copy_blocks(copies))

@@ -262,11 +262,11 @@ def test_an_engine_keeps_one_copy_of_the_weights(tiny_family):
     from llmc.runtime.sampling_params import SamplingParams
 
     folder = tiny_family("llama_tied")[2]
-    engine = Engine(folder, EngineConfig(kernels="native"))
+    engine = Engine(folder, EngineConfig(backend_options={"kernels": "native"}))
     assert all(w.is_meta for w in engine.artifact.weights.values())
     held = [v for p in engine.runner.executor.programs.values() for v in p.constants]
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
     assert sum(storages(held).values()) == stored + padding_bytes(held)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    reference = Engine(folder, EngineConfig(kernels="reference"))
+    reference = Engine(folder, EngineConfig(backend_options={"kernels": "reference"}))
     assert engine.generate(["a b c"], greedy)[0].token_ids == reference.generate(["a b c"], greedy)[0].token_ids

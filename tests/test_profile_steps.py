@@ -78,8 +78,8 @@ def test_time_spent_in_attention_is_counted_as_attention_and_in_the_step(tiny_fa
 
     for op in [name for name, d in OPS.items() if d.kind == "attention"]:
         monkeypatch.setitem(OP_IMPLS, op, slowed(OP_IMPLS[op]))
-    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(kernels="reference", step_plans=False,
-                                                                  cuda_graphs=False))     # op by op: one launch each
+    options = {"kernels": "reference", "step_plans": False, "cuda_graphs": False}     # op by op: one launch each
+    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(backend_options=options))
     for entry, profile in (("decode", profile_decode(engine, 4)[0]), ("prefill", profile_prefill(engine, 32))):
         added = ATTENTION_DELAY * sum(OPS[n.op].kind == "attention" for n in engine.artifact.graphs[entry].nodes)
         parts = profile.by_category
@@ -109,7 +109,7 @@ def test_served_decode_time_runs_from_the_first_token_out_to_the_last(tiny_famil
     token's wait) out on llmc's side too: a slow prefill does not move it."""
     from llmc.tools.profile_hf import decode_prompt, served_decode
 
-    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(cuda_graphs=False))
+    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(backend_options={"cuda_graphs": False}))
     run = engine.runner.run
     monkeypatch.setattr(engine.runner, "run", lambda entry, step: (
         time.sleep(PREFILL_DELAY if entry == "prefill" else 0), run(entry, step))[1])

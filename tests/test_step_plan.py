@@ -28,7 +28,7 @@ from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_plan import NotPlannable, StepPlanProgram, lower_step_plan
 from llmc.runtime.torch_backend import TorchProgram
-from llmc.runtime.torch_executor import TorchExecutor
+from llmc.runtime.torch_executor import TorchExecutor, TorchOptions
 from tiny_models import build_hf_model, write_hf_folder
 from tolerances import assert_as_close_as_ref, tolerance
 
@@ -71,7 +71,7 @@ def threads(request):
 def executor(art, kernels="native", step_plans=True, block_size=BLOCK) -> TorchExecutor:
     cache_type = art.graphs["decode"].node_map()["kv_cache"].type
     kv = KVCacheSpec.from_graph_type(cache_type, NUM_BLOCKS, block_size)
-    return TorchExecutor(art, torch.device("cpu"), kv, kernels, step_plans)
+    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels=kernels, step_plans=step_plans))
 
 
 def sequences(lens: list[int], seed: int = 0) -> tuple[list[Sequence], BlockManager]:
@@ -299,7 +299,7 @@ def test_the_plans_hold_the_prepared_weights_not_copies(artifact):
     from llmc.runtime.engine import Engine, EngineConfig
     from test_gemv_kernels import padding_bytes, storages
 
-    engine = Engine(artifact("llama_tied", "bf16").path, EngineConfig(kernels="native"))
+    engine = Engine(artifact("llama_tied", "bf16").path, EngineConfig(backend_options={"kernels": "native"}))
     programs = engine.runner.executor.programs
     assert all(isinstance(p, StepPlanProgram) for p in programs.values())
     held = [v for p in programs.values() for v in p.constants]

@@ -52,7 +52,9 @@ def steps(seqs: list[Sequence], decodes: int):
 def run_backend(artifact, backend: str, decodes: int = 8) -> list[torch.Tensor]:
     """Logits of every step of `steps` (artifact: a path, or an Artifact already loaded)."""
     art = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
-    runner, blocks = ModelRunner(art, NUM_BLOCKS, BLOCK_SIZE, backend, "reference"), BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    options = {"kernels": "reference"} if backend == "torch" else {}
+    runner, blocks = ModelRunner.for_backend(art, NUM_BLOCKS, BLOCK_SIZE, backend, options), BlockManager(NUM_BLOCKS,
+                                                                                                        BLOCK_SIZE)
     assert runner.backend == backend and type(runner.executor).backend == backend
     g = torch.Generator().manual_seed(0)
     seqs = [Sequence(i, torch.randint(3, 300, (n,), generator=g).tolist(), SamplingParams(max_tokens=9))

@@ -127,11 +127,19 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-# generate, serve and bench take the same switches (profile the second)
+# generate, serve and bench take the same switches (profile the last two): the backend's options,
+# put into EngineConfig.backend_options only when given, so each backend keeps its own defaults
+KERNELS_OPTION = typer.Option(None, help="CPU kernels of the torch backend: native (built C++), reference (torch refs) "
+                              "or auto (default: native where they build)")
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
-STEP_PLANS_OPTION = typer.Option(True, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "
-                                 "graph whose ops all have one as one native call per step, not op by op")
+STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "
+                                 "graph whose ops all have one as one native call per step, not op by op (default)")
+
+
+def given_backend_options(**options: object) -> dict[str, object]:
+    """The backend options given on the command line (None: not given), for EngineConfig.backend_options."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def bench_cmd(
@@ -145,10 +153,10 @@ def bench_cmd(
     kv_memory: str = typer.Option("1GiB", help="KV cache memory for llmc"),
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
-    kernels: str = typer.Option("auto", help="llmc's CPU kernels: native, reference (torch refs) or auto"),
+    kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
-    step_plans: bool = STEP_PLANS_OPTION,
+    step_plans: Optional[bool] = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -162,9 +170,10 @@ def bench_cmd(
         raise RequestError("--baseline hf runs static batches and needs all requests at once; drop --request-rate")
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                                           max_batched_tokens=max_batched_tokens, kernels=kernels,
-                                           backend=backend, cuda_graphs=cuda_graphs, step_plans=step_plans))
+                                           max_batched_tokens=max_batched_tokens, backend=backend,
+                                           backend_options=options))
     requests = workload.requests(engine.artifact.config.vocab_size)
     if stale := stale_code(engine.artifact.manifest):
         typer.echo(f"note: {stale}", err=True)

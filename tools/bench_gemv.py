@@ -134,7 +134,7 @@ def resident_rows(artifact: str) -> list[str]:
 
     rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6  # noqa: E731
     before = rss()
-    engine = Engine(artifact, EngineConfig(kernels="native"))
+    engine = Engine(artifact, EngineConfig(backend_options={"kernels": "native"}))
     built = rss()
     profile_decode(engine, 4)
     storages = {}

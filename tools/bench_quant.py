@@ -50,7 +50,8 @@ def compiled(model: Optional[str], recipe: str, dtype: str, work_dir: Path) -> P
 
 
 def measure(artifact: Path, decode_tokens: int, workload: Workload, bandwidth: ReadBandwidth) -> dict:
-    engine = Engine(artifact, EngineConfig(kv_cache_bytes=2**30, kernels="native"))     # `llmc bench`'s defaults
+    engine = Engine(artifact, EngineConfig(kv_cache_bytes=2**30,                # `llmc bench`'s defaults
+                                           backend_options={"kernels": "native"}))
     decode, context = profile_decode(engine, decode_tokens, bandwidth=bandwidth)
     art = engine.artifact
     weight_bytes = sum(t.numel() * t.element_size() for t in art.weights.values())

@@ -27,7 +27,7 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import CUDA_GRAPHS_OPTION, STEP_PLANS_OPTION, bench_cmd
+from .bench import CUDA_GRAPHS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .kernels_cmd import kernels_cmd
@@ -131,19 +131,19 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="seed for sampling, for reproducible output"),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the model's chat template"),
     system: Optional[str] = typer.Option(None, help="system message (chat mode)"),
-    kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
+    kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
-    step_plans: bool = STEP_PLANS_OPTION,
+    step_plans: Optional[bool] = STEP_PLANS_OPTION,
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=cuda_graphs,
-                                           step_plans=step_plans))
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
+    engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -190,11 +190,11 @@ def serve(
     kv_memory: str = typer.Option("1GiB", help="KV cache memory, e.g. 512MiB or 2GiB"),
     max_waiting: int = typer.Option(256, help="most requests waiting to be scheduled; more get 429"),
     grace_period: float = typer.Option(30.0, help="seconds running requests get to finish after SIGTERM"),
-    kernels: str = typer.Option("auto", help="CPU kernels: native (built C++), reference (torch refs), or auto"),
+    kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
-    step_plans: bool = STEP_PLANS_OPTION,
+    step_plans: Optional[bool] = STEP_PLANS_OPTION,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -203,9 +203,9 @@ def serve(
 
     from .default_artifact import default_artifact
 
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, kernels=kernels, backend=backend,
-                          cuda_graphs=cuda_graphs, step_plans=step_plans)
+                          max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)

@@ -121,8 +121,10 @@ def check_dtype(args: argparse.Namespace, folder: Path, dtype: str, kernels: boo
     blocks = max(measure.blocks_for(len(prompts), longest),
                  measure.blocks_for(max(args.batches), args.context + args.decode_steps + 3)) + 4
     # the torch refs on both sides when torch stands in for triton: the comparisons then have a known answer
-    runner = lambda backend, graphs: ModelRunner(  # noqa: E731
-        artifact, blocks, measure.BLOCK_SIZE, backend, "reference", args.device, graphs, max(max(args.batches), 4))
+    runner = lambda backend, graphs: ModelRunner.for_backend(  # noqa: E731
+        artifact, blocks, measure.BLOCK_SIZE, backend,
+        {"cuda_graphs": graphs, **({"kernels": "reference"} if backend == "torch" else {})},
+        args.device, max(max(args.batches), 4))
     reference, candidate = runner("torch", False), runner(args.backend, None)
     out = {"graphs": candidate.cuda_graphs, "graph_error": candidate.graph_error,
            "capture": candidate.graph_report.__dict__ if candidate.graph_report else None}

@@ -46,9 +46,8 @@ from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_inputs import build_step_inputs
-from llmc.runtime.step_plan import StepPlanProgram
 
-from .bench import STEP_PLANS_OPTION
+from .bench import KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
 from .read_floor import ReadBandwidth
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
@@ -201,8 +200,7 @@ def _split(step: dict) -> str:
 def format_profile(r: dict) -> str:
     d, p = r["decode"], r["prefill"]
     return "\n".join([
-        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | step plans: "
-        f"{', '.join(r.get('step_plans', [])) or 'none (op by op)'}",
+        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | {r['graphs']}",
         f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s ({r['floor_kernel']} beside "
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
@@ -235,9 +233,9 @@ def profile_cmd(
     artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
     decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode profile"),
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
-    kernels: str = typer.Option("auto", help="CPU kernels: native, reference (torch refs) or auto"),
+    kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("torch", help="torch or triton (generated kernels: a GPU, or TRITON_INTERPRET=1)"),
-    step_plans: bool = STEP_PLANS_OPTION,
+    step_plans: Optional[bool] = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also time transformers' batch-1 decode and prefill"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     hf_compile: bool = typer.Option(True, "--hf-compile/--no-hf-compile", help="among the baseline's paths, also "
@@ -251,18 +249,17 @@ def profile_cmd(
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
     from .profile_hf import decode_prompt, hf_profile, served_decode
 
-    engine = Engine(artifact, EngineConfig(kernels=kernels, backend=backend, cuda_graphs=False,  # timed: eager
-                                           step_plans=step_plans))
+    options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False)   # timed: eager
+    engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
     if max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1)} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
+    capabilities = engine.runner.capabilities
     if stale := stale_code(engine.artifact.manifest):
         typer.echo(f"note: {stale}", err=True)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
-              "kernels": engine.kernels,
-              "step_plans": [entry for entry, program in engine.runner.executor.programs.items()
-                             if isinstance(program, StepPlanProgram)],
+              "kernels": engine.kernels, "step_plans": capabilities.plans(), "graphs": capabilities.describe_plans(),
               "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
     floor = ReadBandwidth()
