@@ -1,8 +1,8 @@
 """The executor registry (runtime/backends.py): backends chosen by name, their options validated by
 their own dataclasses and carried opaque through the engine, the KV bytes per block each tells the
 engine, the capabilities it reports, and a graph that falls back to op by op said once at INFO and
-shown by `llmc profile`. A third backend registered here runs through the engine and the CLI with
-no change to either."""
+shown by `llmc profile` and `llmc inspect`. A third backend registered here runs through the engine
+and the CLI with no change to either."""
 
 from __future__ import annotations
 
@@ -78,10 +78,9 @@ def llmc_log(caplog):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """variant -> llama_hd32 (whose shapes every plan kernel takes) compiled so: 'plain', 'kv8' (an
-    int8 cache) or 'unfused' (silu and mul apart: a split the step plan has no kernel for)."""
-    variants = {"plain": {}, "kv8": dict(quant=QuantRecipe.parse(kv_dtype="int8")),
-                "unfused": dict(disabled_passes=("fuse_silu_mul",))}
+    """variant -> llama_hd32 (whose shapes every plan kernel takes) compiled so: 'plain' or 'kv8' (an
+    int8 cache)."""
+    variants = {"plain": {}, "kv8": dict(quant=QuantRecipe.parse(kv_dtype="int8"))}
     root = tmp_path_factory.mktemp("backends")
     folder = write_hf_folder(build_hf_model("llama_hd32"), root / "hf")
     cache = {}
@@ -190,24 +189,63 @@ def test_the_cli_selects_a_registered_backend_by_name(compiled, fake_backend):
 
 # -------------------------------------------------------------------------- visible fallback
 
+@pytest.fixture
+def decode_declined(monkeypatch):
+    """The step plan declines the decode graph (as it declines any graph it cannot take), and only it."""
+    from llmc.runtime import torch_executor
+    from llmc.runtime.step_plan import NotPlannable
+
+    lower = torch_executor.lower_step_plan
+
+    def declining(graph, *args, **kwargs):
+        if graph.name == "decode":
+            raise NotPlannable("9 (gelu) has no plan kernel")
+        return lower(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch_executor, "lower_step_plan", declining)
+
+
 def test_a_graph_that_cannot_be_a_plan_is_said_once_at_info_and_kept(compiled, llmc_log):
-    engine = Engine(compiled("unfused"), EngineConfig(backend_options={"kernels": "native"}))
+    """Blocks of 32 tokens: the plan's attention takes blocks of 16, so both graphs run op by op."""
+    config = EngineConfig(block_size=32, backend_options={"kernels": "native"})
+    engine = Engine(compiled("plain"), config)
     said = [r for r in llmc_log.records if "runs op by op" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO, logging.INFO]
     for record, entry in zip(said, ("prefill", "decode")):
         assert record.getMessage().startswith(f"graph {entry} runs op by op, not as one step plan: ")
-        assert record.getMessage().endswith("(split) has no plan kernel")
+        assert "blocks of 16" in record.getMessage()
     capabilities = engine.runner.capabilities
-    assert capabilities.plans() == [] and all("(split) has no plan kernel" in g.why for g in capabilities.graphs)
+    assert capabilities.plans() == [] and all("blocks of 16" in g.why for g in capabilities.graphs)
     assert "op by op (" in capabilities.describe_plans()
-    assert greedy(engine) == greedy(Engine(compiled("unfused"), EngineConfig(backend_options={"kernels": "reference"})))
+    reference = EngineConfig(block_size=32, backend_options={"kernels": "reference"})
+    assert greedy(engine) == greedy(Engine(compiled("plain"), reference))
 
 
-def test_profile_prints_which_graphs_run_op_by_op_and_why(compiled):
-    from test_bad_inputs import run_llmc
+def test_profile_prints_which_graphs_run_op_by_op_and_why(compiled, decode_declined):
+    from typer.testing import CliRunner
 
-    proc = run_llmc("profile", compiled("unfused"), "--decode-tokens", 2, "--prompt-len", 16, "--kernels", "native")
-    assert proc.returncode == 0, proc.stderr
-    head = proc.stdout.splitlines()[0]
-    assert "native kernels | step plans: " in head and "op by op (" in head and "(split) has no plan kernel" in head
-    assert proc.stderr.count("graph decode runs op by op") == 1
+    from llmc.tools.cli import app
+
+    result = CliRunner().invoke(app, ["profile", str(compiled("plain")), "--decode-tokens", "2", "--prompt-len", "16",
+                                      "--kernels", "native"])
+    assert result.exit_code == 0, result.output
+    head = result.stdout.splitlines()[0]
+    assert head.endswith("native kernels | step plans: prefill yes, decode op by op (9 (gelu) has no plan kernel)")
+    assert result.stderr.count("graph decode runs op by op") == 1 and "graph prefill" not in result.stderr
+
+
+def test_inspect_says_how_the_torch_backend_runs_each_graph(compiled, monkeypatch, tmp_path):
+    from llmc.tools import inspect
+
+    line = "torch      on this CPU, native kernels: step plans: prefill yes, decode yes"
+    assert line in inspect.artifact_summary(compiled("plain")).splitlines()
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))                   # nothing built there
+    monkeypatch.setattr(inspect, "native_kernels_loaded", lambda: False)
+    assert "step plans unknown (native kernels not built" in inspect.artifact_summary(compiled("plain"))
+
+
+def test_inspect_says_why_a_graph_runs_op_by_op(compiled, decode_declined):
+    from llmc.tools import inspect
+
+    line = "torch      on this CPU, native kernels: step plans: prefill yes, decode op by op (9 (gelu) has no plan "
+    assert line + "kernel)" in inspect.artifact_summary(compiled("plain")).splitlines()

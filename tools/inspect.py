@@ -1,4 +1,5 @@
-"""`llmc inspect`: verify an artifact and summarise what is in it."""
+"""`llmc inspect`: verify an artifact and summarise what is in it, and how the torch backend would
+run its graphs on this CPU (as one step plan each, or op by op and why)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 from llmc.compiler.ir import Graph
-from llmc.runtime.artifact import REPORT_FILE, verify_artifact
+from llmc.kernels.native import EXTENSION_NAME, NativeBuildError, cache_dir, load_native_kernels, native_kernels_loaded
+from llmc.runtime.artifact import REPORT_FILE, load_artifact, verify_artifact
 
 ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i8": 1, "u8": 1, "u4x2": 1, "bool": 1}
 
@@ -44,11 +46,34 @@ def artifact_summary(path: str | Path) -> str:
         body = sum(v for k, v in ops.items() if k not in ("input", "weight"))
         lines.append(f"graph      {entry}: {body} ops, {ops.get('weight', 0)} weights, inputs "
                      + ", ".join(f"{n.name}:{n.type}" for n in graph.inputs()))
+    lines.append(f"torch      on this CPU, native kernels: {torch_plans(path)}")
     report = json.loads((path / REPORT_FILE).read_text())
     lines += quant_lines(compile_info.get("quant"), graphs, report)
     for name, entry in manifest["files"].items():
         lines.append(f"file       {name:<24} {human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
     return "\n".join(lines)
+
+
+def torch_plans(path: Path) -> str:
+    """What the torch backend would run each graph as here ('step plans: prefill yes, decode yes', or
+    a graph op by op and why). Only building its executor knows (a plan takes the weights as the
+    native kernels lay them out), so this builds one, on a cache of one block, where the native
+    kernels are built already; elsewhere it says it does not know rather than spend a build."""
+    if not (native_kernels_loaded() or any(cache_dir().glob(f"{EXTENSION_NAME}*.so"))):
+        return "step plans unknown (native kernels not built; `llmc generate` builds them once)"
+    try:
+        load_native_kernels()
+    except NativeBuildError:
+        return "step plans unknown (native kernels do not load here)"
+    from llmc.runtime.backends import choose_backend
+    from llmc.runtime.engine import EngineConfig
+    from llmc.runtime.executor import KVCacheSpec
+
+    artifact = load_artifact(path)
+    backend = choose_backend("torch", artifact, "cpu", {"kernels": "native", "cuda_graphs": False})
+    cache = KVCacheSpec.from_graph_type(artifact.graphs["prefill"].node_map()["kv_cache"].type, 1,
+                                        EngineConfig().block_size)
+    return backend.build(artifact, cache).capabilities().describe_plans()
 
 
 def weight_bytes_by_format(graphs: dict[str, Graph]) -> dict[str, tuple[int, int]]:
