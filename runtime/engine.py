@@ -107,6 +107,7 @@ class Engine:
         self.kernels = self.runner.capabilities.kernels     # what computes the ops, for reports
         self.eos_ids = self.artifact.config.eos_token_ids
         self.requests: dict[int, Request] = {}
+        self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
         self.num_steps = 0
         self._ids = itertools.count()
 
@@ -150,13 +151,14 @@ class Engine:
         assert rid not in self.requests, f"request id {rid} is already in use"
         seq = Sequence(rid, prompt_ids, params, priority, arrival_time=time.perf_counter())
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        self.requests[seq.seq_id] = Request(seq, detok, make_generator(params))
+        self.requests[seq.seq_id] = Request(seq, detok)
+        self.generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
         return seq.seq_id
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now and free its KV blocks; None if it already ended."""
-        req = self.requests.pop(request_id, None)
+        req = self._remove(request_id)
         if req is None:
             return None
         self.scheduler.finish(req.seq)
@@ -167,9 +169,14 @@ class Engine:
         return [self._fail(rid, error) for rid in list(self.requests)]
 
     def _fail(self, request_id: int, error: str) -> RequestOutput:
-        req = self.requests.pop(request_id)
+        req = self._remove(request_id)
         self.scheduler.finish(req.seq)
         return req.fail(time.perf_counter(), error)
+
+    def _remove(self, request_id: int) -> Request | None:
+        """Forget a request that ended (and its sampling stream); None if it already had."""
+        self.generators.pop(request_id, None)
+        return self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -190,7 +197,8 @@ class Engine:
         try:
             logits = self._forward(scheduled)
             results = sample(logits[[i for i, _ in sampling]], [r.seq.params for r in reqs],
-                             [r.generator for r in reqs], [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
+                             [self.generators[r.seq.seq_id] for r in reqs],
+                             [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
         except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
             log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
             reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
@@ -204,7 +212,7 @@ class Engine:
             out = req.add_token(result, self.eos_ids, now)
             if out.finished:
                 self.scheduler.finish(req.seq)
-                del self.requests[req.seq.seq_id]
+                self._remove(req.seq.seq_id)
             outputs.append(out)
         return outputs
 

@@ -1,19 +1,22 @@
-"""Engine-side state of one request: its sequence, sampler stream, text and metrics.
+"""Engine-side state of one request: its sequence, text and metrics.
 
 Text is detokenized incrementally. Stop strings are searched in the text generated so far;
 the output ends just before the first match, which is never emitted. While a request runs,
 its last `longest stop string - 1` characters are held back, since they might begin one.
+Pure Python (DESIGN 6): the request's random stream for sampling, a torch.Generator, is the
+engine's, beside the sampler that draws from it; sampled tokens arrive here as SampleResults.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from .sampler import SampleResult
 from .sequence import Sequence
-from .tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:        # types only: importing them would import torch (sampler) and the tokenizers
+    from .sampler import SampleResult
+    from .tokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,9 @@ class Completion:
 
 
 class Request:
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, generator: torch.Generator | None):
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
         self.seq = seq
         self.detok = detok
-        self.generator = generator
         self.text = ""          # output text so far (cut at a stop string)
         self.emitted = 0        # characters of `text` already returned
         self._hold = max((len(s) for s in seq.params.stop), default=1) - 1
