@@ -11,6 +11,8 @@
                            per decoder layer, seconds per compile stage
     kernels/<name>.py      (cuda target only) the generated Triton kernel modules, one per distinct
                            kernel, each listing the IR lines of the units it serves
+    kernels/cpu/generated.cpp  the generated C++ of every elementwise and row-wise CPU unit
+                           (compiler/codegen/cpu_lowering.py), one function per distinct kernel
 
 The folder is closed: the manifest lists exactly the files present (sub-folders walked, paths
 with `/`), each entry being `{"bytes": int, "sha256": 64 hex digits}`. `verify_files` refuses a
@@ -38,6 +40,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 REPORT_FILE = "report.json"
 KERNELS_DIR = "kernels"            # cuda target: the generated Triton kernel modules, kernels/<name>.py
+CPU_KERNELS_FILE = "kernels/cpu/generated.cpp"     # every target: the generated C++ CPU kernels
 REQUIRED_FILES = (*ENTRY_FILES.values(), WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, REPORT_FILE)
 MANIFEST_SECTIONS = {"model": dict, "source": dict, "compile": dict, "versions": dict, "backends": list,
                      "files": dict}
