@@ -27,9 +27,9 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel
 
-from .artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST, REPORT_FILE,
-                              TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError, check_file_list,
-                              file_entries, is_artifact_manifest)
+from .artifact_format import (CPU_KERNELS_FILE, ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,
+                              REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError,
+                              check_file_list, file_entries, is_artifact_manifest)
 
 
 def package_version(name: str) -> str | None:
@@ -117,18 +117,20 @@ def _replace(out: Path, staging: Path) -> None:
 
 def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph],
                    compile_info: dict[str, Any], report: dict[str, Any],
-                   weights: dict[str, torch.Tensor] | None = None, kernels: dict[str, str] | None = None) -> Path:
+                   weights: dict[str, torch.Tensor] | None = None, kernels: dict[str, str] | None = None,
+                   cpu_kernels: str | None = None) -> Path:
     """Write graphs, weights, tokenizer, report and a manifest hashing them all.
 
     `weights` (default: the model's) holds every tensor the graphs name, including those that
     fold_weights computed. `kernels` (cuda target) maps kernel module names to their generated
-    source, written as kernels/<name>.py; the artifact then lists the triton backend too."""
+    source, written as kernels/<name>.py; the artifact then lists the triton backend too.
+    `cpu_kernels` (every target) is the generated C++ of the CPU units, kernels/cpu/generated.cpp."""
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(out, "partial")
     staging.mkdir()
     try:
-        _write_files(staging, model, graphs, compile_info, report, weights, kernels)
+        _write_files(staging, model, graphs, compile_info, report, weights, kernels, cpu_kernels)
         check_target(out)          # again: the folder may have changed during the compile
         _replace(out, staging)
     except BaseException:
@@ -139,11 +141,14 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph],
 
 def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
                  compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None,
-                 kernels: dict[str, str] | None) -> None:
+                 kernels: dict[str, str] | None, cpu_kernels: str | None) -> None:
     if kernels:
         (staging / KERNELS_DIR).mkdir()
         for name, source in kernels.items():
             (staging / KERNELS_DIR / f"{name}.py").write_text(source)
+    if cpu_kernels is not None:
+        (staging / CPU_KERNELS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (staging / CPU_KERNELS_FILE).write_text(cpu_kernels)
     for entry, graph in graphs.items():
         (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
     save_file(graph_weights(graphs, model.weights if weights is None else weights),

@@ -31,12 +31,13 @@ from llmc.passes.rewrite import PassContext
 from .artifact import check_target, write_artifact
 from .quant_recipe import QuantRecipe
 from .codegen import Lowering, lower
+from .codegen.cpu_lowering import CpuLowering, lower_cpu
 
 Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
 Assess = Callable[[LoadedModel, dict[str, Graph], dict], dict]
 STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
           "generating kernels", "writing artifact"]
-TARGETS = ("cpu", "cuda")      # cpu: IR for the torch backend; cuda: also the Triton kernels of every unit
+TARGETS = ("cpu", "cuda")      # cpu: IR and the C++ CPU kernels for the torch backend; cuda: also the Triton kernels
 
 
 @dataclass(frozen=True)
@@ -160,18 +161,22 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
         return None
     stage("generating kernels")
     kernels = _generate_kernels(graphs, seconds) if config.target == "cuda" else None
+    cpu_kernels = _generate_cpu_kernels(graphs, seconds)
     stage("writing artifact")
     report = _report(graphs, records, model.config.num_layers, seconds) | pass_records
     if assess is not None:
         report["quality"] = assess(model, graphs, weights)
     if kernels is not None:
         report["kernels"] = {"modules": len(kernels.modules), "units": {e: len(p) for e, p in kernels.plan.items()}}
+    report["cpu_kernels"] = {"functions": len(cpu_kernels.functions),
+                             "units": {e: len(p) for e, p in cpu_kernels.plan.items()},
+                             "generated_units": {e: sum(f is not None for f in p) for e, p in cpu_kernels.plan.items()}}
     compile_info = {"dtype": config.dtype, "target": config.target,
                     "passes": [r.name for r in records if r.graph == "prefill"],
                     "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after,
                     "quant": config.quant.to_dict()}
     return write_artifact(Path(out), model, graphs, compile_info, report, weights,
-                          kernels.modules if kernels is not None else None)
+                          kernels.modules if kernels is not None else None, cpu_kernels.source())
 
 
 def _generate_kernels(graphs: dict[str, Graph], seconds: dict[str, float]) -> Lowering:
@@ -179,4 +184,12 @@ def _generate_kernels(graphs: dict[str, Graph], seconds: dict[str, float]) -> Lo
     start = time.perf_counter()
     lowering = lower(graphs)
     seconds["codegen"] = time.perf_counter() - start
+    return lowering
+
+
+def _generate_cpu_kernels(graphs: dict[str, Graph], seconds: dict[str, float]) -> CpuLowering:
+    """Every generated CPU unit of both graphs as C++ (CodegenError names one it cannot write)."""
+    start = time.perf_counter()
+    lowering = lower_cpu(graphs)
+    seconds["cpu_codegen"] = time.perf_counter() - start
     return lowering

@@ -36,7 +36,8 @@ def manifest(artifact: Path) -> dict:
 def test_the_manifest_lists_exactly_the_files_written(tiny_family):
     artifact = tiny_family(FAMILY)[2]
     assert manifest(artifact)["files"] == file_entries(artifact)
-    assert sorted(manifest(artifact)["files"]) == sorted(p.name for p in artifact.iterdir() if p.name != "manifest.json")
+    written = (p.relative_to(artifact).as_posix() for p in artifact.rglob("*") if p.is_file())
+    assert sorted(manifest(artifact)["files"]) == sorted(name for name in written if name != "manifest.json")
 
 
 def test_the_writer_does_not_import_the_runtime():

@@ -197,7 +197,8 @@ ARTIFACT_EDITS = {
     "unlisted_edited_ir": _unlisted_edited_ir,
     "no_file_list": _no_file_list,
     "extra_file": lambda a: (a / "notes.txt").write_text("mine\n"),
-    "extra_file_in_a_folder": lambda a: ((a / "kernels").mkdir(), (a / "kernels" / "k.py").write_text("x = 1\n")),
+    "extra_file_in_a_folder": lambda a: ((a / "kernels").mkdir(exist_ok=True),     # every artifact has kernels/cpu/
+                                         (a / "kernels" / "k.py").write_text("x = 1\n")),
     "missing_file": lambda a: (a / "report.json").unlink(),
     "malformed_entry": lambda a: _edit_files(a, lambda files: files["decode.ir"].update(bytes="12")),
     "entry_outside": lambda a: _edit_files(a, lambda files: files.update({"../x": files["report.json"]})),
