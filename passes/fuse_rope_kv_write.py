@@ -13,6 +13,7 @@ Requires: insert_paged_attention. Preserves: numerics exactly.
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph, Node, Value
+from llmc.compiler.ops import operands_of
 
 from .rewrite import PassContext, RewriteState, rewrite
 
@@ -44,7 +45,8 @@ def _packed_qkv(q: Value, k: Value, v: Value, state: RewriteState) -> Value | No
 def fuse_rope_into_kv_write(node: Node, state: RewriteState):
     if node.op != "kv_write":
         return None
-    cache, k, v, slots = node.inputs
+    x = operands_of(node)
+    cache, k, v, slots = x.kv_cache, x.k, x.v, x.slot_mapping
     k_rope = state.producer(k)
     if k_rope.op != "rope" or state.num_users(k) != 1:
         return None  # no rope, or the roped k is read elsewhere too

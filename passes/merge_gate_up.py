@@ -10,14 +10,16 @@ Requires: canonicalize. Preserves: numerics up to the GEMM's accumulation order.
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph, Node
+from llmc.compiler.ops import operands_of
 
 from .merge_linears import merge_linears, mergeable
 from .rewrite import PassContext
 
 
 def _gate_and_up(node: Node, nodes: dict[str, Node]) -> tuple[Node, Node] | None:
-    if node.op == "silu_mul" and len(node.inputs) == 2:
-        return nodes[node.inputs[0].node], nodes[node.inputs[1].node]
+    if node.op == "silu_mul" and "gate" in operands_of(node):
+        x = operands_of(node)
+        return nodes[x.gate.node], nodes[x.up.node]
     if node.op != "mul":
         return None
     a, b = (nodes[v.node] for v in node.inputs)

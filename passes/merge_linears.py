@@ -10,6 +10,7 @@ The concats read only weights: fold_weights turns them into new stored weights.
 from __future__ import annotations
 
 from llmc.compiler.ir import Graph, Node
+from llmc.compiler.ops import operands_of
 
 from .rewrite import PassContext, RewriteState, rewrite
 
@@ -18,16 +19,18 @@ def mergeable(nodes: list[Node], graph_nodes: dict[str, Node]) -> bool:
     """Linear nodes over one input, with weights (and biases, all or none) that are weight nodes."""
     if len({n.name for n in nodes}) != len(nodes) or any(n.op != "linear" for n in nodes):
         return False
-    if len({n.inputs[0] for n in nodes}) != 1 or len({len(n.inputs) for n in nodes}) != 1:
+    named = [operands_of(n) for n in nodes]
+    if len({x.x for x in named}) != 1 or len({"bias" in x for x in named}) != 1:
         return False
-    params = [v for n in nodes for v in n.inputs[1:]]
+    params = [v for x in named for v in (x.weight, *([x.bias] if "bias" in x else []))]
     return all(graph_nodes[v.node].op == "weight" and v.index == 0 for v in params)
 
 
 def _emit_merged(state: RewriteState, members: list[Node]):
-    x = state.get(members[0].inputs[0])
-    params = [state.emit("concat", [state.get(m.inputs[i]) for m in members], dim=0).value()
-              for i in range(1, len(members[0].inputs))]
+    named = [operands_of(m) for m in members]
+    x = state.get(named[0].x)
+    params = [state.emit("concat", [state.get(n[part]) for n in named], dim=0).value()
+              for part in ("weight", "bias") if part in named[0]]
     merged = state.emit("linear", [x, *params])
     return state.emit("split", [merged.value()], sizes=[m.type.shape[1] for m in members])
 

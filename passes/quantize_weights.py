@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from llmc.compiler.dtypes import FLOAT_DTYPES
 from llmc.compiler.ir import Graph, Node, Value
+from llmc.compiler.ops import operands_of
 from llmc.compiler.quant_format import INT4_BLOCK, QuantizedWeight, quantize_int4, quantize_int8, weight_format
 from llmc.compiler.quant_recipe import QuantRecipe
 
@@ -91,7 +92,7 @@ def _float_weight(value: Value, state: RewriteState) -> tuple[str, int, int] | N
 def _embedding_weights(graph: Graph) -> set[str]:
     """Weights an `embedding` reads (the LM head reads the same one when embeddings are tied)."""
     nodes = graph.node_map()
-    return {nodes[n.inputs[0].node].name[2:] for n in graph.nodes if n.op == "embedding"}
+    return {nodes[operands_of(n).table.node].name[2:] for n in graph.nodes if n.op == "embedding"}
 
 
 def _make_rule(recipe: QuantRecipe, ctx: PassContext, embeddings: set[str]):
@@ -100,7 +101,8 @@ def _make_rule(recipe: QuantRecipe, ctx: PassContext, embeddings: set[str]):
     def quantize_weight(node: Node, state: RewriteState):
         if node.op not in ("linear", "embedding"):
             return None
-        found = _float_weight(node.inputs[1 if node.op == "linear" else 0], state)
+        x = operands_of(node)
+        found = _float_weight(x.weight if node.op == "linear" else x.table, state)
         if found is None:
             return None
         name, n, k = found
@@ -108,9 +110,9 @@ def _make_rule(recipe: QuantRecipe, ctx: PassContext, embeddings: set[str]):
             return None
         weight, attrs = _declare(name, n, k, recipe, state, ctx, formats)
         if node.op == "embedding":
-            return (state.emit("qembedding", [*weight, state.get(node.inputs[1])],
+            return (state.emit("qembedding", [*weight, state.get(x.ids)],
                                dtype=node.type.dtype, **attrs).value(),)
-        inputs = [state.get(node.inputs[0]), *weight, *[state.get(v) for v in node.inputs[2:]]]
+        inputs = [state.get(x.x), *weight, *([state.get(x.bias)] if "bias" in x else [])]
         return (state.emit("qlinear", inputs, **attrs).value(),)
 
     return quantize_weight

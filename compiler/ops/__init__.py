@@ -8,7 +8,7 @@ Token tensors are flattened: hidden states are `[T, hidden]`, attention heads ar
 from .checks import FLOAT_DTYPES, INDEX_DTYPES
 from .record import BACKENDS, OP_KINDS, Declined, Lowered, Operand, Operands, OpRecord, bind, operands
 from .registry import OPS, registered
-from .verify import infer_types, verify
+from .verify import infer_types, operands_of, verify
 
 __all__ = ["BACKENDS", "FLOAT_DTYPES", "INDEX_DTYPES", "OPS", "OP_KINDS", "Declined", "Lowered", "Operand",
-           "Operands", "OpRecord", "bind", "infer_types", "operands", "registered", "verify"]
+           "Operands", "OpRecord", "bind", "infer_types", "operands", "operands_of", "registered", "verify"]

@@ -4,7 +4,7 @@ unique, values defined before use, results as declared). Errors quote the node a
 from __future__ import annotations
 
 from ..ir import Graph, IRError, Node, TensorType, format_node
-from .record import bind
+from .record import Operands, bind
 from .registry import OPS
 
 
@@ -17,6 +17,11 @@ def infer_types(op: str, input_types: list[TensorType], attrs: dict) -> tuple[Te
     if missing:
         raise IRError(f"{op} is missing attribute(s) {missing}")
     return record.infer(bind(record, input_types, attrs), attrs)
+
+
+def operands_of(node: Node) -> Operands:
+    """A node's input values by operand name (its op's record decides them)."""
+    return bind(OPS[node.op], node.inputs, node.attrs)
 
 
 def _verify_node(node: Node, types: dict) -> None:
