@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from llmc.compiler.dtypes import USER_DTYPES
+from llmc.compiler.dtypes import dtype_info
 
 from .artifact import Artifact, load_artifact
 from .backends import check_backend_name, check_backend_options, choose_backend
@@ -81,7 +81,7 @@ class EngineStats:
 def kv_cache_dtype(artifact: Artifact) -> str:
     """The KV cache element type of the compiled graphs, as a user dtype name."""
     ir_dtype = artifact.graphs["prefill"].node_map()["kv_cache"].type.dtype
-    return {ir: user for user, ir in USER_DTYPES.items()}.get(ir_dtype, "int8" if ir_dtype == "i8" else ir_dtype)
+    return dtype_info(ir_dtype).user_name or ir_dtype
 
 
 class Engine:

@@ -8,11 +8,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from llmc.compiler.dtypes import dtype_info
 from llmc.compiler.ir import Graph
+from llmc.compiler.quant_format import weight_format
 from llmc.kernels.native import EXTENSION_NAME, NativeBuildError, cache_dir, load_native_kernels, native_kernels_loaded
 from llmc.runtime.artifact import REPORT_FILE, load_artifact, verify_artifact
-
-ELEMENT_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i64": 8, "i32": 4, "i8": 1, "u8": 1, "u4x2": 1, "bool": 1}
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
@@ -87,14 +87,15 @@ def weight_bytes_by_format(graphs: dict[str, Graph]) -> dict[str, tuple[int, int
                 codes = nodes[node.inputs[1 if node.op == "qlinear" else 0].node].type
                 per_channel = node.attrs["bits"] == 8 and node.attrs["group_size"] == codes.shape[1]
                 fmt = "int8-channel" if per_channel else f"int{node.attrs['bits']}-g{node.attrs['group_size']}"
+                parts = weight_format(node.attrs["bits"]).parts          # codes, scales[, mins]: not a bias
                 for v in node.inputs:
-                    if nodes[v.node].op == "weight" and nodes[v.node].type.dtype in ("i8", "u4x2", "f16"):
+                    if nodes[v.node].op == "weight" and v.node.rsplit(".", 1)[-1] in parts:
                         formats.setdefault(v.node, fmt)
         for node in graph.weights():
             n = 1
             for d in node.type.shape:
                 n *= d
-            sizes[node.name] = n * ELEMENT_BYTES[node.type.dtype]
+            sizes[node.name] = n * dtype_info(node.type.dtype).element_size
             formats.setdefault(node.name, node.type.dtype)
     out: dict[str, tuple[int, int]] = {}
     for name, fmt in formats.items():
