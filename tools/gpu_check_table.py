@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from llmc.compiler.dtypes import USER_DTYPES, to_torch
+
 RELATIVE_TOLERANCE = 4           # max |logit difference| allowed, in units of eps(dtype) x max |logit|
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {user: to_torch(ir) for user, ir in USER_DTYPES.items()}          # float32, bfloat16, float16
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
