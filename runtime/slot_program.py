@@ -17,6 +17,8 @@ import torch
 
 from llmc.compiler.ir import Graph, Value
 
+from .liveness import dying_after
+
 Launch = Callable[[list[torch.Tensor], dict[str, Any]], "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
@@ -74,24 +76,19 @@ class SlotProgram:
         self._constants = {slot[n.value()]: weights[n.name[2:]] for n in graph.weights()}
         self._input_slots = {n.name: slot[n.value()] for n in graph.inputs()}
         self._outputs = [slot[v] for v in graph.outputs]
-        self._steps = self._plan(launches, keep={slot[v] for v in graph.outputs} | set(self._constants))
+        self._steps = self._plan(launches, keep={*graph.outputs, *(n.value() for n in graph.weights())})
 
     @property
     def constants(self) -> list:
         """What the program holds: its weights, as the launches take them."""
         return list(self._constants.values())
 
-    def _plan(self, launches: list[LaunchSpec], keep: set[int]) -> list[_Step]:
-        slot, last_use = self._slots, {}
-        for i, spec in enumerate(launches):
-            for v in (*spec.writes, *spec.reads):     # unread results die where they are made
-                last_use[slot[v]] = i
-        steps = []
-        for i, spec in enumerate(launches):
-            reads, outs = tuple(slot[v] for v in spec.reads), tuple(slot[v] for v in spec.writes)
-            dying = tuple(s for s in sorted(set(reads) | set(outs)) if last_use.get(s) == i and s not in keep)
-            steps.append(_Step(spec.fn, spec.attrs, spec.label, spec.kind, reads, outs, dying))
-        return steps
+    def _plan(self, launches: list[LaunchSpec], keep: set[Value]) -> list[_Step]:
+        slot = self._slots
+        dying = dying_after([(spec.reads, spec.writes) for spec in launches], keep)   # liveness.py
+        return [_Step(spec.fn, spec.attrs, spec.label, spec.kind, tuple(slot[v] for v in spec.reads),
+                      tuple(slot[v] for v in spec.writes), tuple(slot[v] for v in dead))
+                for spec, dead in zip(launches, dying, strict=True)]
 
     def _run(self, feeds: dict[str, torch.Tensor], free: bool,
              timings: list[LaunchTime] | None = None, sync: Callable[[], None] = lambda: None) -> list[Any]:
