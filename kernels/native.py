@@ -6,6 +6,11 @@ They are built with torch's C++ extension builder (`-O3 -march=native`, so the 1
 `$LLMC_CACHE_DIR/kernels` (default `~/.cache/llmc/kernels`), one folder per torch version and CPU
 type; a later process reuses the build unless a source changed. Building takes ~30 s once per machine and needs a C++ compiler. Each
 launcher in kernels/*.py states its kernel's contract; the torch `_ref` beside it is the meaning.
+
+The step plan's `step_plan_isa.h` is not a source file: it is rendered from kernels/step_plan_isa.py
+into the build folder before every build (rewritten only when its text changes, so the build's
+header tracking rebuilds what includes it), and a loaded build whose description hash differs from
+this checkout's is refused with NativeBuildError.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from .step_plan_isa import STEP_PLAN_ISA
+from .step_plan_isa_header import HEADER_NAME, render_header
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 EXTENSION_NAME = "llmc_cpu_kernels"
@@ -64,6 +72,29 @@ def clear_stale_lock(build: Path, older_than: float = STALE_LOCK_SECONDS) -> Non
         pass
 
 
+def write_isa_header(build: Path) -> Path:
+    """The step plan's generated header in `build`, for this checkout's description; left untouched
+    (its time too) when it already says the same."""
+    path, text = build / HEADER_NAME, render_header()
+    if not path.exists() or path.read_text() != text:
+        partial = build / f"{HEADER_NAME}.{os.getpid()}.partial"
+        partial.write_text(text)
+        partial.replace(path)          # whole or not at all, should another process be building
+    return path
+
+
+def check_isa_hash(built: str, build: Path, described: str = STEP_PLAN_ISA.hash()) -> None:
+    """NativeBuildError unless the loaded kernels' step plan follows this checkout's description."""
+    if built != described:
+        raise NativeBuildError(f"the native kernels in {build} were built for step-plan instruction set {built}, "
+                               f"not this checkout's {described}; delete that folder to build them again")
+
+
+def loaded_isa_hash() -> str:
+    """The description hash the loaded step plan was built from ("none" for a build older than it)."""
+    return torch.ops.llmc.step_plan_isa_hash() if hasattr(torch.ops.llmc, "step_plan_isa_hash") else "none"
+
+
 def native_kernels_loaded() -> bool:
     return hasattr(torch.ops.llmc, "paged_attention")
 
@@ -77,6 +108,7 @@ def load_native_kernels() -> None:
     build = cache_dir()
     build.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build)
+    write_isa_header(build)
     if not any(build.glob(f"{EXTENSION_NAME}*.so")):
         logging.getLogger("llmc").info("building the native CPU kernels into %s (once per machine, about 30 s)", build)
     builder_log = logging.getLogger("torch.utils.cpp_extension")
@@ -84,7 +116,8 @@ def load_native_kernels() -> None:
     builder_log.setLevel(logging.ERROR)        # its compiler-ABI banner is noise next to our sentence
     try:
         load(name=EXTENSION_NAME, sources=[str(p) for p in sorted(SOURCE_DIR.glob("*.cpp"))],
-             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(SOURCE_DIR)], build_directory=str(build),
+             extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(SOURCE_DIR), str(build)],
+             build_directory=str(build),
              is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError):
         compiler = os.environ.get("CXX", "c++")
@@ -92,3 +125,4 @@ def load_native_kernels() -> None:
                                f"{build}; install g++, or run with --kernels reference") from None
     finally:
         builder_log.setLevel(level)
+    check_isa_hash(loaded_isa_hash(), build)

@@ -17,6 +17,20 @@ table's bit for bit; the torch refs are the meaning (tests compare both).
 
 The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
 gives each instruction's time as measured inside the parallel region.
+
+Instructions: kernels/step_plan_isa.py describes them; a lowering names every arg of its
+instruction (`encode("linear", out=..., x=..., ...)`), and the C++ side reads them by the same
+names. A generated kernel (an elementwise or row-wise fusion unit compiled to C++) runs as
+instruction `generated` through `lower_generated`; its ABI, a C function in a shared library:
+
+    extern "C" void NAME(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last);
+
+ptrs[i] is the first row of the unit's i-th value (its inputs in unit order, then its outputs),
+row r of value i at `(T*)ptrs[i] + r * strides[i]` (strides in elements: an activation's width, a
+2-D constant's row stride, 0 for a 1-D constant such as a norm weight, 1 for a 1-D graph input);
+it computes rows [first, last) of every output (the team splits its first output's rows), its
+widths, dtypes and attributes baked in; it never fails or allocates, and runs concurrently on
+disjoint row ranges.
 """
 
 from __future__ import annotations
@@ -31,13 +45,12 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS
 from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.rope import RopeTables
+from llmc.kernels.step_plan_isa import Encoded, encode
 
+from .liveness import dying_after
 from .slot_program import LaunchTime
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
-OPCODES = {"embedding": 0, "rmsnorm": 1, "add_rmsnorm": 2, "linear": 3, "rope_kv_write": 4,
-           "paged_decode_attention": 5, "silu_mul": 6, "qlinear": 7, "paged_attention": 8,
-           "index_select": 9}                                    # kernels/cpu/step_plan.cpp's Op
 
 
 class NotPlannable(ValueError):
@@ -56,7 +69,8 @@ class StepPlanProgram:
     """`graph` as one native step plan; call with the step's input tensors by name."""
 
     def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: list[RopeTables],
-                 positions: str, gathered: str, launches: list[PlanLaunch], constants: list[Any]):
+                 positions: str, gathered: str, launches: list[PlanLaunch], constants: list[Any],
+                 keepalive: tuple = ()):
         self.graph = graph
         self.input_names = input_names
         self._gathered = gathered               # the input whose rows per-sequence values have
@@ -66,6 +80,7 @@ class StepPlanProgram:
         self._positions = positions             # the input they rotate by
         self._launches = launches
         self.constants = constants              # what the plan holds (weights as prepared), for memory reports
+        self.keepalive = keepalive              # the libraries of its generated kernels, kept mapped
 
     def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int, int]:
         """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and the
@@ -103,7 +118,10 @@ class _Lowering:
         self.rope: dict[tuple, tuple[RopeTables, int, int]] = {}   # each rotation's tables, plan ids of cos, sin
         self.positions = ""
         self.gathered = graph.inputs()[0].name                          # index_select's indices, if any
-        self.last_use = {v: i for i, n in enumerate(graph.nodes) for v in n.inputs}
+        self.keepalive: list[Any] = []                                 # generated kernels' libraries
+        launched = [n for n in graph.nodes if n.op not in ("input", "weight")]
+        dying = dying_after([(n.inputs, [n.value(k) for k in range(len(n.types))]) for n in launched], graph.outputs)
+        self.dying = {n.name: dead for n, dead in zip(launched, dying)}  # liveness.py
         self.free_registers: list[int] = []
         self.registers = 0
         self.register_of: dict[Value, int] = {}
@@ -179,14 +197,14 @@ class _Lowering:
         self.registers += 1
         return self.registers - 1
 
-    def release(self, i: int, node: Node) -> None:
-        """Registers whose value's last reader is node `i` (or that nobody reads) become free."""
-        for v in {*node.inputs, *(node.value(k) for k in range(len(node.types)))}:
-            if v in self.register_of and self.last_use.get(v, i) == i:
+    def release(self, node: Node) -> None:
+        """Registers whose value's last reader is `node` (or that nobody reads) become free."""
+        for v in self.dying[node.name]:
+            if v in self.register_of:
                 self.free_registers.append(self.register_of.pop(v))
 
 
-def _lower_embedding(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
     table, ids = node.inputs
     w = lo.weight(table)
     if isinstance(w, GemvWeight) and w.format in ("f32", "bf16") and w.weight.dtype == lo.dtype:
@@ -195,7 +213,8 @@ def _lower_embedding(lo: _Lowering, node: Node) -> tuple[list[int], float]:
         layout, table_id, (vocab, width) = 0, lo.constant(w.contiguous()), w.shape
     else:
         raise NotPlannable(f"{node.name} (embedding) reads a table the plan does not take")
-    return [lo.result(node), table_id, lo.graph_input(ids, node), layout, vocab, width], 0.0
+    return encode("embedding", out=lo.result(node), table=table_id, ids=lo.graph_input(ids, node), layout=layout,
+                  vocab=vocab, width=width)
 
 
 def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
@@ -205,21 +224,22 @@ def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
     return lo.constant(w.contiguous())
 
 
-def _lower_rmsnorm(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_rmsnorm(lo: _Lowering, node: Node) -> Encoded:
     x, weight = node.inputs
     width = lo.width(x, node)
-    return [lo.result(node), lo.activation(x, node), _norm_weight(lo, node, weight, width), width], node.attrs["eps"]
+    return encode("rmsnorm", out=lo.result(node), x=lo.activation(x, node), weight=_norm_weight(lo, node, weight, width),
+                  width=width, eps=node.attrs["eps"])
 
 
-def _lower_add_rmsnorm(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_add_rmsnorm(lo: _Lowering, node: Node) -> Encoded:
     x, residual, weight = node.inputs
     width = lo.width(x, node)
-    args = [lo.result(node, 0), lo.result(node, 1), lo.activation(x, node), lo.activation(residual, node),
-            _norm_weight(lo, node, weight, width), width]
-    return args, node.attrs["eps"]
+    return encode("add_rmsnorm", out=lo.result(node, 0), sum=lo.result(node, 1), x=lo.activation(x, node),
+                  residual=lo.activation(residual, node), weight=_norm_weight(lo, node, weight, width), width=width,
+                  eps=node.attrs["eps"])
 
 
-def _lower_linear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
     x, weight, *bias = node.inputs
     w, b = lo.weight(weight), lo.weight(bias[0]) if bias else None
     if not (isinstance(w, GemvWeight) and not w.bits and w.weight.dtype == lo.dtype):
@@ -229,12 +249,11 @@ def _lower_linear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if lo.width(x, node) != w.in_features:
         raise NotPlannable(f"{node.name} (linear) multiplies {lo.width(x, node)} inputs by a weight of {w.in_features}")
     bias_id = lo.constant(b.contiguous()) if bias else -1
-    args = [lo.result(node), lo.activation(x, node), lo.panels(w)[0], bias_id, w.in_features, w.out_features,
-            w.weight.shape[0]]
-    return args, 0.0
+    return encode("linear", out=lo.result(node), x=lo.activation(x, node), panels=lo.panels(w)[0], bias=bias_id,
+                  k=w.in_features, n=w.out_features, num_panels=w.weight.shape[0])
 
 
-def _lower_qlinear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_qlinear(lo: _Lowering, node: Node) -> Encoded:
     x, codes = node.inputs[:2]
     w = lo.weight(codes)
     if not (isinstance(w, GemvWeight) and w.bits):
@@ -245,9 +264,11 @@ def _lower_qlinear(lo: _Lowering, node: Node) -> tuple[list[int], float]:
         raise NotPlannable(f"{node.name} (qlinear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
     if lo.width(x, node) != w.in_features:
         raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
-    args = [lo.result(node), lo.activation(x, node), *lo.panels(w), lo.constant(b.contiguous()) if bias else -1,
-            w.in_features, w.out_features, w.weight.shape[0], w.bits, w.group_size]
-    return args, 0.0
+    out, x_id = lo.result(node), lo.activation(x, node)
+    codes_id, scales, mins = lo.panels(w)
+    return encode("qlinear", out=out, x=x_id, codes=codes_id, scales=scales, mins=mins,
+                  bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
+                  num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size)
 
 
 def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) -> int:
@@ -257,7 +278,7 @@ def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) ->
     return lo.ids[v]
 
 
-def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
     a = node.attrs
     heads, kv_heads, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
     if len(node.inputs) != 4:
@@ -267,7 +288,7 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if width != (heads + 2 * kv_heads) * d:
         raise NotPlannable(f"{node.name} (rope_kv_write) reads a packed qkv of {width}, not "
                            f"{(heads + 2 * kv_heads) * d}")
-    sources, cols = [lo.activation(qkv, node)] * 3, [0, heads * d, (heads + kv_heads) * d]
+    source = lo.activation(qkv, node)
     if lo.nodes[positions.node].op != "input" or lo.positions not in ("", positions.node):
         raise NotPlannable(f"{node.name} (rope_kv_write) rotates by positions that are not the graph's one input")
     lo.positions = positions.node
@@ -279,22 +300,24 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     _, cos, sin = lo.rope[key]
     cache_id = _cache(lo, node, cache, d, 32)
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
-    args = [lo.result(node), *sources, *cols, width, cos, sin, cache_id, lo.graph_input(slots, node), a["layer"], heads,
-            kv_heads, d]
-    return args, 0.0
+    return encode("rope_kv_write", q_out=lo.result(node), q=source, k=source, v=source, q_col=0, k_col=heads * d,
+                  v_col=(heads + kv_heads) * d, row_width=width, cos=cos, sin=sin, cache=cache_id,
+                  slots=lo.graph_input(slots, node), layer=a["layer"], heads=heads, kv_heads=kv_heads, head_dim=d)
 
 
-def _lower_attention(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_attention(lo: _Lowering, node: Node) -> Encoded:
     """paged_decode_attention (q, cache, tables, lens) or paged_attention (and query_start_loc)."""
     q, cache, tables, lens, *starts = node.inputs
     a = node.attrs
-    args = [lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16),
-            lo.graph_input(tables, node), lo.graph_input(lens, node), *(lo.graph_input(v, node) for v in starts),
-            a["layer"], a["num_heads"], a["num_kv_heads"], a["head_dim"]]
-    return args, a["scale"]
+    out, q_id, cache_id = lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16)
+    tables_id, lens_id = lo.graph_input(tables, node), lo.graph_input(lens, node)
+    chunks = {"query_start_loc": lo.graph_input(starts[0], node)} if starts else {}   # paged_attention's
+    return encode(node.op, out=out, q=q_id, cache=cache_id, block_tables=tables_id, seq_lens=lens_id, **chunks,
+                  layer=a["layer"], heads=a["num_heads"], kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
+                  scale=a["scale"])
 
 
-def _lower_index_select(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:
     x, indices = node.inputs
     if lo.per_sequence(x) or not lo.per_sequence(node.value()):
         raise NotPlannable(f"{node.name} (index_select) gathers rows other than one per sequence from the tokens")
@@ -302,18 +325,45 @@ def _lower_index_select(lo: _Lowering, node: Node) -> tuple[list[int], float]:
     if lo.gathered not in (lo.graph.inputs()[0].name, indices.node):
         raise NotPlannable(f"{node.name} (index_select) gathers by a second set of indices; the plan takes one")
     lo.gathered = indices.node
-    return [lo.result(node), lo.activation(x, node), lo.graph_input(indices, node), width], 0.0
+    return encode("index_select", out=lo.result(node), x=lo.activation(x, node), indices=lo.graph_input(indices, node),
+                  width=width)
 
 
-def _lower_silu_mul(lo: _Lowering, node: Node) -> tuple[list[int], float]:
+def _lower_silu_mul(lo: _Lowering, node: Node) -> Encoded:
     if len(node.inputs) != 1:
         raise NotPlannable(f"{node.name} (silu_mul) takes gate and up apart; the plan takes one [R, 2N] input")
     (x,) = node.inputs
     width = lo.width(x, node)
     if width % 32:
         raise NotPlannable(f"{node.name} (silu_mul) halves of {width // 2} are not a multiple of 16")
-    source = lo.activation(x, node)
-    return [lo.result(node), source, source, 0, width // 2, width, width // 2], 0.0
+    out, source = lo.result(node), lo.activation(x, node)
+    return encode("silu_mul", out=out, gate=source, up=source, gate_col=0, up_col=width // 2, row_width=width,
+                  n=width // 2)
+
+
+def lower_generated(lo: _Lowering, fn_address: int, inputs: list[Value], outputs: list[Value],
+                    keepalive: Any) -> Encoded:
+    """A generated kernel at `fn_address` (`ctypes.cast(lib.NAME, ctypes.c_void_p).value`; the
+    module docstring states its ABI) reading `inputs` and writing `outputs` (results of graph nodes,
+    made here), as instruction `generated`. An input is an activation the plan holds, a graph input,
+    or a weight held as a plan constant (a 1-D one is read with stride 0); the plan holds
+    `keepalive` (the kernel's ctypes library) so the code stays mapped."""
+    unit = lo.nodes[outputs[0].node]
+    ids = [_generated_input(lo, v, unit) for v in inputs]
+    ids += [lo.result(lo.nodes[v.node], v.index) for v in outputs]
+    lo.keepalive.append(keepalive)
+    return encode("generated", fn=fn_address, num_inputs=len(inputs), values=ids)
+
+
+def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
+    """The plan value of a generated kernel's input `v` (`unit` reads it)."""
+    op = lo.nodes[v.node].op
+    if op == "weight":
+        w = lo.weight(v)
+        if not isinstance(w, torch.Tensor) or w.dim() not in (1, 2):
+            raise NotPlannable(f"{unit.name} ({unit.op}) reads {v}, not a 1-D or 2-D tensor a generated kernel takes")
+        return lo.constant(w.contiguous())
+    return lo.ids[v] if op == "input" else lo.activation(v, unit)
 
 
 LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
@@ -322,21 +372,27 @@ LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsn
              "silu_mul": _lower_silu_mul, "index_select": _lower_index_select}
 
 
-def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int) -> StepPlanProgram:
+Lowering = Callable[[_Lowering, Node], Encoded]
+
+
+def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
+                    lowerings: dict[str, Lowering] = LOWERINGS) -> StepPlanProgram:
     """`graph` as a step plan over `weights` (as prepare_weights left them) for a cache of
-    `block_size`-token blocks; NotPlannable names the first node it cannot take."""
+    `block_size`-token blocks, each op by its entry in `lowerings`; NotPlannable names the first
+    node it cannot take."""
     for node in graph.nodes:
-        if node.op not in ("input", "weight") and node.op not in LOWERINGS:
+        if node.op not in ("input", "weight") and node.op not in lowerings:
             raise NotPlannable(f"{node.name} ({node.op}) has no plan kernel")
     lo = _Lowering(graph, weights, block_size)
     names = lo.add_inputs()
     launches = []
-    for i, node in enumerate(graph.nodes):
+    for node in graph.nodes:
         if node.op in ("input", "weight"):
             continue
-        args, f = LOWERINGS[node.op](lo, node)
-        lo.plan.add(OPCODES[node.op], args, float(f))
-        lo.release(i, node)
+        instruction = lowerings[node.op](lo, node)
+        lo.plan.add(instruction.opcode, instruction.args, instruction.f)
+        lo.release(node)
         launches.append(PlanLaunch(node.op, OPS[node.op].kind))
     rope = [tables for tables, _, _ in lo.rope.values()]
-    return StepPlanProgram(graph, lo.plan, names, rope, lo.positions, lo.gathered, launches, lo.constants)
+    return StepPlanProgram(graph, lo.plan, names, rope, lo.positions, lo.gathered, launches, lo.constants,
+                           tuple(lo.keepalive))

@@ -14,19 +14,13 @@
 // logits at several positions); the KV cache is the plan's dtype or int8. Everything a kernel will read or write is checked before the parallel region (ids,
 // slots, block tables, lengths, shapes), so nothing inside it can fail.
 //
-// Instructions (args, in order; "v" is a value id, "col" a column offset within a row):
-//   kEmbedding        out, table v, ids v, layout (0: rows [V, W]; 1: float panels), vocab, width
-//   kRmsnorm          out, x, weight, width; f = eps
-//   kAddRmsnorm       out, sum, x, residual, weight, width; f = eps
-//   kLinear           out, x, panels, bias (-1: none), k, n, num_panels
-//   kQLinear          out, x, codes, scales, mins (-1: none), bias (-1: none), k, n, num_panels, bits, group
-//   kRopeKvWrite      q_out, q, k, v, q col, k col, v col, q/k/v row width, cos, sin, cache, slots,
-//                     layer, heads, kv heads, head_dim
-//   kDecodeAttention  out, q, cache, block_tables, seq_lens, layer, heads, kv heads, head_dim; f = scale
-//   kSiluMul          out, gate, up, gate col, up col, gate/up row width, n
-//   kPagedAttention   out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv heads,
-//                     head_dim; f = scale (prompt chunks and decodes mixed; a decode is one query)
-//   kIndexSelect      out, x, indices, width: out row s = x row indices[s]
+// Instructions: kernels/step_plan_isa.py describes each one (its args by name and role, in
+// order, and its float arg); the step_plan_isa.h generated from it (kernels/native.py writes it
+// into the build folder) numbers them and names their args, and this file and step_plan.h read an
+// arg only by its name (arg::linear::bias), so a layout the description lacks does not compile.
+// `generated` calls a generated kernel's C function (runtime/step_plan.py states its ABI) on the
+// team's split of its first output's rows.
+//
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
 // (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
 // (tokens split, then a barrier), as the op does (step_plan.h: each thread's work).
@@ -39,6 +33,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -46,7 +41,7 @@
 
 namespace {
 
-using namespace llmc_plan;  // Op and its names, Instr, Bound
+using namespace llmc_plan;  // Op, arg::, the tables of step_plan_isa.h; Instr, Bound
 
 enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
 
@@ -55,15 +50,9 @@ struct Value {
   int64_t index;   // constant, input or output number; a temporary's register
   int64_t width;   // elements per row (temporaries and outputs)
   bool seqs;       // rows are the gathered rows (IR dim S), not the step's tokens
+  int64_t stride;  // elements from one row to the next: an activation's width, a constant's row
+                   // stride (0 if 1-D: one row for all); an input's is taken at each run
 };
-
-// Per op (in Op's order): how many args it takes, and which of them are value ids (-1 allowed
-// only for the optional ones: a bias, the mins an int8 weight has none of).
-const std::vector<int64_t> kArgs = {6, 4, 6, 7, 16, 9, 7, 11, 10, 4};
-const std::vector<std::vector<int64_t>> kValueArgs = {
-    {0, 1, 2}, {0, 1, 2}, {0, 1, 2, 3, 4}, {0, 1, 2}, {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 2, 3, 4}, {0, 1, 2},
-    {0, 1, 2, 3}, {0, 1, 2, 3, 4, 5}, {0, 1, 2}};
-const std::vector<std::vector<int64_t>> kOptionalArgs = {{}, {}, {}, {3}, {}, {}, {}, {4, 5}, {}, {}};
 
 class StepPlan : public torch::CustomClassHolder {
  public:
@@ -71,39 +60,43 @@ class StepPlan : public torch::CustomClassHolder {
 
   int64_t constant(at::Tensor t) {
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "a plan constant must be a contiguous CPU tensor");
+    const int64_t stride = t.dim() >= 2 ? t.stride(0) : 0;
     constants_.push_back(std::move(t));
-    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0, false});
+    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0, false, stride});
     constant_at_[id] = static_cast<char*>(constants_.back().data_ptr());
     return id;
   }
   int64_t input(int64_t index, at::Tensor like) {
     input_types_.resize(std::max<int64_t>(input_types_.size(), index + 1), at::kFloat);
     input_types_[index] = like.scalar_type();
-    return add_value({kInput, index, 0, false});
+    return add_value({kInput, index, 0, false, 0});
   }
   int64_t temporary(int64_t reg, int64_t width, bool seqs) {
     for (auto* bytes : {&reg_bytes_, &reg_seq_bytes_}) bytes->resize(std::max<int64_t>(bytes->size(), reg + 1), 0);
     int64_t& widest = (seqs ? reg_seq_bytes_ : reg_bytes_)[reg];
     widest = std::max(widest, (width * element_bytes() + 63) / 64 * 64);
-    return add_value({kTemporary, reg, width, seqs});
+    return add_value({kTemporary, reg, width, seqs, width});
   }
-  int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs}); }
+  int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs, width}); }
+  // Instruction `op` (step_plan_isa.h's numbering) with its args, checked against the description.
   void add(int64_t op, std::vector<int64_t> args, double f) {
-    TORCH_CHECK(op >= 0 && op < kNumOps && static_cast<int64_t>(args.size()) == kArgs[op], "plan op ", op,
-                " with ", args.size(), " args is not one of step_plan.cpp's instructions");
+    TORCH_CHECK(op >= 0 && op < kNumOps, "plan op ", op, " is not one of step_plan_isa.h's ", kNumOps,
+                " instructions");
+    const int64_t count = args.size(), fixed = kFixedArgs[op];
+    TORCH_CHECK(kVariadic[op] ? count >= fixed : count == fixed, "plan instruction ", kOpNames[op], " takes ", fixed,
+                kVariadic[op] ? " args and a list of values" : " args", ", not ", count);
     const auto is_value = [&](int64_t v) { return v >= 0 && v < static_cast<int64_t>(values_.size()); };
-    for (int64_t i : kValueArgs[op]) TORCH_CHECK(is_value(args[i]), "arg ", i, " of plan op ", op, " is not a value");
-    for (int64_t i : kOptionalArgs[op])
-      TORCH_CHECK(args[i] == -1 || is_value(args[i]), "arg ", i, " of plan op ", op, " is neither -1 nor a value");
-    if (op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, args[15]);
-    if (op == kQLinear) widened_per_row_ = std::max(widened_per_row_, args[6] + args[6] / args[10]);
-    if (op == kDecodeAttention || op == kPagedAttention) {     // the step's work items: made once, for every layer
-      const std::vector<int64_t> meta{op, args[3], args[4], op == kPagedAttention ? args[5] : -1};
-      TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
-                  "every attention of a plan must be of one kind and read the same block tables and lengths");
-      attention_meta_ = meta;
+    for (int64_t i = 0; i < fixed; ++i) {
+      TORCH_CHECK(!(kValueArgs[op] >> i & 1) || is_value(args[i]), "arg ", kArgNames[op][i], " of ", kOpNames[op],
+                  " is not a value");
+      TORCH_CHECK(!(kOptionalArgs[op] >> i & 1) || args[i] == -1 || is_value(args[i]), "arg ", kArgNames[op][i],
+                  " of ", kOpNames[op], " is neither -1 nor a value");
     }
-    code_.push_back({static_cast<Op>(op), std::move(args), f});
+    for (int64_t i = fixed; i < count; ++i)
+      TORCH_CHECK(is_value(args[i]), "value ", i - fixed, " of ", kOpNames[op], "'s list is not a value");
+    Instr in{static_cast<Op>(op), std::move(args), f};
+    note(in);
+    code_.push_back(std::move(in));
   }
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs) {
     return std::get<0>(execute(std::move(inputs), rows, seqs, false));
@@ -121,12 +114,16 @@ class StepPlan : public torch::CustomClassHolder {
     return static_cast<int64_t>(values_.size()) - 1;
   }
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
+  void note(const Instr& in);
+  void check_generated(const Instr& in) const;
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
                                                                    int64_t seqs, bool timed);
   void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
   std::vector<at::Tensor> bind(Bound& b);
-  void check(const Instr& in, Bound& b) const;
+  void check(const Instr& in, int64_t index, Bound& b) const;
+  void check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t head_dim) const;
+  void bind_generated(const Instr& in, int64_t index, Bound& b) const;
 
   bool bf16_, int8_cache_;
   std::vector<at::Tensor> constants_;
@@ -160,13 +157,16 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
   std::vector<at::Tensor> outputs(num_outputs_);
   b.at = constant_at_;
   b.rows_at.assign(values_.size(), 0);
+  b.stride_at.assign(values_.size(), 0);
   b.tensor_at.assign(values_.size(), nullptr);
   for (size_t i = 0; i < values_.size(); ++i) {
     const Value& v = values_[i];
     b.rows_at[i] = v.seqs ? b.seqs : b.rows;
+    b.stride_at[i] = v.stride;
     if (v.place == kInput) {
       b.tensor_at[i] = &b.inputs[v.index];
       b.at[i] = static_cast<char*>(b.inputs[v.index].data_ptr());
+      b.stride_at[i] = b.inputs[v.index].dim() >= 1 ? b.inputs[v.index].stride(0) : 0;
     } else if (v.place == kTemporary) {
       b.at[i] = arena + reg_offset[v.index];
     } else if (v.place == kOutput) {
@@ -178,43 +178,102 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
   return outputs;
 }
 
-// What instruction `in` will touch, checked against this run's inputs.
-void StepPlan::check(const Instr& in, Bound& b) const {
+// What the plan keeps for an instruction's kind: the scratch a rotation and a quantized GEMM
+// need, the one layout every attention call shares; a generated kernel's values, checked.
+void StepPlan::note(const Instr& in) {
+  const auto& a = in.a;
+  if (in.op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, a[arg::rope_kv_write::head_dim]);
+  if (in.op == kQlinear) {
+    namespace A = arg::qlinear;
+    widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
+  }
+  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, for every layer
+    const AttentionArgs x = attention_args(in);
+    const std::vector<int64_t> meta{in.op, x.block_tables, x.seq_lens, x.query_start_loc};
+    TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
+                "every attention of a plan must be of one kind and read the same block tables and lengths");
+    attention_meta_ = meta;
+  }
+  if (in.op == kGenerated) check_generated(in);
+}
+
+// A generated kernel writes temporaries or outputs, and every activation it touches has the rows
+// of its first output.
+void StepPlan::check_generated(const Instr& in) const {
+  const GeneratedArgs g = generated_args(in);
+  TORCH_CHECK(in.a[arg::generated::fn] != 0, "a generated kernel's fn is a null address");
+  TORCH_CHECK(g.num_inputs >= 0 && g.num_inputs < g.count, "a generated kernel of ", g.count,
+              " values cannot take ", g.num_inputs, " of them as inputs and write at least one");
+  const bool seqs = values_[g.values[g.num_inputs]].seqs;
+  for (int64_t i = 0; i < g.count; ++i) {
+    const Value& v = values_[g.values[i]];
+    const bool activation = v.place == kTemporary || v.place == kOutput;
+    TORCH_CHECK(i < g.num_inputs || activation, "output ", i - g.num_inputs,
+                " of a generated kernel is not a temporary or an output of the plan");
+    TORCH_CHECK(!activation || v.seqs == seqs, "value ", i, " of a generated kernel has other rows than its first output");
+  }
+}
+
+// What instruction `index` (`in`) will touch, checked against this run's inputs.
+void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
   const auto& a = in.a;
   if (in.op == kEmbedding) {
-    const at::Tensor& ids = *b.tensor_at[a[2]];
+    namespace A = arg::embedding;
+    const at::Tensor& ids = *b.tensor_at[a[A::ids]];
     TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " tokens but ", ids.numel(), " token ids");
     const int64_t* p = ids.const_data_ptr<int64_t>();
     for (int64_t t = 0; t < b.rows; ++t)
-      TORCH_CHECK(p[t] >= 0 && p[t] < a[4], "token id ", p[t], " is outside the vocabulary of ", a[4]);
+      TORCH_CHECK(p[t] >= 0 && p[t] < a[A::vocab], "token id ", p[t], " is outside the vocabulary of ", a[A::vocab]);
   } else if (in.op == kIndexSelect) {
-    const at::Tensor& indices = *b.tensor_at[a[2]];
-    const int64_t from = b.rows_at[a[1]];
-    TORCH_CHECK(indices.numel() == b.rows_at[a[0]], "index_select needs ", b.rows_at[a[0]], " indices, not ",
-                indices.numel());
+    namespace A = arg::index_select;
+    const at::Tensor& indices = *b.tensor_at[a[A::indices]];
+    const int64_t from = b.rows_at[a[A::x]], rows = b.rows_at[a[A::out]];
+    TORCH_CHECK(indices.numel() == rows, "index_select needs ", rows, " indices, not ", indices.numel());
     const int64_t* p = indices.const_data_ptr<int64_t>();
     for (int64_t s = 0; s < indices.numel(); ++s)
       TORCH_CHECK(p[s] >= 0 && p[s] < from, "row index ", p[s], " is outside the step's ", from, " rows");
-  } else if (in.op == kRopeKvWrite || in.op == kDecodeAttention || in.op == kPagedAttention) {
-    const bool rope = in.op == kRopeKvWrite;
-    const at::Tensor& cache = *b.tensor_at[rope ? a[10] : a[2]];
-    const int64_t layer = rope ? a[12] : a[in.op == kDecodeAttention ? 5 : 6];
-    const int64_t kv_heads = rope ? a[14] : a[in.op == kDecodeAttention ? 7 : 8];
-    const int64_t d = rope ? a[15] : a[in.op == kDecodeAttention ? 8 : 9];
-    TORCH_CHECK(cache.dim() == 6 && cache.size(4) == llmc_cpu::kBlock && cache.size(3) == kv_heads &&
-                    cache.size(5) == d + (int8_cache_ ? llmc_cpu::kScaleBytes : 0) && layer < cache.size(0),
-                "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
-                "] cache this plan was built for");
-    if (rope) {
-      const at::Tensor& slots = *b.tensor_at[a[11]];
-      TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[8]]->numel() == b.rows * d / 2,
-                  "slot_mapping and the RoPE tables need one row per token");
-      const int64_t* p = slots.const_data_ptr<int64_t>();
-      for (int64_t t = 0; t < b.rows; ++t)
-        TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
-                    cache.size(2) * llmc_cpu::kBlock, " slots");
-    } else if (b.qsl.empty()) {
-      plan_attention(in, b, cache);
+  } else if (in.op == kRopeKvWrite) {
+    namespace A = arg::rope_kv_write;
+    const at::Tensor& cache = *b.tensor_at[a[A::cache]];
+    check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
+    const at::Tensor& slots = *b.tensor_at[a[A::slots]];
+    TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::head_dim] / 2,
+                "slot_mapping and the RoPE tables need one row per token");
+    const int64_t* p = slots.const_data_ptr<int64_t>();
+    for (int64_t t = 0; t < b.rows; ++t)
+      TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
+                  cache.size(2) * llmc_cpu::kBlock, " slots");
+  } else if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {
+    const AttentionArgs x = attention_args(in);
+    const at::Tensor& cache = *b.tensor_at[x.cache];
+    check_cache(cache, x.layer, x.kv_heads, x.head_dim);
+    if (b.qsl.empty()) plan_attention(in, b, cache);
+  } else if (in.op == kGenerated) {
+    bind_generated(in, index, b);
+  }
+}
+
+void StepPlan::check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t d) const {
+  TORCH_CHECK(cache.dim() == 6 && cache.size(4) == llmc_cpu::kBlock && cache.size(3) == kv_heads &&
+                  cache.size(5) == d + (int8_cache_ ? llmc_cpu::kScaleBytes : 0) && layer < cache.size(0),
+              "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
+              "] cache this plan was built for");
+}
+
+// A generated kernel's ptrs and strides for this run; a constant or input it reads row by row
+// has at least the rows of its outputs.
+void StepPlan::bind_generated(const Instr& in, int64_t index, Bound& b) const {
+  const GeneratedArgs g = generated_args(in);
+  const int64_t rows = b.rows_at[g.values[g.num_inputs]];
+  for (int64_t i = 0; i < g.count; ++i) {
+    const int64_t id = g.values[i];
+    b.ptrs[index].push_back(b.at[id]);
+    b.strides[index].push_back(b.stride_at[id]);
+    const Value& v = values_[id];
+    if (v.place == kConstant || v.place == kInput) {
+      const at::Tensor& t = v.place == kConstant ? constants_[v.index] : *b.tensor_at[id];
+      TORCH_CHECK(b.stride_at[id] == 0 || t.size(0) >= rows, "input ", i, " of a generated kernel has ", t.size(0),
+                  " rows, fewer than its outputs' ", rows);
     }
   }
 }
@@ -223,16 +282,16 @@ void StepPlan::check(const Instr& in, Bound& b) const {
 // each sequence's query rows (a decode step's one each), the reads within the cache, the items
 // most costly first.
 void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const {
-  const auto& a = in.a;
-  const at::Tensor& tables = *b.tensor_at[a[3]];
-  const at::Tensor& lens = *b.tensor_at[a[4]];
+  const AttentionArgs a = attention_args(in);
+  const at::Tensor& tables = *b.tensor_at[a.block_tables];
+  const at::Tensor& lens = *b.tensor_at[a.seq_lens];
   const int64_t num_seqs = lens.numel();
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "attention needs a block-table row per sequence");
-  if (in.op == kDecodeAttention) {
+  if (in.op == kPagedDecodeAttention) {
     TORCH_CHECK(b.rows == num_seqs, "a decode step has one token per sequence");
     for (int64_t s = 0; s <= num_seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
   } else {
-    const at::Tensor& starts = *b.tensor_at[a[5]];
+    const at::Tensor& starts = *b.tensor_at[a.query_start_loc];
     TORCH_CHECK(starts.numel() == num_seqs + 1, "query_start_loc needs S+1 entries");
     b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + num_seqs + 1);
   }
@@ -258,7 +317,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   b.inputs = std::move(inputs);
   std::vector<at::Tensor> outputs = bind(b);
   b.widened.resize(widened_per_row_ * std::max(rows, seqs));
-  for (const Instr& in : code_) check(in, b);
+  b.ptrs.assign(code_.size(), {});
+  b.strides.assign(code_.size(), {});
+  for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
   using Clock = std::chrono::steady_clock;
@@ -293,9 +354,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   return {outputs, seconds};
 }
 
+// The description (kernels/step_plan_isa.py) this build's step_plan_isa.h was rendered from.
+std::string step_plan_isa_hash() { return kIsaHash; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
+  m.def("step_plan_isa_hash() -> str", &step_plan_isa_hash);
   m.class_<StepPlan>("StepPlan")
       .def(torch::init<bool, bool>())
       .def("constant", &StepPlan::constant)

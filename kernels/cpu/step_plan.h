@@ -1,11 +1,13 @@
-// A step plan's instructions and the work each thread of its team does for one (step_plan.cpp
-// holds the plan, the instruction table and its checks; everything here runs inside the parallel
-// region, on inputs the plan has checked, so nothing here fails).
+// The work each thread of a step plan's team does for one instruction (kernels/step_plan_isa.py
+// describes the instructions, the generated step_plan_isa.h numbers them and names their args;
+// step_plan.cpp holds the plan and its checks; everything here runs inside the parallel region,
+// on inputs the plan has checked, so nothing here fails).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -16,25 +18,75 @@
 #include "attention_work.h"
 #include "panel_gemm.h"
 #include "qpanel_gemm.h"
+#include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "token_rows.h"
 
 namespace llmc_plan {
 
-// The instructions (step_plan.cpp lists each one's args); runtime/step_plan.py's OPCODES number them alike.
-enum Op : int64_t {
-  kEmbedding, kRmsnorm, kAddRmsnorm, kLinear, kRopeKvWrite, kDecodeAttention, kSiluMul, kQLinear, kPagedAttention,
-  kIndexSelect, kNumOps
-};
-
 struct Instr {
-  Op op;
-  std::vector<int64_t> a;
+  Op op;                     // step_plan_isa.h's, numbered as kernels/step_plan_isa.py describes
+  std::vector<int64_t> a;    // its args, read only as a[arg::<instruction>::<name>]
   double f;
 };
+
+// A generated kernel's C function (runtime/step_plan.py states its ABI): rows [first, last) of
+// every output; ptrs and strides hold its inputs', then its outputs' first rows and row strides.
+using GeneratedFn = void (*)(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last);
 
 // Items [first, second) of `count` for thread `tid` of a team of `team`.
 inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
   return {count * tid / team, count * (tid + 1) / team};
+}
+
+// The args the two attention instructions share, read by name (a decode has no query_start_loc: -1).
+struct AttentionArgs {
+  int64_t out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv_heads, head_dim;
+};
+
+inline AttentionArgs attention_args(const Instr& in) {
+  const auto& a = in.a;
+  if (in.op == kPagedAttention) {
+    namespace A = arg::paged_attention;
+    return {a[A::out], a[A::q], a[A::cache], a[A::block_tables], a[A::seq_lens], a[A::query_start_loc],
+            a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim]};
+  }
+  namespace A = arg::paged_decode_attention;
+  return {a[A::out], a[A::q],      a[A::cache], a[A::block_tables], a[A::seq_lens],
+          -1,        a[A::layer], a[A::heads], a[A::kv_heads],     a[A::head_dim]};
+}
+
+// A generated kernel's values: the first of them, how many inputs, and how many in all.
+struct GeneratedArgs {
+  const int64_t* values;
+  int64_t num_inputs, count;
+};
+
+inline GeneratedArgs generated_args(const Instr& in) {
+  namespace A = arg::generated;
+  return {in.a.data() + A::values, in.a[A::num_inputs], static_cast<int64_t>(in.a.size()) - A::values};
+}
+
+// The value an instruction's rows are split by: its (first) result.
+inline int64_t result_of(const Instr& in) {
+  const auto& a = in.a;
+  switch (in.op) {
+    case kEmbedding: return a[arg::embedding::out];
+    case kRmsnorm: return a[arg::rmsnorm::out];
+    case kAddRmsnorm: return a[arg::add_rmsnorm::out];
+    case kLinear: return a[arg::linear::out];
+    case kQlinear: return a[arg::qlinear::out];
+    case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
+    case kSiluMul: return a[arg::silu_mul::out];
+    case kIndexSelect: return a[arg::index_select::out];
+    case kGenerated: {
+      const GeneratedArgs g = generated_args(in);
+      return g.values[g.num_inputs];
+    }
+    case kPagedDecodeAttention:
+    case kPagedAttention:
+    case kNumOps: break;
+  }
+  return attention_args(in).out;
 }
 
 // One run's addresses and the attention work every attention call of the step shares.
@@ -42,10 +94,13 @@ struct Bound {
   int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
   std::vector<char*> at;                      // value id -> its first row
   std::vector<int64_t> rows_at;               // value id -> its rows (activations)
+  std::vector<int64_t> stride_at;             // value id -> elements from one row to the next (0: one row for all)
   std::vector<const at::Tensor*> tensor_at;   // value id -> the input tensor (inputs)
   std::vector<at::Tensor> inputs;
   std::vector<llmc_cpu::Item> items;          // attention's work items, most costly first
   std::vector<int32_t> qsl;                   // each sequence's first query row (decode: 0, 1, ..., S)
+  std::vector<std::vector<char*>> ptrs;       // per instruction: a generated kernel's ptrs
+  std::vector<std::vector<int64_t>> strides;  // and strides (empty for the others)
   mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums
                                               // (the team writes it)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
@@ -55,16 +110,15 @@ struct Bound {
 // (one query) runs attention_decode.h's run_decode, a prompt chunk attention_items.h's tiles.
 template <typename X, typename C>
 void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& scratch) {
-  const auto& a = in.a;
-  const int64_t o = in.op == kPagedAttention;           // its args have query_start_loc before the layer
-  const at::Tensor& cache = *b.tensor_at[a[2]];
-  const C* k_cache = reinterpret_cast<const C*>(b.at[a[2]]) + a[5 + o] * cache.stride(0);
-  const at::Tensor& tables = *b.tensor_at[a[3]];
-  const llmc_cpu::Geometry g{a[6 + o], a[7 + o], a[8 + o], a[6 + o] / a[7 + o]};
-  const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a[1]]), reinterpret_cast<X*>(b.at[a[0]]),
+  const AttentionArgs a = attention_args(in);
+  const at::Tensor& cache = *b.tensor_at[a.cache];
+  const C* k_cache = reinterpret_cast<const C*>(b.at[a.cache]) + a.layer * cache.stride(0);
+  const at::Tensor& tables = *b.tensor_at[a.block_tables];
+  const llmc_cpu::Geometry g{a.heads, a.kv_heads, a.head_dim, a.heads / a.kv_heads};
+  const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a.q]), reinterpret_cast<X*>(b.at[a.out]),
                                       k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
-                                      tables.size(1), reinterpret_cast<const int32_t*>(b.at[a[4]]), b.qsl.data(),
-                                      g, static_cast<float>(in.f)};
+                                      tables.size(1), reinterpret_cast<const int32_t*>(b.at[a.seq_lens]),
+                                      b.qsl.data(), g, static_cast<float>(in.f)};
   const int64_t count = b.items.size();
   for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) {
     if (b.items[i].num_queries == 1)
@@ -74,97 +128,135 @@ void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& s
   }
 }
 
+template <typename X>
+void embed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
+  namespace A = arg::embedding;
+  const auto& a = in.a;
+  const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[A::ids]]);
+  const X* table = reinterpret_cast<const X*>(b.at[a[A::table]]);
+  const int64_t w = a[A::width];
+  for (int64_t t = first; t < last; ++t) {
+    X* out = reinterpret_cast<X*>(b.at[a[A::out]]) + t * w;
+    const int64_t id = ids[t], lane = id % llmc_panels::kPanel;
+    if (a[A::layout] == 0) {
+      std::memcpy(out, table + id * w, w * sizeof(X));
+    } else if constexpr (std::is_same_v<X, float>) {         // [P, W, 32]
+      const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
+      for (int64_t j = 0; j < w; ++j) out[j] = panel[j * llmc_panels::kPanel + lane];
+    } else {                                                   // [P, W/2, 32, 2]
+      const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
+      for (int64_t j = 0; j < w; ++j) out[j] = panel[(j / 2 * llmc_panels::kPanel + lane) * 2 + j % 2];
+    }
+  }
+}
+
+// A quantized GEMM: x widened to fp32 (tokens split, then a barrier), then the panels split.
+template <typename X>
+void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
+  namespace A = arg::qlinear;
+  const auto& a = in.a;
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
+  float* xf = b.widened.data();
+  float* xsum = xf + rows * k;
+  llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, first, last);
+#pragma omp barrier
+  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
+  const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
+                                group, k / group};
+  const auto [begin, end] = share(a[A::num_panels], tid, team);
+  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  if (bits == 8)
+    llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+  else
+    llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+}
+
+template <typename X, typename C>
+void rope_kv_write(const Instr& in, const Bound& b, int64_t first, int64_t last, float* row) {
+  namespace A = arg::rope_kv_write;
+  const auto& a = in.a;
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const at::Tensor& cache = *b.tensor_at[a[A::cache]];
+  const llmc_rows::KvLayout s{a[A::heads], a[A::kv_heads], a[A::head_dim], llmc_cpu::kBlock, cache.size(2)};
+  C* k_cache = reinterpret_cast<C*>(b.at[a[A::cache]]) + a[A::layer] * cache.stride(0);
+  const int64_t width = a[A::row_width], half = s.head_dim / 2;
+  const float* cos = reinterpret_cast<const float*>(b.at[a[A::cos]]);
+  const float* sin = reinterpret_cast<const float*>(b.at[a[A::sin]]);
+  const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[A::slots]]);
+  for (int64_t t = first; t < last; ++t)
+    llmc_rows::rope_token(x_at(a[A::q]) + t * width + a[A::q_col], x_at(a[A::k]) + t * width + a[A::k_col],
+                          x_at(a[A::v]) + t * width + a[A::v_col], cos + t * half, sin + t * half, slots[t], k_cache,
+                          k_cache + cache.stride(1), x_at(a[A::q_out]) + t * s.heads * s.head_dim, s, row);
+}
+
 // Thread `tid`'s share of one instruction (attention's items are taken in attend).
 template <typename X, typename C>
 void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, int team, llmc_cpu::Scratch& scratch,
                      float* row) {
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t rows = b.rows_at[a[0]];        // of the result: the step's tokens, or the gathered rows
+  const int64_t rows = b.rows_at[result_of(in)];     // the step's tokens, or the gathered rows
   const auto [first, last] = share(rows, tid, team);
   switch (in.op) {
-    case kEmbedding: {
-      const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[2]]);
-      const X* table = x_at(a[1]);
-      const int64_t w = a[5];
-      for (int64_t t = first; t < last; ++t) {
-        X* out = x_at(a[0]) + t * w;
-        const int64_t id = ids[t], lane = id % llmc_panels::kPanel;
-        if (a[3] == 0) {
-          std::memcpy(out, table + id * w, w * sizeof(X));
-        } else if constexpr (std::is_same_v<X, float>) {         // [P, W, 32]
-          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-          for (int64_t j = 0; j < w; ++j) out[j] = panel[j * llmc_panels::kPanel + lane];
-        } else {                                                   // [P, W/2, 32, 2]
-          const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-          for (int64_t j = 0; j < w; ++j) out[j] = panel[(j / 2 * llmc_panels::kPanel + lane) * 2 + j % 2];
-        }
-      }
+    case kEmbedding:
+      embed_rows<X>(in, b, first, last);
+      break;
+    case kRmsnorm: {
+      namespace A = arg::rmsnorm;
+      const int64_t w = a[A::width];
+      for (int64_t t = first; t < last; ++t)
+        llmc_rows::norm_row<X>(x_at(a[A::x]) + t * w, nullptr, x_at(a[A::weight]), nullptr, x_at(a[A::out]) + t * w, w,
+                            static_cast<float>(in.f));
       break;
     }
-    case kRmsnorm:
     case kAddRmsnorm: {
-      const bool add = in.op == kAddRmsnorm;
-      const int64_t w = a[add ? 5 : 3];
+      namespace A = arg::add_rmsnorm;
+      const int64_t w = a[A::width];
       for (int64_t t = first; t < last; ++t)
-        llmc_rows::norm_row(x_at(a[add ? 2 : 1]) + t * w, add ? x_at(a[3]) + t * w : nullptr, x_at(a[add ? 4 : 2]),
-                            add ? x_at(a[1]) + t * w : nullptr, x_at(a[0]) + t * w, w, static_cast<float>(in.f));
+        llmc_rows::norm_row(x_at(a[A::x]) + t * w, x_at(a[A::residual]) + t * w, x_at(a[A::weight]),
+                            x_at(a[A::sum]) + t * w, x_at(a[A::out]) + t * w, w, static_cast<float>(in.f));
       break;
     }
     case kLinear: {
-      const auto [begin, end] = share(a[6], tid, team);
-      llmc_panels::panel_gemm_range(x_at(a[1]), x_at(a[2]), rows, a[4], a[3] < 0 ? nullptr : x_at(a[3]),
-                                    x_at(a[0]), a[5], begin, end);
+      namespace A = arg::linear;
+      const auto [begin, end] = share(a[A::num_panels], tid, team);
+      llmc_panels::panel_gemm_range(x_at(a[A::x]), x_at(a[A::panels]), rows, a[A::k],
+                                    a[A::bias] < 0 ? nullptr : x_at(a[A::bias]), x_at(a[A::out]), a[A::n], begin, end);
       break;
     }
-    case kQLinear: {
-      const int64_t k = a[6], group = a[10], bits = a[9];
-      float* xf = b.widened.data();
-      float* xsum = xf + rows * k;
-      llmc_qpanels::widen_rows(x_at(a[1]), k, group, static_cast<int>(bits), xf, xsum, first, last);
-#pragma omp barrier
-      const llmc_qpanels::QPanels w{b.at[a[2]], reinterpret_cast<const c10::Half*>(b.at[a[3]]),
-                                    a[4] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[4]]), k, group,
-                                    k / group};
-      const auto [begin, end] = share(a[8], tid, team);
-      X* bias = a[5] < 0 ? nullptr : x_at(a[5]);
-      if (bits == 8)
-        llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[0]), a[7], begin, end);
-      else
-        llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[0]), a[7], begin, end);
+    case kQlinear:
+      qlinear<X>(in, b, tid, team, rows, first, last);
       break;
-    }
-    case kRopeKvWrite: {
-      const at::Tensor& cache = *b.tensor_at[a[10]];
-      const llmc_rows::KvLayout s{a[13], a[14], a[15], llmc_cpu::kBlock, cache.size(2)};
-      C* k_cache = reinterpret_cast<C*>(b.at[a[10]]) + a[12] * cache.stride(0);
-      const int64_t width = a[7], half = s.head_dim / 2;
-      const float* cos = reinterpret_cast<const float*>(b.at[a[8]]);
-      const float* sin = reinterpret_cast<const float*>(b.at[a[9]]);
-      const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[11]]);
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::rope_token(x_at(a[1]) + t * width + a[4], x_at(a[2]) + t * width + a[5],
-                              x_at(a[3]) + t * width + a[6], cos + t * half, sin + t * half, slots[t], k_cache,
-                              k_cache + cache.stride(1), x_at(a[0]) + t * s.heads * s.head_dim, s, row);
+    case kRopeKvWrite:
+      rope_kv_write<X, C>(in, b, first, last, row);
       break;
-    }
     case kSiluMul: {
-      const int64_t width = a[5], n = a[6];
+      namespace A = arg::silu_mul;
+      const int64_t width = a[A::row_width], n = a[A::n];
       for (int64_t t = first; t < last; ++t)
-        llmc_rows::silu_mul_row(x_at(a[1]) + t * width + a[3], x_at(a[2]) + t * width + a[4], x_at(a[0]) + t * n, n);
+        llmc_rows::silu_mul_row(x_at(a[A::gate]) + t * width + a[A::gate_col],
+                                x_at(a[A::up]) + t * width + a[A::up_col], x_at(a[A::out]) + t * n, n);
       break;
     }
-    case kDecodeAttention:
+    case kPagedDecodeAttention:
     case kPagedAttention:
       attend<X, C>(in, b, index, scratch);
       break;
     case kIndexSelect: {
-      const int64_t* indices = reinterpret_cast<const int64_t*>(b.at[a[2]]);
+      namespace A = arg::index_select;
+      const int64_t* indices = reinterpret_cast<const int64_t*>(b.at[a[A::indices]]);
+      const int64_t w = a[A::width];
       for (int64_t r = first; r < last; ++r)
-        std::memcpy(x_at(a[0]) + r * a[3], x_at(a[1]) + indices[r] * a[3], a[3] * sizeof(X));
+        std::memcpy(x_at(a[A::out]) + r * w, x_at(a[A::x]) + indices[r] * w, w * sizeof(X));
       break;
     }
-    default:
+    case kGenerated:
+      if (first < last)
+        reinterpret_cast<GeneratedFn>(static_cast<intptr_t>(a[arg::generated::fn]))(
+            b.ptrs[index].data(), b.strides[index].data(), first, last);
+      break;
+    case kNumOps:
       break;
   }
 }

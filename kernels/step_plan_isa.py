@@ -1,0 +1,164 @@
+"""The step plan's instruction set, described once: each instruction's name, its args in order with
+the role of each, and what its one float arg means. Both sides follow from it: `encode` (what
+runtime/step_plan.py's lowerings call, naming every arg) and the C++ header that
+kernels/cpu/step_plan.h and step_plan.cpp read args through (step_plan_isa_header.py renders it;
+kernels/native.py writes it before every build).
+
+Contract: an instruction's opcode is its place in `STEP_PLAN_ISA`; its args travel as one list of
+int64 in the order given here, a variadic list of value ids last; `f` is a double, 0.0 where the
+instruction has no float arg. `InstructionSet.hash()` names the layout (names, roles, order), so a
+build of the C++ side for another description is refused at load (native.py).
+
+Roles: "value" a plan value id; "optional" a value id or -1 (none); "int" an integer; "column" an
+element offset within a row; "address" a C function's address; "values" a variadic list of value
+ids (the last arg only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+import re
+from dataclasses import dataclass
+
+ROLES = ("value", "optional", "int", "column", "address", "values")
+NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+class ISAError(ValueError):
+    """An instruction named or given args that the description does not have."""
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    role: str
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One instruction: `f` names what its float arg means ("" where it has none)."""
+
+    name: str
+    args: tuple[Arg, ...]
+    f: str = ""
+    doc: str = ""
+
+    def __post_init__(self):
+        names = [self.name, *(a.name for a in self.args), *([self.f] if self.f else [])]
+        for name in names:
+            if not NAME.match(name) or keyword.iskeyword(name):
+                raise ISAError(f"instruction {self.name}: {name!r} is not a lowercase identifier")
+        if len(set(names[1:])) != len(names) - 1:
+            raise ISAError(f"instruction {self.name} names an arg twice: {names[1:]}")
+        for i, a in enumerate(self.args):
+            if a.role not in ROLES or (a.role == "values" and i != len(self.args) - 1):
+                raise ISAError(f"instruction {self.name}: arg {a.name} has role {a.role!r}, not one of {ROLES} "
+                               "(\"values\" only last)")
+
+    @property
+    def variadic(self) -> bool:
+        return bool(self.args) and self.args[-1].role == "values"
+
+    @property
+    def fixed(self) -> tuple[Arg, ...]:
+        """The args before a variadic list (all of them where there is none)."""
+        return self.args[:-1] if self.variadic else self.args
+
+    def text(self) -> str:
+        args = ", ".join(f"{a.name}:{a.role}" for a in self.args)
+        return f"{self.name}({args})" + (f" f={self.f}" if self.f else "")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One instruction as the plan's `add` takes it."""
+
+    opcode: int
+    args: list[int]
+    f: float
+
+
+class InstructionSet:
+    """Instructions in opcode order."""
+
+    def __init__(self, instructions: list[Instruction]):
+        self.instructions = tuple(instructions)
+        self.opcodes = {ins.name: i for i, ins in enumerate(self.instructions)}
+        if len(self.opcodes) != len(self.instructions):
+            raise ISAError("two instructions share a name")
+
+    def text(self) -> str:
+        """One instruction a line, in opcode order: what the hash names."""
+        return "\n".join(ins.text() for ins in self.instructions) + "\n"
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.text().encode()).hexdigest()[:16]
+
+    def __getitem__(self, name: str) -> Instruction:
+        if name not in self.opcodes:
+            raise ISAError(f"the step plan has no instruction {name!r}; it has {sorted(self.opcodes)}")
+        return self.instructions[self.opcodes[name]]
+
+    def encode(self, name: str, **given) -> Encoded:
+        """Instruction `name` with its args (and its float arg) given by name: every one, no other."""
+        ins = self[name]
+        wanted = [a.name for a in ins.args] + ([ins.f] if ins.f else [])
+        missing, unknown = [n for n in wanted if n not in given], sorted(set(given) - set(wanted))
+        if missing or unknown:
+            raise ISAError(f"instruction {name} takes {wanted}; missing {missing}, unknown {unknown}")
+        args = []
+        for a in ins.args:
+            args.extend(_check_arg(ins, a, given[a.name]))
+        return Encoded(self.opcodes[name], args, float(given[ins.f]) if ins.f else 0.0)
+
+
+def _check_arg(ins: Instruction, arg: Arg, value) -> list[int]:
+    """`value` of `arg` as the ints it travels as, or ISAError naming it."""
+    if arg.role == "values" and not isinstance(value, (list, tuple)):
+        raise ISAError(f"arg {arg.name} (values) of {ins.name} is {value!r}, not a list of value ids")
+    values = list(value) if arg.role == "values" else [value]
+    lowest = {"value": 0, "values": 0, "optional": -1, "column": 0, "address": 1}.get(arg.role)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or (lowest is not None and v < lowest):
+            raise ISAError(f"arg {arg.name} ({arg.role}) of {ins.name} is {value!r}, not "
+                           f"{'an int' if lowest is None else f'an int >= {lowest}'}")
+    return values
+
+
+def _args(spec: str, **docs: str) -> tuple[Arg, ...]:
+    """Args from "name:role ..." (role "value" where none is given), each with its doc if any."""
+    pairs = [item.split(":") if ":" in item else (item, "value") for item in spec.split()]
+    return tuple(Arg(name, role, docs.get(name, "")) for name, role in pairs)
+
+
+STEP_PLAN_INSTRUCTIONS = [
+    Instruction("embedding", _args("out table ids layout:int vocab:int width:int",
+                                   layout="0: rows [V, W]; 1: float panels")),
+    Instruction("rmsnorm", _args("out x weight width:int"), f="eps"),
+    Instruction("add_rmsnorm", _args("out sum x residual weight width:int"), f="eps"),
+    Instruction("linear", _args("out x panels bias:optional k:int n:int num_panels:int")),
+    Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
+                                       "cache slots layer:int heads:int kv_heads:int head_dim:int",
+                                       row_width="the elements of a row of q, k and v")),
+    Instruction("paged_decode_attention", _args("out q cache block_tables seq_lens layer:int heads:int "
+                                                "kv_heads:int head_dim:int"), f="scale"),
+    Instruction("silu_mul", _args("out gate up gate_col:column up_col:column row_width:int n:int",
+                                  row_width="the elements of a row of gate and up")),
+    Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "
+                                 "bits:int group:int", mins="-1: int8 codes have none")),
+    Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "
+                                         "kv_heads:int head_dim:int"), f="scale",
+                doc="prompt chunks and decodes mixed; a decode is one query"),
+    Instruction("index_select", _args("out x indices width:int"), doc="out row s = x row indices[s]"),
+    Instruction("generated", _args("fn:address num_inputs:int values:values",
+                                   fn="a generated kernel's C function (its ABI: runtime/step_plan.py)",
+                                   values="the unit's inputs, then its outputs")),
+]
+STEP_PLAN_ISA = InstructionSet(STEP_PLAN_INSTRUCTIONS)
+
+
+def encode(name: str, **args) -> Encoded:
+    """STEP_PLAN_ISA.encode: instruction `name` with every arg given by name."""
+    return STEP_PLAN_ISA.encode(name, **args)
