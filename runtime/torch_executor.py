@@ -20,7 +20,6 @@ import torch
 
 from llmc.compiler.ir import Graph
 from llmc.kernels.native_ops import KERNEL_CHOICES, choose_op_impls, prepare_weights
-from llmc.kernels.torch_ops import OP_IMPLS
 
 from .artifact import Artifact
 from .executor import Executor, ExecutorOptions, GraphRun, KVCacheSpec
@@ -69,7 +68,7 @@ class TorchExecutor(Executor):
         if device.type == "cpu":
             impls, self.kernels = choose_op_impls(self.options.kernels)
         else:
-            impls, self.kernels = dict(OP_IMPLS), "reference"
+            impls, self.kernels = {}, "reference"
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
         if self.kernels == "native":        # the GEMMs' weight layouts, decided once for both graphs
             weights = prepare_weights(artifact.graphs.values(), weights)
