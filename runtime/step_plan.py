@@ -2,13 +2,15 @@
 each op a native kernel call and a whole step one call from Python, run by one team of threads
 with a barrier between calls (on a CPU, what replaying a CUDA graph is on a GPU).
 
-Contract: `lower_step_plan(graph, weights, block_size)` takes an entry graph and the weights as
-kernels/native_ops.py's `prepare_weights` left them; it returns a `StepPlanProgram` when every op
-of the graph has a plan kernel that takes it, else raises `NotPlannable` with the first reason.
-Plan kernels: embedding (a table of rows, or a tied float table kept as panels), rmsnorm,
-add_rmsnorm, linear (float panels) and qlinear (int8 / int4 panels), each with an optional bias,
-rope_kv_write (a packed qkv), paged_attention and paged_decode_attention, silu_mul (one [R, 2N]
-input) and index_select (of rows), over activations [R, W] of one float dtype (f32 or bf16), R
+Contract: `lower_step_plan(graph, weights, block_size, kernels=...)` takes an entry graph, the
+weights as kernels/native_ops.py's `prepare_weights` left them and the artifact's generated CPU
+kernels (runtime/cpu_program.py); it walks the graph's CPU units (compiler/codegen/cpu_units.py)
+and returns a `StepPlanProgram` when every unit has a plan kernel that takes it, else raises
+`NotPlannable` with the first reason. Plan kernels: a generated unit's C++ function (every
+elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding
+(a table of rows, or a tied float table kept as panels), linear (float panels) and qlinear (int8 /
+int4 panels), each with an optional bias, rope_kv_write (a packed qkv), paged_attention and
+paged_decode_attention, and index_select (of rows), over activations [R, W] of one float dtype (f32 or bf16), R
 the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
 indices' count (the IR's S: a sequence each, or more where a step asks for logits at several
 positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
@@ -35,11 +37,14 @@ disjoint row ranges.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from llmc.compiler.codegen.cpu_units import cpu_units, unit_kind
+from llmc.compiler.codegen.units import KernelUnit
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS
@@ -47,10 +52,12 @@ from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
+from .cpu_program import CpuKernels
 from .liveness import dying_after
 from .slot_program import LaunchTime
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
+HANDWRITTEN_SWITCH = "LLMC_HANDWRITTEN_ROWS"      # temporary, for one measurement: "1" runs the old row kernels
 
 
 class NotPlannable(ValueError):
@@ -375,24 +382,43 @@ LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsn
 Lowering = Callable[[_Lowering, Node], Encoded]
 
 
+def _plan_units(graph: Graph, lowerings: dict[str, Lowering],
+                kernels: CpuKernels | None) -> list[tuple[KernelUnit, int | None]]:
+    """The graph's CPU units in launch order with their generated functions' addresses (None: the
+    unit's nodes lower one by one through `lowerings`, which must have each of them)."""
+    units = kernels.units(graph) if kernels is not None else [(u, None) for u in cpu_units(graph)]
+    if os.environ.get(HANDWRITTEN_SWITCH) == "1":      # temporary: the hand-written row kernels, to measure
+        units = [(u, None if len(u.nodes) == 1 and u.nodes[0].op in lowerings else a) for u, a in units]
+    for unit, address in units:
+        for node in unit.nodes if address is None else ():
+            if node.op not in lowerings:
+                raise NotPlannable(f"{node.name} ({node.op}) has no plan kernel")
+    return units
+
+
 def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
-                    lowerings: dict[str, Lowering] = LOWERINGS) -> StepPlanProgram:
+                    lowerings: dict[str, Lowering] = LOWERINGS, kernels: CpuKernels | None = None) -> StepPlanProgram:
     """`graph` as a step plan over `weights` (as prepare_weights left them) for a cache of
-    `block_size`-token blocks, each op by its entry in `lowerings`; NotPlannable names the first
-    node it cannot take."""
-    for node in graph.nodes:
-        if node.op not in ("input", "weight") and node.op not in lowerings:
-            raise NotPlannable(f"{node.name} ({node.op}) has no plan kernel")
+    `block_size`-token blocks, walking its CPU units (compiler/codegen/cpu_units.py): a generated
+    unit calls its function in `kernels` (the artifact's generated C++), a template node its entry in
+    `lowerings` (without `kernels`, a generated unit's nodes need entries too); NotPlannable names
+    the first node it cannot take."""
+    units = _plan_units(graph, lowerings, kernels)
     lo = _Lowering(graph, weights, block_size)
     names = lo.add_inputs()
     launches = []
-    for node in graph.nodes:
-        if node.op in ("input", "weight"):
-            continue
-        instruction = lowerings[node.op](lo, node)
-        lo.plan.add(instruction.opcode, instruction.args, instruction.f)
-        lo.release(node)
-        launches.append(PlanLaunch(node.op, OPS[node.op].kind))
+    for unit, address in units:
+        if address is not None:                  # one generated kernel: the unit's values die after it
+            steps = [(lower_generated(lo, address, list(unit.inputs), list(unit.outputs), kernels.library),
+                      unit.nodes, PlanLaunch("+".join(n.op for n in unit.nodes), unit_kind(unit)))]
+        else:
+            steps = ((lowerings[node.op](lo, node), (node,), PlanLaunch(node.op, OPS[node.op].kind))
+                     for node in unit.nodes)
+        for instruction, nodes, launch in steps:
+            lo.plan.add(instruction.opcode, instruction.args, instruction.f)
+            for node in nodes:
+                lo.release(node)
+            launches.append(launch)
     rope = [tables for tables, _, _ in lo.rope.values()]
     return StepPlanProgram(graph, lo.plan, names, rope, lo.positions, lo.gathered, launches, lo.constants,
                            tuple(lo.keepalive))

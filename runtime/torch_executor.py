@@ -3,8 +3,9 @@
 It is the CPU runtime and the numeric reference of the triton executor. On the CPU the op table
 is the native one (kernels/native_ops.py) or the torch refs, as `kernels` asks; on another device
 the refs run there (the native kernels are CPU code). Weights move to the device once; with the
-native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weights lays them out, once.
-With the native kernels, a graph whose ops all have plan kernels (prefill and decode) runs as one
+native kernels the GEMMs then take them as kernels/native_ops.py's prepare_weights lays them out, once,
+and the elementwise and row-wise ops run the artifact's generated C++ (cpu_program.py: checked,
+built once per machine), one call per CPU unit. With the native kernels, a graph whose ops all have plan kernels (prefill and decode) runs as one
 step plan (step_plan.py): one native call per step in place of a Python launch per op, the same
 kernels on the same work, so the same numbers; `step_plans=False` keeps every graph op by op. A
 graph the plan cannot take runs op by op, said once at INFO (the node and why) and kept in the
@@ -22,11 +23,11 @@ from llmc.compiler.ir import Graph
 from llmc.kernels.native_ops import KERNEL_CHOICES, choose_op_impls, prepare_weights
 
 from .artifact import Artifact
+from .cpu_program import CpuKernels, load_cpu_kernels, op_by_op_program
 from .executor import Executor, ExecutorOptions, GraphRun, KVCacheSpec
 from .sampling_params import RequestError
 from .slot_program import SlotProgram
 from .step_plan import NotPlannable, StepPlanProgram, lower_step_plan
-from .torch_backend import TorchProgram
 
 log = logging.getLogger("llmc")
 
@@ -77,9 +78,10 @@ class TorchExecutor(Executor):
             # which stays mapped (its pages resident) while any such view lives.
             weights = {name: w.clone() if isinstance(w, torch.Tensor) else w for name, w in weights.items()}
         no_plans = self._why_no_plans()
+        cpu = load_cpu_kernels(artifact) if self.kernels == "native" else None      # the generated C++ units
         for entry, graph in artifact.graphs.items():
             self.programs[entry], self.graph_runs[entry] = self._program(entry, graph, weights, impls, kv.block_size,
-                                                                         no_plans)
+                                                                         no_plans, cpu)
 
     def _why_no_plans(self) -> str:
         """Why no graph can be a step plan here, or '' where each graph may be one."""
@@ -93,13 +95,14 @@ class TorchExecutor(Executor):
 
     @staticmethod
     def _program(entry: str, graph: Graph, weights: dict, impls: dict, block_size: int,
-                 no_plans: str) -> tuple[SlotProgram | StepPlanProgram, GraphRun]:
-        """The graph as one native step plan where every op lowers to one, else op by op; and how it
-        runs. A graph that could be a plan but is not is a slower path: said once, at INFO."""
+                 no_plans: str, cpu: CpuKernels | None) -> tuple[SlotProgram | StepPlanProgram, GraphRun]:
+        """The graph as one native step plan where every op lowers to one, else op by op (over its CPU
+        units with the native kernels); and how it runs. A graph that could be a plan but is not is a
+        slower path: said once, at INFO."""
         if no_plans:
-            return TorchProgram(graph, weights, impls), GraphRun(entry, False, no_plans)
+            return op_by_op_program(graph, weights, impls, cpu), GraphRun(entry, False, no_plans)
         try:
-            return lower_step_plan(graph, weights, block_size), GraphRun(entry, True)
+            return lower_step_plan(graph, weights, block_size, kernels=cpu), GraphRun(entry, True)
         except NotPlannable as why:
             log.info("graph %s runs op by op, not as one step plan: %s", entry, why)
-            return TorchProgram(graph, weights, impls), GraphRun(entry, False, str(why))
+            return op_by_op_program(graph, weights, impls, cpu), GraphRun(entry, False, str(why))

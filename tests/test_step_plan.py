@@ -20,6 +20,7 @@ from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.ir import parse_graph
 from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.runtime.artifact import load_artifact
+from llmc.runtime.cpu_program import CpuProgram
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.executor import KVCacheSpec
 from llmc.runtime.model_runner import build_step_inputs
@@ -39,7 +40,7 @@ VARIANTS = {"f32": dict(), "bf16": dict(dtype="bfloat16"), "f32_kv8": dict(quant
             "bf16_kv8": dict(dtype="bfloat16", quant=QuantRecipe.parse(kv_dtype="int8")),
             "int8": dict(quant=QuantRecipe.parse("int8")),
             "bf16_int4": dict(dtype="bfloat16", quant=QuantRecipe.parse("int4-g32")),
-            "unfused": dict(disabled_passes=("fuse_silu_mul",))}      # silu and mul apart: no plan kernel
+            "unfused": dict(disabled_passes=("fuse_silu_mul",))}      # split, silu and mul: generated units
 NUM_BLOCKS, BLOCK = 24, 16
 
 
@@ -106,7 +107,7 @@ def decode_steps(executors: list[TorchExecutor], lens: list[int], steps: int = 3
     return results
 
 
-PLANNED = [v for v in VARIANTS if v != "unfused"]
+PLANNED = list(VARIANTS)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -115,7 +116,7 @@ PLANNED = [v for v in VARIANTS if v != "unfused"]
 def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads):
     art = artifact(family, variant)
     plan, ops = executor(art), executor(art, step_plans=False)
-    assert isinstance(plan.programs["decode"], StepPlanProgram) and isinstance(ops.programs["decode"], TorchProgram)
+    assert isinstance(plan.programs["decode"], StepPlanProgram) and isinstance(ops.programs["decode"], CpuProgram)
     lens = [1, 15, 16, 17, 40] + ([3, 9, 33, 70] if threads == 2 else [])   # 9 sequences: whole-decode items
     got, want = decode_steps([plan, ops], lens)
     for g, w in zip(got, want):
@@ -153,7 +154,7 @@ def mixed_steps(executors: list[TorchExecutor], every_position: bool = False) ->
 def test_prefill_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, threads, every_position):
     art = artifact(family, variant)
     plan, ops = executor(art), executor(art, step_plans=False)
-    assert isinstance(plan.programs["prefill"], StepPlanProgram) and isinstance(ops.programs["prefill"], TorchProgram)
+    assert isinstance(plan.programs["prefill"], StepPlanProgram) and isinstance(ops.programs["prefill"], CpuProgram)
     got, want = mixed_steps([plan, ops], every_position)
     assert [g.shape[0] for g in got] == ([54, 45, 3] if every_position else [5, 4, 3])    # tokens or chunks
     for g, w in zip(got, want):
@@ -252,22 +253,20 @@ def test_plan_times_each_instruction(artifact):
 
 def test_graphs_the_plan_cannot_take_run_op_by_op(artifact):
     art = artifact("llama", "unfused")
-    ex = executor(art)
-    assert isinstance(ex.programs["prefill"], TorchProgram) and isinstance(ex.programs["decode"], TorchProgram)
-    with pytest.raises(NotPlannable, match=r"\(split\) has no plan kernel"):     # the merged gate/up, split
+    with pytest.raises(NotPlannable, match=r"\(split\) has no plan kernel"):     # without its generated kernels
         lower_step_plan(art.graphs["decode"], {}, BLOCK)
     art = artifact("llama", "f32")
     assert isinstance(executor(art, kernels="reference").programs["decode"], TorchProgram)
     with pytest.raises(NotPlannable, match="not prepared as"):      # the refs' plain weights
         lower_step_plan(art.graphs["decode"], dict(art.weights), BLOCK)
-    assert isinstance(executor(art, block_size=32).programs["decode"], TorchProgram)
+    assert isinstance(executor(art, block_size=32).programs["decode"], CpuProgram)
     programs = executor(art, step_plans=False).programs
-    assert all(isinstance(p, TorchProgram) for p in programs.values())
+    assert all(isinstance(p, CpuProgram) for p in programs.values())
 
 
 def test_plan_declines_a_head_dim_its_rope_kernel_does_not_take(tiny_family):
     art = load_artifact(tiny_family("llama_gqa")[2])                   # hidden 72, head_dim 12
-    assert isinstance(executor(art).programs["decode"], TorchProgram)
+    assert isinstance(executor(art).programs["decode"], CpuProgram)
 
 
 def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
