@@ -20,7 +20,6 @@ from llmc.passes.fuse_rope_kv_write import fuse_rope_kv_write
 from llmc.passes.insert_paged_attention import insert_paged_attention
 from llmc.passes.merge_gate_up import merge_gate_up
 from llmc.passes.pipeline import PIPELINE, Pass
-from llmc.runtime import torch_backend
 from llmc.tools.bisect import FACTOR, bisect, tolerance
 from llmc.tools.cli import app
 
@@ -84,10 +83,9 @@ def k_and_v_swapped(graph, ctx):
 @pytest.fixture
 def off_by_one_op(monkeypatch):
     """A test-only op: kv_write with the slot off by one (what kv_slot_off_by_one emits)."""
-    monkeypatch.setitem(ops.OPS, "kv_write_off_by_one", dataclasses.replace(ops.OPS["kv_write"],
-                                                                             name="kv_write_off_by_one"))
-    monkeypatch.setitem(torch_backend.OP_IMPLS, "kv_write_off_by_one",
-                        lambda x, a: kv_write_ref(x[0], x[1], x[2], (x[3] + 1) % slots(x[0]), a["layer"]))
+    off_by_one = dataclasses.replace(ops.OPS["kv_write"], name="kv_write_off_by_one", reference=lambda x, a: kv_write_ref(
+        x.kv_cache, x.k, x.v, (x.slot_mapping + 1) % slots(x.kv_cache), a["layer"]))
+    monkeypatch.setitem(ops.OPS, "kv_write_off_by_one", off_by_one)
 
 
 def slots(kv_cache) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.kernels.attention import kv_write_ref, paged_attention_cpu, paged_attention_ref
+from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
 from llmc.kernels.quant import dequantize_kv_rows
 from llmc.kernels.rope import RopeTables, rope_ref
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
@@ -124,10 +124,10 @@ def op_table_attention(monkeypatch, table_op=None):
     cache: [prefill of a 21-token prompt, decode of its last token]; `table_op` wraps both entries.
     The write's q is checked as rope_kv_write_cpu's is, its codes within one of the ref's."""
     from llmc.kernels import native_ops
-    from llmc.kernels.torch_ops import OP_IMPLS
+    from llmc.kernels.torch_ops import run_op
 
     table = native_ops.native_op_impls()
-    monkeypatch.setattr(native_ops, "OP_IMPLS", {})                    # a fallback would KeyError
+    monkeypatch.setattr(native_ops, "OPS", {})                         # a fallback to a ref would KeyError
     wrap = table_op or (lambda op: op)
     heads, kv_heads, d, t = 9, 3, 64, 21
     g = torch.Generator().manual_seed(14)
@@ -135,8 +135,8 @@ def op_table_attention(monkeypatch, table_op=None):
     positions = slots = torch.arange(t)                                  # a prompt in blocks 0 and 1
     attrs = dict(layer=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, theta=1e4, scaling=None, scale=0.125)
     caches = [torch.zeros(1, 2, 3, kv_heads, BS, d + 4, dtype=torch.int8) for _ in range(2)]
-    q, _ = table["rope_kv_write"]([qkv, positions, caches[0], slots], attrs)
-    q_ref, _ = OP_IMPLS["rope_kv_write"]([qkv, positions, caches[1], slots], attrs)
+    q, _ = run_op("rope_kv_write", [qkv, positions, caches[0], slots], attrs, table)
+    q_ref, _ = run_op("rope_kv_write", [qkv, positions, caches[1], slots], attrs)
     assert_matches(q, q_ref, rope_ref(qkv[:, :heads * d].double(), positions, d, 1e4, None), torch.bfloat16, 2)
     assert (caches[0][..., :-4].int() - caches[1][..., :-4].int()).abs().max() <= 1
     step = [torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)]
@@ -144,7 +144,7 @@ def op_table_attention(monkeypatch, table_op=None):
     exact = paged_attention_ref(q.double(), caches[0], *step, qsl, 0, d, 0.125)
     inputs = {"paged_attention": ([q, caches[0], *step, qsl], exact),
               "paged_decode_attention": ([q[-1:], caches[0], *step], exact[-1:])}
-    return [(wrap(table[op])(x, attrs), OP_IMPLS[op](x, attrs), e) for op, (x, e) in inputs.items()]
+    return [(run_op(op, x, attrs, {op: wrap(table[op])}), run_op(op, x, attrs), e) for op, (x, e) in inputs.items()]
 
 
 def test_native_op_table_runs_an_int8_cache_natively(monkeypatch):
