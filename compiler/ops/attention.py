@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant_format import KV_SCALE_BYTES, dequantize_kv_rows, is_int8_cache, quantize_kv_rows
-from .checks import expect, float_, heads_width, index_tensor, same
+from .checks import FLOAT_DTYPES, expect, float_, heads_width, index_tensor, same
 from .record import Declined, Lowered, Operands, OpRecord, operands
 
 ATTN_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale")
@@ -171,7 +171,7 @@ def check_heads(q, k, v, attrs) -> None:
 
 def check_cache(cache, attrs) -> None:
     expect(len(cache.shape) == 6 and cache.shape[1] == 2, f"kv cache must be [L,2,NB,KVH,BS,D], got {cache}")
-    expect(cache.dtype in ("f32", "f16", "bf16", "i8"), f"kv cache must be float or i8, got {cache}")
+    expect(cache.dtype in (*FLOAT_DTYPES, "i8"), f"kv cache must be float or i8, got {cache}")
     row = attrs["head_dim"] + (KV_SCALE_BYTES if cache.dtype == "i8" else 0)
     expect(cache.shape[3] == attrs["num_kv_heads"] and cache.shape[5] == row,
            f"kv cache {cache} does not match num_kv_heads={attrs['num_kv_heads']}, head_dim={attrs['head_dim']}"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ..dtypes import FLOAT_DTYPES
 from ..ir import IRError, TensorType
 
-FLOAT_DTYPES = ("f32", "f16", "bf16")
-INDEX_DTYPES = ("i64", "i32")
+INDEX_DTYPES = ("i64", "i32")      # the integer types an index operand (ids, slots, lengths) may have
 
 
 def expect(cond: bool, message: str) -> None:
