@@ -1,8 +1,9 @@
 """The torch backend's op table with llmc's native CPU kernels (kernels/cpu/*.cpp) in place of
-the torch refs for the ops that dominate a step: GEMMs (linear, qlinear), paged attention, RoPE +
-KV write, RMSNorm and SiLU-and-multiply. Every entry checks, per call, that its kernel takes the
-inputs (dtype, block size, head_dim) and runs the op's torch ref where it does not, so any
-artifact runs.
+the torch refs for the template ops that dominate a step: GEMMs (linear, qlinear), paged
+attention, RoPE + KV write and the embedding gathers. Every entry checks, per call, that its
+kernel takes the inputs (dtype, block size, head_dim) and runs the op's torch ref where it does
+not, so any artifact runs. The elementwise and row-wise ops (RMSNorm, SiLU-and-multiply, ...) are
+not here: they run as the artifact's generated C++ (runtime/cpu_program.py), or their refs.
 
 The GEMMs take their weights as `prepare_weights` left them when the executor was built: a
 linear's weight, or a qlinear's codes with their scales and mins, become a kernels/gemv.py
@@ -24,13 +25,11 @@ from llmc.compiler.ir import Graph
 from llmc.compiler.ops import OPS, Operands, bind
 from llmc.compiler.ops.rope import qkv_columns
 
-from .activation import native_silu_mul_fits, silu_mul_cpu
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
 from .gemv import GemvWeight, gemv_fits, gemv_ref, prepare_linear_weight, prepare_qlinear_weight, run_gemv
 from .native import NativeBuildError, load_native_kernels
 from .panels import from_panels, panel_rows, quantized_rows
 from .quant import dequantize_weight
-from .rmsnorm import add_rmsnorm_cpu, native_norm_fits, rmsnorm_cpu
 from .rope import RopeTables
 from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write
 from .torch_ops import OpImpl
@@ -77,22 +76,9 @@ def native_op_impls() -> dict[str, OpImpl]:
             return OPS["paged_decode_attention"].reference(x, a)
         return run_paged_decode_attention(x.q, x.kv_cache, x.block_tables, x.seq_lens, a["layer"], a["scale"])
 
-    def add_rmsnorm(x, a):
-        fits = native_norm_fits(x.x) and x.x.dtype == x.residual.dtype == x.weight.dtype
-        return add_rmsnorm_cpu(x.x, x.residual, x.weight, a["eps"]) if fits else OPS["add_rmsnorm"].reference(x, a)
-
-    def rmsnorm(x, a):
-        fits = native_norm_fits(x.x) and x.x.dtype == x.weight.dtype
-        return rmsnorm_cpu(x.x, x.weight, a["eps"]) if fits else OPS["rmsnorm"].reference(x, a)
-
-    def silu_mul(x, a):
-        gate, up = (x.x, None) if "x" in x else (x.gate, x.up)
-        return silu_mul_cpu(gate, up) if native_silu_mul_fits(gate, up) else OPS["silu_mul"].reference(x, a)
-
     return {"linear": linear, "qlinear": qlinear, "embedding": embedding_rows, "qembedding": qembedding_rows,
             "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,
-            "paged_decode_attention": paged_decode_attention, "add_rmsnorm": add_rmsnorm, "rmsnorm": rmsnorm,
-            "silu_mul": silu_mul}
+            "paged_decode_attention": paged_decode_attention}
 
 
 def _plain(t: Any) -> torch.Tensor:

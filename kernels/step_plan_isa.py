@@ -136,16 +136,12 @@ def _args(spec: str, **docs: str) -> tuple[Arg, ...]:
 STEP_PLAN_INSTRUCTIONS = [
     Instruction("embedding", _args("out table ids layout:int vocab:int width:int",
                                    layout="0: rows [V, W]; 1: float panels")),
-    Instruction("rmsnorm", _args("out x weight width:int"), f="eps"),
-    Instruction("add_rmsnorm", _args("out sum x residual weight width:int"), f="eps"),
     Instruction("linear", _args("out x panels bias:optional k:int n:int num_panels:int")),
     Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
                                        "cache slots layer:int heads:int kv_heads:int head_dim:int",
                                        row_width="the elements of a row of q, k and v")),
     Instruction("paged_decode_attention", _args("out q cache block_tables seq_lens layer:int heads:int "
                                                 "kv_heads:int head_dim:int"), f="scale"),
-    Instruction("silu_mul", _args("out gate up gate_col:column up_col:column row_width:int n:int",
-                                  row_width="the elements of a row of gate and up")),
     Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "
                                  "bits:int group:int", mins="-1: int8 codes have none")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "

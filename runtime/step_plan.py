@@ -37,7 +37,6 @@ disjoint row ranges.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,7 +56,6 @@ from .liveness import dying_after
 from .slot_program import LaunchTime
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
-HANDWRITTEN_SWITCH = "LLMC_HANDWRITTEN_ROWS"      # temporary, for one measurement: "1" runs the old row kernels
 
 
 class NotPlannable(ValueError):
@@ -224,28 +222,6 @@ def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
                   vocab=vocab, width=width)
 
 
-def _norm_weight(lo: _Lowering, node: Node, v: Value, width: int) -> int:
-    w = lo.weight(v)
-    if not (isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.shape == (width,) and width % 16 == 0):
-        raise NotPlannable(f"{node.name} ({node.op}) needs a {lo.dtype} weight [{width}], a multiple of 16 wide")
-    return lo.constant(w.contiguous())
-
-
-def _lower_rmsnorm(lo: _Lowering, node: Node) -> Encoded:
-    x, weight = node.inputs
-    width = lo.width(x, node)
-    return encode("rmsnorm", out=lo.result(node), x=lo.activation(x, node), weight=_norm_weight(lo, node, weight, width),
-                  width=width, eps=node.attrs["eps"])
-
-
-def _lower_add_rmsnorm(lo: _Lowering, node: Node) -> Encoded:
-    x, residual, weight = node.inputs
-    width = lo.width(x, node)
-    return encode("add_rmsnorm", out=lo.result(node, 0), sum=lo.result(node, 1), x=lo.activation(x, node),
-                  residual=lo.activation(residual, node), weight=_norm_weight(lo, node, weight, width), width=width,
-                  eps=node.attrs["eps"])
-
-
 def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
     x, weight, *bias = node.inputs
     w, b = lo.weight(weight), lo.weight(bias[0]) if bias else None
@@ -336,18 +312,6 @@ def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:
                   width=width)
 
 
-def _lower_silu_mul(lo: _Lowering, node: Node) -> Encoded:
-    if len(node.inputs) != 1:
-        raise NotPlannable(f"{node.name} (silu_mul) takes gate and up apart; the plan takes one [R, 2N] input")
-    (x,) = node.inputs
-    width = lo.width(x, node)
-    if width % 32:
-        raise NotPlannable(f"{node.name} (silu_mul) halves of {width // 2} are not a multiple of 16")
-    out, source = lo.result(node), lo.activation(x, node)
-    return encode("silu_mul", out=out, gate=source, up=source, gate_col=0, up_col=width // 2, row_width=width,
-                  n=width // 2)
-
-
 def lower_generated(lo: _Lowering, fn_address: int, inputs: list[Value], outputs: list[Value],
                     keepalive: Any) -> Encoded:
     """A generated kernel at `fn_address` (`ctypes.cast(lib.NAME, ctypes.c_void_p).value`; the
@@ -373,10 +337,10 @@ def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
     return lo.ids[v] if op == "input" else lo.activation(v, unit)
 
 
-LOWERINGS = {"embedding": _lower_embedding, "rmsnorm": _lower_rmsnorm, "add_rmsnorm": _lower_add_rmsnorm,
-             "linear": _lower_linear, "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
-             "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
-             "silu_mul": _lower_silu_mul, "index_select": _lower_index_select}
+# the template ops' lowerings (elementwise and row-wise ops run as generated units, lower_generated)
+LOWERINGS = {"embedding": _lower_embedding, "linear": _lower_linear, "qlinear": _lower_qlinear,
+             "rope_kv_write": _lower_rope_kv_write, "paged_decode_attention": _lower_attention,
+             "paged_attention": _lower_attention, "index_select": _lower_index_select}
 
 
 Lowering = Callable[[_Lowering, Node], Encoded]
@@ -387,8 +351,6 @@ def _plan_units(graph: Graph, lowerings: dict[str, Lowering],
     """The graph's CPU units in launch order with their generated functions' addresses (None: the
     unit's nodes lower one by one through `lowerings`, which must have each of them)."""
     units = kernels.units(graph) if kernels is not None else [(u, None) for u in cpu_units(graph)]
-    if os.environ.get(HANDWRITTEN_SWITCH) == "1":      # temporary: the hand-written row kernels, to measure
-        units = [(u, None if len(u.nodes) == 1 and u.nodes[0].op in lowerings else a) for u, a in units]
     for unit, address in units:
         for node in unit.nodes if address is None else ():
             if node.op not in lowerings:

@@ -13,12 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels.activation import silu_mul_cpu, silu_mul_ref
 from llmc.kernels.attention import (kv_write_ref, paged_attention_cpu, paged_attention_ref,
                                     paged_decode_attention_cpu, paged_decode_attention_ref)
 from llmc.kernels.linear import PackedLinear
 from llmc.kernels.native import clear_stale_lock, load_native_kernels
-from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref, rmsnorm_cpu, rmsnorm_ref
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
 from paged_layout import shuffled_block_tables
@@ -126,29 +124,6 @@ def test_rope_kv_write_refuses_a_slot_outside_the_cache():
     with pytest.raises(RuntimeError, match="outside the cache"):
         rope_kv_write_cpu(torch.zeros(1, 96), torch.zeros(1, dtype=torch.long), cache, torch.tensor([2 * BS]),
                           layer=0, num_heads=1, num_kv_heads=1, head_dim=32, tables=RopeTables(32, 1e4, None))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_rmsnorms_match_ref(dtype, tokens):
-    g = torch.Generator().manual_seed(tokens)
-    x, r = (torch.randn(tokens, 576, generator=g).to(dtype) for _ in range(2))
-    w = torch.rand(576, generator=g).add(0.5).to(dtype)
-    normed, total = add_rmsnorm_cpu(x, r, w, 1e-5)
-    want_normed, want_total = add_rmsnorm_ref(x, r, w, 1e-5)
-    torch.testing.assert_close(total, want_total, atol=0, rtol=0)          # the same rounded sum
-    assert_matches(normed, want_normed, rmsnorm_ref(total.double(), w.double(), 1e-5), dtype, 576)
-    assert_matches(rmsnorm_cpu(x, w, 1e-5), rmsnorm_ref(x, w, 1e-5), rmsnorm_ref(x.double(), w.double(), 1e-5),
-                   dtype, 576)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_ref_packed_and_split(dtype):
-    x = (torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
-    exact = silu_mul_ref(x.double())
-    assert_matches(silu_mul_cpu(x), silu_mul_ref(x), exact, dtype, 1)
-    gate, up = x.chunk(2, dim=-1)
-    assert_matches(silu_mul_cpu(gate, up), silu_mul_ref(gate, up), exact, dtype, 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,11 +25,15 @@ def linear_args(**changes) -> dict:
     return dict(dict(out=5, x=1, panels=2, bias=-1, k=64, n=32, num_panels=1), **changes)
 
 
+def attention_args() -> dict:
+    return dict(out=3, q=1, cache=2, block_tables=4, seq_lens=5, layer=0, heads=4, kv_heads=2, head_dim=32)
+
+
 def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     got = encode("linear", **dict(reversed(linear_args().items())))       # the order given does not matter
     assert got.opcode == STEP_PLAN_ISA.opcodes["linear"] and got.args == [5, 1, 2, -1, 64, 32, 1] and got.f == 0.0
-    norm = encode("rmsnorm", out=3, x=1, weight=2, width=64, eps=1e-5)     # the float arg by its meaning
-    assert norm.args == [3, 1, 2, 64] and norm.f == 1e-5
+    attention = encode("paged_decode_attention", **attention_args(), scale=0.125)   # the float arg by its meaning
+    assert attention.args == [3, 1, 2, 4, 5, 0, 4, 2, 32] and attention.f == 0.125
     unit = encode("generated", fn=4096, num_inputs=2, values=[1, 2, 3])
     assert unit.args == [4096, 2, 1, 2, 3]
 
@@ -40,8 +44,10 @@ def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     ("linear", linear_args(scale=1.0), r"unknown \['scale'\]"),
     ("linear", linear_args(x=-1), r"arg x \(value\) of linear is -1, not an int >= 0"),
     ("linear", linear_args(k=True), r"arg k \(int\) of linear is True, not an int"),
-    ("rmsnorm", dict(out=3, x=1, weight=2, width=64), r"missing \['eps'\]"),
-    ("silu_mul", dict(out=1, gate=0, up=0, gate_col=-4, up_col=8, row_width=16, n=8), r"gate_col \(column\)"),
+    ("paged_decode_attention", attention_args(), r"missing \['scale'\]"),
+    ("index_select", dict(out=1, x=0, indices=2, width=16, col=-4), r"unknown \['col'\]"),
+    ("rope_kv_write", dict(q_out=1, q=0, k=0, v=0, q_col=-4, k_col=8, v_col=16, row_width=24, cos=2, sin=3, cache=4,
+                           slots=5, layer=0, heads=1, kv_heads=1, head_dim=8), r"q_col \(column\)"),
     ("generated", dict(fn=0, num_inputs=1, values=[1, 2]), r"arg fn \(address\) of generated is 0"),
     ("generated", dict(fn=8, num_inputs=1, values=3), r"not a list of value ids"),
     ("gemm", {}, r"no instruction 'gemm'"),
@@ -78,7 +84,8 @@ def test_a_reordered_description_renumbers_both_sides_and_changes_nothing_else()
     a, b = isa.instructions[0].name, isa.instructions[1].name
     assert (swapped.opcodes[a], swapped.opcodes[b]) == (isa.opcodes[b], isa.opcodes[a])
     assert arg_layouts(render_header(isa)) == arg_layouts(render_header(swapped))     # every arg's index
-    assert swapped.encode("linear", **linear_args()) == encode("linear", **linear_args())     # not one of the two
+    rows = dict(out=1, x=0, indices=2, width=16)
+    assert swapped.encode("index_select", **rows) == encode("index_select", **rows)     # not one of the two
     assert swapped.encode(a, **_some_args(a)).opcode == enum_of(render_header(swapped))[enum_name(isa[a])] == 1
     assert swapped.hash() != isa.hash()                      # a build of one is refused by the other
 

@@ -1,6 +1,7 @@
 """Kernel benchmark: `python -m llmc.tools.bench_kernels [--dtype bfloat16|float32]`.
 
-Times each native CPU kernel against its torch ref (the peer, in the same run) at SmolLM2-135M
+Times each native CPU kernel (add_rmsnorm and silu_mul: the C++ llmc codegen writes for them,
+launched as the op-by-op path launches it) against its torch ref (the peer, in the same run) at SmolLM2-135M
 shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, MLP 1536): a decode step of 64
 sequences with 40-400 cached tokens, and a 512-token prompt step (two prompts of 256), and the
 panel GEMM (kernels/panels.py) against F.linear over the model's four layer GEMMs at several token
@@ -18,16 +19,40 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels.activation import silu_mul_cpu, silu_mul_ref
+from llmc.compiler.codegen.cpu_lowering import lower_cpu
+from llmc.compiler.ir import parse_graph
+from llmc.kernels.activation import silu_mul_ref
 from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
+from llmc.kernels.generated import load_generated
 from llmc.kernels.gemv import gemv_cpu, prepare_linear_weight
 from llmc.kernels.native import load_native_kernels
-from llmc.kernels.rmsnorm import add_rmsnorm_cpu, add_rmsnorm_ref
+from llmc.kernels.rmsnorm import add_rmsnorm_ref
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
+from llmc.runtime.cpu_program import generated_launch
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, BLOCK = 9, 3, 64, 576, 1536, 16
 LAYER_GEMMS = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]   # qkv, o, gate_up, down
+ROW_OPS = """graph rows {{
+  %x = input() : {dt}[T,{hidden}]
+  %r = input() : {dt}[T,{hidden}]
+  %gate_up = input() : {dt}[T,{gate_up}]
+  %w.norm = weight() : {dt}[{hidden}]
+  %0 = add_rmsnorm(%x, %r, %w.norm, eps=1e-05) : {dt}[T,{hidden}], {dt}[T,{hidden}]
+  %1 = silu_mul(%gate_up) : {dt}[T,{mlp}]
+  return %0, %0#1, %1
+}}
+"""
+
+
+def generated_row_ops(dtype: torch.dtype) -> dict[str, Callable[[list], tuple]]:
+    """add_rmsnorm and silu_mul at the model's widths, each its generated C++ launched by run_generated."""
+    dt = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    graph = parse_graph(ROW_OPS.format(dt=dt, hidden=HIDDEN, gate_up=2 * MLP, mlp=MLP))
+    lowering = lower_cpu({graph.name: graph})
+    library = load_generated(lowering.source())
+    return {unit.nodes[0].op: generated_launch(library.address(name), unit, graph)
+            for unit, name in zip(lowering.units[graph.name], lowering.plan[graph.name])}
 
 
 def ms_per_call(fn: Callable[[], object], repeat: int = 20) -> float:
@@ -62,14 +87,15 @@ def kernel_rows(name: str, tokens: int, chunks: list[int], lens: list[int], dtyp
     norm_weight, gate_up = torch.rand(HIDDEN).to(dtype), torch.randn(tokens, 2 * MLP).to(dtype)
     tables_for_rope = RopeTables(HEAD_DIM, 1e5, None)
     rope = dict(layer=0, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    generated = generated_row_ops(dtype)
     pairs = {
         "paged_attention": (lambda: paged_attention_cpu(q, cache, tables, seq_lens, qsl, 0, 0.125),
                             lambda: paged_attention_ref(q, cache, tables, seq_lens, qsl, 0, HEAD_DIM, 0.125)),
         "rope_kv_write": (lambda: rope_kv_write_cpu(qkv, positions, cache, slots, **rope, tables=tables_for_rope),
                           lambda: rope_kv_write_ref(qkv, positions, cache, slots, **rope, theta=1e5, scaling=None)),
-        "add_rmsnorm": (lambda: add_rmsnorm_cpu(x, residual, norm_weight, 1e-5),
+        "add_rmsnorm": (lambda: generated["add_rmsnorm"]([x, residual, norm_weight], {}),
                         lambda: add_rmsnorm_ref(x, residual, norm_weight, 1e-5)),
-        "silu_mul": (lambda: silu_mul_cpu(gate_up), lambda: silu_mul_ref(gate_up)),
+        "silu_mul": (lambda: generated["silu_mul"]([gate_up], {}), lambda: silu_mul_ref(gate_up)),
     }
     return [(f"{op} ({name})", ms_per_call(native), ms_per_call(ref)) for op, (native, ref) in pairs.items()]
 

@@ -71,12 +71,9 @@ inline int64_t result_of(const Instr& in) {
   const auto& a = in.a;
   switch (in.op) {
     case kEmbedding: return a[arg::embedding::out];
-    case kRmsnorm: return a[arg::rmsnorm::out];
-    case kAddRmsnorm: return a[arg::add_rmsnorm::out];
     case kLinear: return a[arg::linear::out];
     case kQlinear: return a[arg::qlinear::out];
     case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
-    case kSiluMul: return a[arg::silu_mul::out];
     case kIndexSelect: return a[arg::index_select::out];
     case kGenerated: {
       const GeneratedArgs g = generated_args(in);
@@ -202,22 +199,6 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
     case kEmbedding:
       embed_rows<X>(in, b, first, last);
       break;
-    case kRmsnorm: {
-      namespace A = arg::rmsnorm;
-      const int64_t w = a[A::width];
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::norm_row<X>(x_at(a[A::x]) + t * w, nullptr, x_at(a[A::weight]), nullptr, x_at(a[A::out]) + t * w, w,
-                            static_cast<float>(in.f));
-      break;
-    }
-    case kAddRmsnorm: {
-      namespace A = arg::add_rmsnorm;
-      const int64_t w = a[A::width];
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::norm_row(x_at(a[A::x]) + t * w, x_at(a[A::residual]) + t * w, x_at(a[A::weight]),
-                            x_at(a[A::sum]) + t * w, x_at(a[A::out]) + t * w, w, static_cast<float>(in.f));
-      break;
-    }
     case kLinear: {
       namespace A = arg::linear;
       const auto [begin, end] = share(a[A::num_panels], tid, team);
@@ -231,14 +212,6 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
     case kRopeKvWrite:
       rope_kv_write<X, C>(in, b, first, last, row);
       break;
-    case kSiluMul: {
-      namespace A = arg::silu_mul;
-      const int64_t width = a[A::row_width], n = a[A::n];
-      for (int64_t t = first; t < last; ++t)
-        llmc_rows::silu_mul_row(x_at(a[A::gate]) + t * width + a[A::gate_col],
-                                x_at(a[A::up]) + t * width + a[A::up_col], x_at(a[A::out]) + t * n, n);
-      break;
-    }
     case kPagedDecodeAttention:
     case kPagedAttention:
       attend<X, C>(in, b, index, scratch);

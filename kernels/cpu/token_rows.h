@@ -1,13 +1,11 @@
-// The per-token work of the elementwise ops, one token's row at a time on the calling thread:
-// rmsnorm.cpp, silu_mul.cpp and rope_kv_write.cpp (which hold the contracts) split the tokens among
-// the intra-op threads, a step plan (step_plan.cpp) among its team.
+// The per-token work of RoPE + KV write, one token's row at a time on the calling thread:
+// rope_kv_write.cpp (which holds the contract) splits the tokens among the intra-op threads, a
+// step plan (step_plan.cpp) among its team. (The elementwise and row-wise ops are generated C++:
+// compiler/codegen/cpp.py.)
 //
-//   norm_row      RMSNorm of a row, optionally of x + residual (the sum stored too)
-//   silu_mul_row  silu(gate) * up
 //   rope_token    q and k of a token rotated (rotate-half), k and v stored at its cache slot
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -19,31 +17,6 @@ namespace llmc_rows {
 using llmc_cpu::load16;
 using llmc_cpu::store16;
 using llmc_cpu::Vec16;
-
-// One row: `sum_out` (if given) receives x + residual; `out` the normed row.
-template <typename T>
-void norm_row(const T* x, const T* residual, const T* weight, T* sum_out, T* out, int64_t n, float eps) {
-  Vec16 squares{};
-  for (int64_t j = 0; j < n; j += 16) {
-    Vec16 v = load16(x + j);
-    if (residual) {
-      store16(sum_out + j, v + load16(residual + j));
-      v = load16(sum_out + j);  // the sum as rounded to T, as the reference keeps it
-    }
-    squares += v * v;
-  }
-  const float inv_rms = 1.f / std::sqrt(llmc_cpu::hsum(squares) / n + eps);
-  const T* src = residual ? sum_out : x;
-  for (int64_t j = 0; j < n; j += 16) store16(out + j, load16(src + j) * inv_rms * load16(weight + j));
-}
-
-template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
-  for (int64_t j = 0; j < n; j += 16) {
-    const Vec16 x = load16(gate + j);
-    store16(out + j, x / (1.f + llmc_cpu::exp16(-x)) * load16(up + j));
-  }
-}
 
 // Rotates `heads` heads of one token from `src` into `dst` (T or float).
 template <typename T, typename O>
