@@ -2,12 +2,16 @@
 runtime/cpu_program.py, kernels/generated.py): a group cut into template nodes and generated runs,
 producers first; the artifact's kernels/cpu/generated.cpp is what this llmc generates (an edited
 or missing one is refused in one sentence), and `llmc kernels` shows it for a cpu-target
-artifact; what codegen cannot write is named; a build is named by its content and left whole."""
+artifact; what codegen cannot write is named; a build is named by its content and left whole, also
+when two processes build it at once, and a failed build is one sentence."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -20,10 +24,11 @@ from llmc.compiler.codegen.cpu_units import cpu_units, is_generated
 from llmc.compiler.ir import Value, parse_graph
 from llmc.compiler.ops import verify
 from llmc.kernels.generated import library_digest, load_generated
+from llmc.kernels.native import NativeBuildError
 from llmc.passes.fusion_grouping import fusion_grouping
 from llmc.passes.rewrite import PassContext
 from llmc.runtime.artifact import ArtifactError, load_artifact
-from llmc.runtime.cpu_program import CpuProgram, load_cpu_kernels
+from llmc.runtime.cpu_program import CpuKernels, CpuProgram, load_cpu_kernels
 from llmc.runtime.executor import KVCacheSpec
 from llmc.runtime.torch_executor import TorchExecutor, TorchOptions
 
@@ -71,6 +76,10 @@ def test_what_codegen_cannot_write_is_named():
             lower_cpu({"g": graph(text, grouped=False)})
 
 
+def _kernels_for(g, library) -> CpuKernels:
+    return CpuKernels({"g": g}, lower_cpu({"g": g}), library)
+
+
 def test_a_build_is_named_by_its_source_and_leaves_no_partial_files(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
     g = graph("%x = input() : f32[T,20]\n%0 = silu(%x) : f32[T,20]\nreturn %0", grouped=False)
@@ -83,10 +92,38 @@ def test_a_build_is_named_by_its_source_and_leaves_no_partial_files(tmp_path, mo
     torch.testing.assert_close(out, torch.nn.functional.silu(x))
 
 
-def _kernels_for(g, library):
-    from llmc.runtime.cpu_program import CpuKernels
+def test_processes_building_one_library_at_once_each_load_a_whole_one(tmp_path):
+    """Two processes build the same source into one fresh cache at once: both load it and run it."""
+    code = textwrap.dedent("""
+        import ctypes, torch
+        from llmc.compiler.codegen.cpu_lowering import lower_cpu
+        from llmc.compiler.ir import parse_graph
+        from llmc.kernels.generated import load_generated
+        g = parse_graph("graph g {\\n  %x = input() : f32[T,20]\\n  %0 = silu(%x) : f32[T,20]\\n  return %0\\n}\\n")
+        lowering = lower_cpu({"g": g})
+        fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(
+            load_generated(lowering.source()).address(lowering.plan["g"][0]))
+        x, out = torch.randn(4, 20), torch.empty(4, 20)
+        ptrs, strides = torch.tensor([x.data_ptr(), out.data_ptr()]), torch.tensor([20, 20])
+        fn(ptrs.data_ptr(), strides.data_ptr(), 0, 4)
+        torch.testing.assert_close(out, torch.nn.functional.silu(x))
+        """)
+    env = dict(os.environ, LLMC_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    built = list(tmp_path.rglob("generated/*"))
+    assert sorted(p.suffix for p in built) == [".cpp", ".so"]          # one library, no partial file left
 
-    return CpuKernels({"g": g}, lower_cpu({"g": g}), library)
+
+def test_a_failed_build_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(NativeBuildError, match=r"no-such-c\+\+.* could not build the generated CPU kernels .*"
+                                               r"--kernels reference"):
+        load_generated(lower_cpu({"g": graph("%x = input() : f32[T,8]\n%0 = silu(%x) : f32[T,8]\nreturn %0",
+                                             grouped=False)}).source())
+    assert not list(tmp_path.rglob("generated/*"))
 
 
 @pytest.fixture(scope="module")
