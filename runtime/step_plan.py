@@ -46,7 +46,7 @@ from llmc.compiler.codegen.cpu_units import cpu_units, unit_kind
 from llmc.compiler.codegen.units import KernelUnit
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, Node, Value
-from llmc.compiler.ops import OPS
+from llmc.compiler.ops import OPS, operands_of
 from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
@@ -210,8 +210,8 @@ class _Lowering:
 
 
 def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
-    table, ids = node.inputs
-    w = lo.weight(table)
+    x = operands_of(node)
+    ids, w = x.ids, lo.weight(x.table)
     if isinstance(w, GemvWeight) and w.format in ("f32", "bf16") and w.weight.dtype == lo.dtype:
         layout, table_id, (vocab, width) = 1, lo.panels(w)[0], (w.rows, w.in_features)
     elif isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.dim() == 2:
@@ -223,8 +223,9 @@ def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
 
 
 def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
-    x, weight, *bias = node.inputs
-    w, b = lo.weight(weight), lo.weight(bias[0]) if bias else None
+    named = operands_of(node)
+    x, bias = named.x, named.get("bias")
+    w, b = lo.weight(named.weight), lo.weight(bias) if bias else None
     if not (isinstance(w, GemvWeight) and not w.bits and w.weight.dtype == lo.dtype):
         raise NotPlannable(f"{node.name} (linear) multiplies by a weight not prepared as {lo.dtype} panels")
     if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
@@ -237,12 +238,11 @@ def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
 
 
 def _lower_qlinear(lo: _Lowering, node: Node) -> Encoded:
-    x, codes = node.inputs[:2]
-    w = lo.weight(codes)
+    named = operands_of(node)
+    x, bias, w = named.x, named.get("bias"), lo.weight(named.codes)   # its scales and mins are in the panels
     if not (isinstance(w, GemvWeight) and w.bits):
         raise NotPlannable(f"{node.name} (qlinear) multiplies by codes not prepared as quantized panels")
-    bias = node.inputs[3 + (w.bits == 4):]              # x, codes, scales[, mins][, bias]
-    b = lo.weight(bias[0]) if bias else None
+    b = lo.weight(bias) if bias else None
     if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
         raise NotPlannable(f"{node.name} (qlinear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
     if lo.width(x, node) != w.in_features:
@@ -264,9 +264,10 @@ def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) ->
 def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
     a = node.attrs
     heads, kv_heads, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
-    if len(node.inputs) != 4:
+    named = operands_of(node)
+    if "qkv" not in named:
         raise NotPlannable(f"{node.name} (rope_kv_write) takes q, k and v apart; the plan takes a packed qkv")
-    qkv, positions, cache, slots = node.inputs
+    qkv, positions, cache, slots = named.qkv, named.positions, named.kv_cache, named.slot_mapping
     width = lo.width(qkv, node)
     if width != (heads + 2 * kv_heads) * d:
         raise NotPlannable(f"{node.name} (rope_kv_write) reads a packed qkv of {width}, not "
@@ -290,18 +291,19 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
 
 def _lower_attention(lo: _Lowering, node: Node) -> Encoded:
     """paged_decode_attention (q, cache, tables, lens) or paged_attention (and query_start_loc)."""
-    q, cache, tables, lens, *starts = node.inputs
-    a = node.attrs
+    x, a = operands_of(node), node.attrs
+    q, cache, tables, lens = x.q, x.kv_cache, x.block_tables, x.seq_lens
     out, q_id, cache_id = lo.result(node), lo.activation(q, node), _cache(lo, node, cache, a["head_dim"], 16)
     tables_id, lens_id = lo.graph_input(tables, node), lo.graph_input(lens, node)
-    chunks = {"query_start_loc": lo.graph_input(starts[0], node)} if starts else {}   # paged_attention's
+    chunks = {"query_start_loc": lo.graph_input(x.query_start_loc, node)} if "query_start_loc" in x else {}
     return encode(node.op, out=out, q=q_id, cache=cache_id, block_tables=tables_id, seq_lens=lens_id, **chunks,
                   layer=a["layer"], heads=a["num_heads"], kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
                   scale=a["scale"])
 
 
 def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:
-    x, indices = node.inputs
+    named = operands_of(node)
+    x, indices = named.x, named.indices
     if lo.per_sequence(x) or not lo.per_sequence(node.value()):
         raise NotPlannable(f"{node.name} (index_select) gathers rows other than one per sequence from the tokens")
     width = lo.width(x, node)
