@@ -18,7 +18,7 @@ from llmc.compiler.ops import OpRecord, operands, registered
 from llmc.compiler.ops.elementwise import unary_float
 from llmc.runtime.torch_backend import interpret
 from test_codegen_kernels import graph_of, inputs_for, run_generated
-from tolerances import tolerance
+from tolerances import assert_as_close_as_ref, tolerance
 
 GELU_TANH = OpRecord(
     "gelu_tanh", (operands("x"),), (), unary_float, "elementwise", "x * Phi(x), Phi by its tanh approximation",
@@ -61,3 +61,24 @@ def test_triton_kernel_generated_from_the_formula_equals_the_reference(gelu_op, 
     (got,), lowering = run_generated(graph, weights, feeds, tmp_path)
     assert any("gelu_tanh" in name for name in lowering.modules)
     torch.testing.assert_close(got, _reference(feeds, torch.float32), **tolerance(torch.float32, 1))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_step_plan_runs_the_generated_cpp_kernel_and_equals_the_reference(gelu_op, tokens, dtype):
+    from llmc.compiler.codegen.cpu_lowering import lower_cpu
+    from llmc.kernels.generated import load_generated
+    from llmc.kernels.native import load_native_kernels
+    from llmc.runtime.cpu_program import CpuKernels
+    from llmc.runtime.step_plan import lower_step_plan
+
+    load_native_kernels()
+    graph = graph_of("gelu", dtype, CASES)
+    lowering = lower_cpu({graph.name: graph})
+    assert "gelu_tanh" in lowering.source()
+    kernels = CpuKernels({graph.name: graph}, lowering, load_generated(lowering.source()))
+    feeds, weights = inputs_for(graph, tokens)
+    (got,) = lower_step_plan(graph, weights, 16, kernels=kernels)(feeds)
+    exact = _reference({k: v.double() for k, v in feeds.items()}, torch.float64)
+    want = (F.gelu(feeds["x"], approximate="tanh") * feeds["y"])              # the reference, op by op in dtype
+    assert_as_close_as_ref(got, want, exact, want.dtype, "max")
