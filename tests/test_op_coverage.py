@@ -62,3 +62,13 @@ def test_a_record_names_its_operands_and_binds_them_by_attribute():
     int4 = bind(OPS["qlinear"], ["x", "codes", "scales", "mins"], {"bits": 4, "group_size": 32})
     assert list(int4) == ["x", "codes", "scales", "mins"]
     assert Lowered("a") != Declined("a")
+
+
+def test_the_step_plans_instructions_are_the_records():
+    from llmc.kernels.step_plan_isa import STEP_PLAN_ISA
+    from llmc.runtime.step_plan import LOWERINGS
+
+    assert set(LOWERINGS) == lowered_by("step_plan", "instruction")
+    named = {c.detail.split()[1] for row in op_matrix() for c in row
+             if c.backend == "step_plan" and c.detail.startswith("instruction")}
+    assert named <= {i.name for i in STEP_PLAN_ISA.instructions}
