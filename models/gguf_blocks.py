@@ -8,6 +8,14 @@ with byte j of the 16 holding weight j in its low nibble and weight j + 16 in it
 order of llmc's int4 format (compiler/quant_format.py). So Q8_0 is int8 with groups of 32, Q4_1
 is int4-g32 as it stands, and Q4_0 is int4-g32 with min = -8d (exact in fp16 and in the fp32
 dequantization).
+
+Which GGUF tensor types llmc reads, and how (READ_TYPES; any other type is one ModelError):
+  kept as codes   Q8_0, Q4_0, Q4_1: llmc has kernels for these formats, so the file's codes and
+                  scales go to the artifact as they are (read_blocks)
+  dequantized     F32, F16, BF16, and Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: no kernel reads
+                  the 5-bit or K-quant blocks yet, so they load as the fp32 weights gguf-py's
+                  dequantize gives, which --quant may re-quantize to one of llmc's formats
+Every tensor, kept or not, is also dequantized to fp32 (models/gguf_loader.py).
 """
 
 from __future__ import annotations
@@ -20,8 +28,21 @@ from gguf import GGMLQuantizationType
 
 from llmc.compiler.quant_format import QuantizedWeight
 
+from .config import ModelError
+
 BLOCK = 32
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+READ_TYPES = KEPT_TYPES + DEQUANTIZED_TYPES
+
+
+def check_tensor_type(name: str, qtype: GGMLQuantizationType) -> None:
+    """Raise a one-sentence ModelError naming tensor `name`, its type and READ_TYPES unless llmc reads it."""
+    if qtype.name not in READ_TYPES:
+        raise ModelError(
+            f"GGUF tensor {name!r} has type {qtype.name}, which llmc does not read (it reads "
+            f"{', '.join(READ_TYPES)}); re-quantize the model to one of those types"
+        )
 
 
 def read_blocks(tensor: Any) -> QuantizedWeight | None:

@@ -1,7 +1,8 @@
 """Load a GGUF file (llama.cpp's format) into a `LoadedModel`: config, fp32 weights, tokenizer.
 
-Every tensor is dequantized to float32 with `gguf.quants.dequantize`, so any quantization type that
-gguf-py can read loads; llmc re-quantizes later with its own schemes. Tensors stored as Q8_0, Q4_0
+Every tensor is dequantized to float32 with `gguf.quants.dequantize`; the types llmc reads (floats,
+Q8_0/Q4_x/Q5_x, K-quants) are listed in models/gguf_blocks.py, any other is one ModelError.
+Tensors stored as Q8_0, Q4_0
 or Q4_1 are also kept as their codes and scales (`LoadedModel.quantized`, models/gguf_blocks.py),
 for quantize_weights to keep bit for bit. GGUF stores shapes in ggml
 order (fastest dimension first); the reader's arrays are already in numpy order.
@@ -25,7 +26,7 @@ from gguf.quants import dequantize
 from llmc.compiler.quant_format import QuantizedWeight
 
 from .config import LoadedModel, ModelConfig, ModelError, check_weights
-from .gguf_blocks import read_blocks
+from .gguf_blocks import check_tensor_type, read_blocks
 from .gguf_tokenizer import gguf_value, tokenizer_from_gguf
 from .provenance import file_sha256
 
@@ -217,13 +218,8 @@ def _canonical_name(gguf_name: str) -> str | None:
 def _dequantize(tensor: Any) -> np.ndarray:
     """A `ReaderTensor` as a writable float32 array in numpy (row-major) order."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
-    try:
-        values = dequantize(tensor.data, qtype)
-    except NotImplementedError as e:
-        raise ModelError(
-            f"GGUF tensor {tensor.name!r} has type {qtype.name}, which gguf-py cannot dequantize; "
-            "re-quantize the model to a supported type such as Q8_0, Q4_K or F16"
-        ) from e
+    check_tensor_type(tensor.name, qtype)  # every type it admits is one gguf-py dequantizes
+    values = dequantize(tensor.data, qtype)
     shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml order -> numpy order
     if values.dtype != np.float32 or not values.flags.writeable:  # F32 is a view of the read-only map
         values = np.array(values, dtype=np.float32)
