@@ -1,7 +1,7 @@
 """torch.fx frontend: trace the model definition into llmc IR.
 
-The model (models/llama.py) is built on the `meta` device, so tracing touches no weight data,
-and traced with torch.fx once per entry graph:
+The model (its family's `causal_lm`, models/families, built from models/blocks.py) is built on
+the `meta` device, so tracing touches no weight data, and traced with torch.fx once per entry graph:
 
   prefill  input_ids i64[T], positions i64[T], query_start_loc i32[S+1], logits_indices i64[S]
            -> logits [S, vocab] (the rows named by logits_indices, usually each sequence's last)
@@ -21,8 +21,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.models import llama
+from llmc.models import blocks
 from llmc.models.config import ModelConfig
+from llmc.models.families import family_of
 
 from .dtypes import from_torch, to_torch
 from .ir import Graph, IRError, Node, TensorType, Value
@@ -119,9 +120,9 @@ def _fn_index_select(b, x, dim, idx):
 
 
 _FUNCTIONS: dict[Any, Callable[..., Value]] = {
-    llama.rmsnorm: _fn_rmsnorm,
-    llama.rope: _fn_rope,
-    llama.causal_attention: _fn_attention,
+    blocks.rmsnorm: _fn_rmsnorm,
+    blocks.rope: _fn_rope,
+    blocks.causal_attention: _fn_attention,
     F.linear: lambda b, x, w, bias=None: _linear(b, x, w, bias),
     torch.index_select: _fn_index_select,
 }
@@ -165,11 +166,11 @@ def _lower_node(b: _Builder, node: torch.fx.Node, inputs: dict[str, TensorType])
 
 
 def trace(cfg: ModelConfig, entry: str, dtype: str = "f32") -> Graph:
-    """Trace the Llama-family model of `cfg` into the IR of one entry graph (verified)."""
+    """Trace the model of `cfg`, as its family builds it, into the IR of one entry graph (verified)."""
     if entry not in ENTRIES:
         raise IRError(f"entry graph {entry!r} is unknown; llmc builds {ENTRIES}")
     with torch.device("meta"):
-        module = llama.CausalLM(cfg).to(to_torch(dtype))
+        module = family_of(cfg.architecture).causal_lm(cfg).to(to_torch(dtype))
     concrete = {"logits_indices": None} if entry == "decode" else None
     fx_graph = torch.fx.Tracer().trace(module, concrete_args=concrete)
     builder = _Builder(entry, module)

@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
 
 class ModelError(Exception):
     """A model that llmc cannot load; the message names the problem and the fix."""
@@ -33,7 +31,8 @@ class ModelError(Exception):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Architecture of a decoder of one registered family (models/families); `architecture` is the
+    Hugging Face architecture name that says which."""
 
     architecture: str
     vocab_size: int
@@ -53,11 +52,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(
-                f"architecture {self.architecture!r} is not supported; llmc compiles "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        from .families import family_of  # the families import this module: ask at call time
+        family_of(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:

@@ -9,7 +9,8 @@ order (fastest dimension first); the reader's arrays are already in numpy order.
 
 llama.cpp's converter permutes the rows of Q and K (weight and bias) for the 'llama' architecture,
 from Hugging Face's rotate-half layout to interleaved pairs. We undo it so the weights match the
-Hugging Face layout that llmc's rotary embedding expects. 'qwen2' files are not permuted.
+Hugging Face layout that llmc's rotary embedding expects. Which architectures it permuted, and the
+tensor names of each, are the family's (models/families): 'qwen2' files are not permuted.
 """
 
 from __future__ import annotations
@@ -26,20 +27,14 @@ from gguf.quants import dequantize
 from llmc.compiler.quant_format import QuantizedWeight
 
 from .config import LoadedModel, ModelConfig, ModelError, check_weights
+from .families import family_for_gguf
+from .families.family import Family
 from .gguf_blocks import check_tensor_type, read_blocks
 from .gguf_tokenizer import gguf_value, tokenizer_from_gguf
 from .provenance import file_sha256
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-PERMUTED_QK = {"llama"}  # architectures whose Q/K rows the converter interleaved
-
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-LAYER_NAMES = {
-    "attn_norm": "attn_norm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
-    "attn_output": "o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "gate_proj",
-    "ffn_up": "up_proj", "ffn_down": "down_proj",
-}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"
@@ -49,13 +44,13 @@ def load_gguf(path: str | Path) -> LoadedModel:
     """Read a GGUF file: architecture and config from metadata, weights dequantized to fp32."""
     path = Path(path)
     reader = _open_reader(path)
-    arch = _architecture(reader)
+    family = _family(reader)
     names = {t.name for t in reader.tensors}
-    config = _read_config(reader, arch, names)
-    weights = _read_weights(reader)
+    config = _read_config(reader, family, names)
+    weights = _read_weights(reader, family)
     check_weights(config, weights, path.name)
-    quantized = _read_quantized(reader)
-    if arch in PERMUTED_QK:
+    quantized = _read_quantized(reader, family)
+    if family.gguf_permuted_qk:
         _unpermute_attention(weights, config)
         _unpermute_quantized(quantized, config)
     return LoadedModel(
@@ -71,7 +66,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """Only the architecture config of a GGUF file (metadata; no tensor data is read)."""
     reader = _open_reader(Path(path))
-    return _read_config(reader, _architecture(reader), {t.name for t in reader.tensors})
+    return _read_config(reader, _family(reader), {t.name for t in reader.tensors})
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -91,19 +86,19 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ModelError(f"GGUF file {str(path)!r} is truncated or corrupt ({e}); download it again") from e
 
 
-def _architecture(reader: GGUFReader) -> str:
-    """The GGUF architecture name, checked against what llmc supports."""
-    arch = gguf_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelError(
-            f"GGUF architecture {arch!r} is not supported; llmc loads GGUF files of "
-            f"architecture {', '.join(repr(a) for a in ARCHITECTURES)}"
-        )
-    return arch
+def _family(reader: GGUFReader) -> Family:
+    """The family that loads the file's `general.architecture` (ModelError naming them if none)."""
+    return family_for_gguf(gguf_value(reader, "general.architecture"))
 
 
-def _read_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> ModelConfig:
-    """Build the `ModelConfig` from `{arch}.*` and `tokenizer.ggml.*` metadata."""
+def _read_config(reader: GGUFReader, family: Family, tensor_names: set[str]) -> ModelConfig:
+    """The family's `ModelConfig` from the `{arch}.*` and `tokenizer.ggml.*` metadata every GGUF
+    decoder has (the family maps them, and may read more of `{arch}.*`)."""
+    arch = family.gguf_architecture
+
+    def value(key: str) -> Any:
+        return gguf_value(reader, f"{arch}.{key}")
+
     def need(key: str) -> Any:
         value = gguf_value(reader, f"{arch}.{key}")
         if value is None:
@@ -115,8 +110,7 @@ def _read_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> Model
         or gguf_value(reader, f"{arch}.rope.dimension_count") or hidden // heads
     vocab = gguf_value(reader, f"{arch}.vocab_size") or len(gguf_value(reader, "tokenizer.ggml.tokens", []))
     eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+    return family.gguf_config(dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -132,7 +126,7 @@ def _read_config(reader: GGUFReader, arch: str, tensor_names: set[str]) -> Model
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-    )
+    ), value)
 
 
 def _f32(value: float) -> float:
@@ -160,21 +154,21 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     return scaling
 
 
-def _read_weights(reader: GGUFReader) -> dict[str, torch.Tensor]:
+def _read_weights(reader: GGUFReader, family: Family) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32 under its canonical name (Q/K still as the file has them)."""
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _canonical_name(tensor.name)
+        name = _canonical_name(tensor.name, family)
         if name is not None:
             weights[name] = torch.from_numpy(_dequantize(tensor))
     return weights
 
 
-def _read_quantized(reader: GGUFReader) -> dict[str, QuantizedWeight]:
+def _read_quantized(reader: GGUFReader, family: Family) -> dict[str, QuantizedWeight]:
     """The tensors stored in a format llmc keeps as it is (models/gguf_blocks.py), by canonical name."""
     kept = {}
     for tensor in reader.tensors:
-        name = _canonical_name(tensor.name)
+        name = _canonical_name(tensor.name, family)
         if name is not None and (blocks := read_blocks(tensor)) is not None:
             kept[name] = blocks
     return kept
@@ -197,20 +191,20 @@ def _unpermute_attention(weights: dict[str, torch.Tensor], config: ModelConfig) 
             weights[name] = torch.from_numpy(unpermute_qk(w.numpy(), config.num_kv_heads))
 
 
-def _canonical_name(gguf_name: str) -> str | None:
-    """llmc's name for GGUF tensor `gguf_name`; None for tensors llmc ignores (rope_freqs)."""
+def _canonical_name(gguf_name: str, family: Family) -> str | None:
+    """llmc's name for GGUF tensor `gguf_name` of `family`; None for tensors llmc ignores (rope_freqs)."""
     if gguf_name == ROPE_FREQS:
         return None  # the scaling it encodes is read from metadata (checked in _rope_scaling)
     if m := LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, suffix = m.groups()
-        if part in LAYER_NAMES:
-            return f"layers.{layer}.{LAYER_NAMES[part]}.{suffix}"
+        if part in family.gguf_layer_names:
+            return f"layers.{layer}.{family.gguf_layer_names[part]}.{suffix}"
     elif m := GLOBAL_TENSOR.fullmatch(gguf_name):
         part, suffix = m.groups()
         if part in GLOBAL_NAMES:
             return f"{GLOBAL_NAMES[part]}.{suffix}"
     raise ModelError(
-        f"GGUF tensor {gguf_name!r} is not part of a Llama/Qwen2 decoder llmc knows; "
+        f"GGUF tensor {gguf_name!r} is not part of a {family.name} decoder llmc knows; "
         "the file holds a variant llmc does not support"
     )
 

@@ -10,27 +10,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import (SUPPORTED_ARCHITECTURES, LoadedModel, ModelConfig, ModelError, TokenizerFiles,
-                     check_weights)
+from .config import LoadedModel, ModelConfig, ModelError, TokenizerFiles, check_weights
+from .families import family_for_hf, family_of
+from .families.family import LLAMA_HF_LAYER_NAMES
 from .provenance import file_sha256
 
-_LAYER_RENAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "mlp_norm",
-    "self_attn.q_proj": "q_proj",
-    "self_attn.k_proj": "k_proj",
-    "self_attn.v_proj": "v_proj",
-    "self_attn.o_proj": "o_proj",
-    "mlp.gate_proj": "gate_proj",
-    "mlp.up_proj": "up_proj",
-    "mlp.down_proj": "down_proj",
-}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -41,58 +31,18 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or re-download it") from None
 
 
-def _rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Theta and scaling from either transformers 4.x keys or 5.x `rope_parameters`."""
-    params = dict(raw.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or params or None
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return theta, scaling
-
-
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json dict."""
-    archs = raw.get("architectures") or []
-    arch = archs[0] if archs else f"<none; model_type={raw.get('model_type')!r}>"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(f"architecture {arch!r} in config.json is not supported; llmc compiles "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    """Build a ModelConfig from a Hugging Face config.json dict, as its family maps it."""
+    family, arch = family_for_hf(raw)
     try:
-        return _config_fields(raw, arch)
+        return family.config_from_hf(raw, arch)
     except KeyError as exc:
         raise ModelError(f"config.json lacks the field {exc.args[0]!r} that every {arch} config has") from None
 
 
-def _config_fields(raw: dict[str, Any], arch: str) -> ModelConfig:
-    heads = raw["num_attention_heads"]
-    theta, scaling = _rope_fields(raw)
-    eos = raw.get("eos_token_id")
-    max_pos = raw.get("max_position_embeddings", 4096)
-    if raw.get("sliding_window") and raw.get("use_sliding_window", True):
-        max_pos = min(max_pos, raw["sliding_window"])  # within the window, full attention is exact
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-    )
-
-
-def canonical_name(hf_name: str) -> str | None:
-    """llmc's name for a Hugging Face weight name; None for buffers llmc recomputes."""
+def canonical_name(hf_name: str, layer_names: Mapping[str, str] = LLAMA_HF_LAYER_NAMES) -> str | None:
+    """llmc's name for a Hugging Face weight name (a layer's weights renamed by `layer_names`, a
+    family's); None for buffers llmc recomputes."""
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
     fixed = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight",
@@ -100,9 +50,9 @@ def canonical_name(hf_name: str) -> str | None:
     if hf_name in fixed:
         return fixed[hf_name]
     m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_RENAMES:
-        return f"layers.{m.group(1)}.{_LAYER_RENAMES[m.group(2)]}.{m.group(3)}"
-    raise ModelError(f"weight {hf_name!r} is not part of a Llama-family model; is the architecture right?")
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+    raise ModelError(f"weight {hf_name!r} is not part of a model of this family; is the architecture right?")
 
 
 def _load_safetensors(folder: Path, cfg: ModelConfig) -> tuple[dict[str, torch.Tensor], list[Path]]:
@@ -110,13 +60,14 @@ def _load_safetensors(folder: Path, cfg: ModelConfig) -> tuple[dict[str, torch.T
     if not files:
         raise ModelError(f"{folder} has no *.safetensors file; llmc reads safetensors checkpoints only")
     weights: dict[str, torch.Tensor] = {}
+    layer_names = family_of(cfg.architecture).hf_layer_names
     for path in files:
         try:
             tensors = load_file(str(path))
         except (SafetensorError, OSError) as exc:
             raise ModelError(f"{path.name} cannot be read as safetensors ({exc}); re-download it") from None
         for hf_name, tensor in tensors.items():
-            name = canonical_name(hf_name)
+            name = canonical_name(hf_name, layer_names)
             if name is not None:
                 weights[name] = tensor
     if cfg.tie_word_embeddings:
@@ -153,7 +104,7 @@ def _load_tokenizer(folder: Path) -> tuple[TokenizerFiles, list[Path]]:
 
 
 def load_hf_folder(folder: str | Path) -> LoadedModel:
-    """Load a Hugging Face Llama/Mistral/Qwen2 folder into llmc's canonical form."""
+    """Load a Hugging Face folder of a registered family (models/families) into llmc's canonical form."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ModelError(f"{folder} has no config.json; give a Hugging Face model folder or a .gguf file")

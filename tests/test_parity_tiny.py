@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmc.compiler.driver import compile_model
-from llmc.models import llama
+from llmc.models import blocks
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
@@ -141,12 +141,12 @@ def test_tiny_models_attend_far_from_uniformly(family):
 def test_a_rope_theta_bug_in_the_model_definition_fails_parity(tiny_family, tmp_path, monkeypatch):
     """The parity test can fail: llmc's decoder layer with RoPE theta 1% off is caught."""
     model, folder, _ = tiny_family("llama_gqa")
-    build_layer = llama.DecoderLayer.__init__
+    build_layer = blocks.DecoderLayer.__init__
 
     def theta_off_by_1_percent(self, cfg, *args, **kwargs):
         build_layer(self, dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 1.01), *args, **kwargs)
 
-    monkeypatch.setattr(llama.DecoderLayer, "__init__", theta_off_by_1_percent)
+    monkeypatch.setattr(blocks.DecoderLayer, "__init__", theta_off_by_1_percent)
     broken = compile_model(folder, tmp_path / "broken")
     monkeypatch.undo()
     assert_matches_transformers(model, compile_model(folder, tmp_path / "fixed"), "reference")

@@ -1,10 +1,16 @@
-"""Trace-friendly definition of the Llama family (Llama, Mistral, Qwen2).
+"""Shared blocks every decoder family builds its layers from: RMSNorm, RoPE, causal attention,
+the attention block, the gated MLP, the pre-norm decoder layer and the causal LM around them.
 
 The forward pass works on flattened tokens: `input_ids [T]`, `positions [T]` and
 `query_start_loc [S+1]` (where each packed sequence starts). Three functions are leaves for
 torch.fx (`rmsnorm`, `rope`, `causal_attention`): the frontend sees each as one call and turns it
-into one IR op; eagerly they run the torch references in `kernels/`. Parameter paths are
-llmc's canonical weight names (see models/config.py).
+into one IR op; eagerly they run the torch references in `compiler/ops/`. Parameter paths are
+llmc's canonical weight names (see models/config.py), so a block's weights sit directly on its
+layer (`layers.{i}.q_proj`), not in a sub-module.
+
+A family changes what differs by subclassing: `DecoderLayer.attention` (e.g. q/k norms before
+RoPE), `DecoderLayer.mlp` (another activation), `DecoderLayer.forward` (where the norms sit), and
+hands its layer class to `CausalLM`.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block and SwiGLU MLP block, each with a residual add."""
+    """Pre-norm attention block and gated (SwiGLU) MLP block, each with a residual add."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -66,27 +72,33 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        """Q/K/V projections, RoPE on q and k, causal GQA attention, output projection."""
         cfg = self.cfg
-        x = self.attn_norm(h)                                                     # [T, hidden]
         q = rope(self.q_proj(x), positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [T, H*D]
         k = rope(self.k_proj(x), positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [T, KVH*D]
         v = self.v_proj(x)                                                        # [T, KVH*D]
         attn = causal_attention(q, k, v, query_start_loc, cfg.num_heads, cfg.num_kv_heads,
                                 cfg.head_dim, cfg.head_dim ** -0.5)               # [T, H*D]
-        h = h + self.o_proj(attn)
-        x = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.o_proj(attn)                                                  # [T, hidden]
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))      # [T, hidden]
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attn_norm(h), positions, query_start_loc)    # [T, hidden]
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
+    """Embedding, decoder layers of `layer` class, final norm and LM head (tied to the embedding or not)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
