@@ -1,7 +1,9 @@
 """Rebuild a Hugging Face `tokenizer.json` from the tokenizer a GGUF file carries in its metadata.
 
-Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported. The pre-tokenizer follows
-`tokenizer.ggml.pre` the way llama.cpp reads it, so ids match what llama.cpp would produce:
+Two vocabulary kinds (`tokenizer.ggml.model`) are read: "llama", SentencePiece with byte fallback
+(models/gguf_sentencepiece.py; BOS added unless `tokenizer.ggml.add_bos_token` says not, as llama.cpp
+does), and "gpt2", byte-level BPE, whose pre-tokenizer follows `tokenizer.ggml.pre` the way llama.cpp
+reads it, so ids match what llama.cpp would produce:
 
     pre                      pre-tokenizer
     gpt2 / default / absent  ByteLevel (GPT-2 regex)
@@ -10,7 +12,8 @@ Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported. The pre-tok
     qwen2                    Split(Qwen2 regex, isolated) -> ByteLevel (no regex)
 
 Token types (`tokenizer.ggml.token_type`): 3 = control -> special added token, 4 = user-defined ->
-non-special added token; the rest are plain vocabulary.
+non-special added token, and for SentencePiece 2 = unknown (`<unk>`) -> special too (transformers'
+`LlamaTokenizer` adds it); the rest (1 normal, 6 byte) are plain vocabulary.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .config import ModelError, TokenizerFiles
+from .gguf_sentencepiece import sentencepiece_tokenizer
 
+TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -34,6 +39,7 @@ QWEN2_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 SUPPORTED_PRE = ("gpt2", "default", "smollm", "llama-bpe", "llama3", "qwen2")
+SUPPORTED_MODELS = ("gpt2", "llama")
 
 
 def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -45,23 +51,22 @@ def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
 def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerFiles:
     """Build the Hugging Face tokenizer described by a GGUF file's `tokenizer.*` metadata."""
     kind = gguf_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in SUPPORTED_MODELS:
         raise ModelError(
-            f"GGUF tokenizer model {kind!r} is not supported yet (llmc reads only byte-level BPE, "
-            "'gpt2'); load the model's Hugging Face folder instead"
+            f"GGUF tokenizer model {kind!r} is not supported (llmc reads 'gpt2', byte-level BPE, and "
+            "'llama', SentencePiece); load the model's Hugging Face folder instead"
         )
     tokens: list[str] | None = gguf_value(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ModelError("GGUF file has no tokenizer.ggml.tokens; llmc needs the tokenizer in the file")
-    pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
-    tok = Tokenizer(_bpe_model(tokens, gguf_value(reader, "tokenizer.ggml.merges", []), pre))
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    _add_special_tokens(tok, tokens, gguf_value(reader, "tokenizer.ggml.token_type"))
+    spm = kind == "llama"
+    tok = _sentencepiece(reader, tokens) if spm else _byte_level(reader, tokens)
+    special = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN) if spm else (TOKEN_TYPE_CONTROL,)
+    _add_special_tokens(tok, tokens, gguf_value(reader, "tokenizer.ggml.token_type"), special)
     bos_id = gguf_value(reader, "tokenizer.ggml.bos_token_id")
     bos = _token_at(tokens, bos_id)
     eos = _token_at(tokens, gguf_value(reader, "tokenizer.ggml.eos_token_id"))
-    add_bos = bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(gguf_value(reader, "tokenizer.ggml.add_bos_token", spm))  # llama.cpp: SPM adds BOS
     if add_bos and bos is not None:
         tok.post_processor = _prepend_bos(bos, bos_id)
     return TokenizerFiles(
@@ -70,6 +75,24 @@ def tokenizer_from_gguf(reader: GGUFReader) -> TokenizerFiles:
         bos_token=bos,
         eos_token=eos,
         add_bos_token=add_bos,
+    )
+
+
+def _byte_level(reader: GGUFReader, tokens: list[str]) -> Tokenizer:
+    """Byte-level BPE ('gpt2') with the pre-tokenizer of `tokenizer.ggml.pre` (no special tokens yet)."""
+    pre = gguf_value(reader, "tokenizer.ggml.pre", "default")
+    tok = Tokenizer(_bpe_model(tokens, gguf_value(reader, "tokenizer.ggml.merges", []), pre))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece(reader: GGUFReader, tokens: list[str]) -> Tokenizer:
+    """SentencePiece ('llama') from tokens, scores (or merges) and add_space_prefix (no special tokens yet)."""
+    unk_id = gguf_value(reader, "tokenizer.ggml.unknown_token_id")
+    return sentencepiece_tokenizer(
+        tokens, gguf_value(reader, "tokenizer.ggml.scores"), gguf_value(reader, "tokenizer.ggml.merges"),
+        _token_at(tokens, unk_id), bool(gguf_value(reader, "tokenizer.ggml.add_space_prefix", True)),
     )
 
 
@@ -107,8 +130,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     ])
 
 
-def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int] | None) -> None:
-    """Register control tokens as special and user-defined tokens as plain added tokens."""
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int] | None,
+                        special: tuple[int, ...]) -> None:
+    """Register tokens of the `special` types as special and user-defined tokens as plain added tokens."""
     if token_types is None:
         return
     if len(token_types) != len(tokens):
@@ -116,7 +140,7 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], token_types: list[int
             f"GGUF has {len(token_types)} token types for {len(tokens)} tokens; the file is corrupt"
         )
     control = [AddedToken(t, special=True, normalized=False)
-               for t, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_CONTROL]
+               for t, kind in zip(tokens, token_types) if kind in special]
     user = [AddedToken(t, special=False, normalized=False)
             for t, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_USER_DEFINED]
     tok.add_special_tokens(control)

@@ -260,8 +260,8 @@ def test_tiny_tokenizer_pre_variants(tmp_path, rng, pre):
 def test_tokenizer_errors(tmp_path, rng):
     with pytest.raises(ModelError, match="pre-tokenizer 'falcon' is not supported"):
         tiny_tokenizer(tmp_path, rng, pre="falcon")
-    with pytest.raises(ModelError, match="tokenizer model 'llama' is not supported yet.*Hugging Face folder"):
-        tiny_tokenizer(tmp_path, rng, tokenizer_model="llama")
+    with pytest.raises(ModelError, match="tokenizer model 't5' is not supported.*Hugging Face folder"):
+        tiny_tokenizer(tmp_path, rng, tokenizer_model="t5")
 
 
 # ---------------------------------------------------------------- slow: the embedded SmolLM2
