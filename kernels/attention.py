@@ -1,19 +1,8 @@
 """Causal attention over packed tokens, with and without the paged KV cache: the native CPU
 launchers; the torch references are the op records' (compiler/ops/attention.py).
 
-Layouts (tokens of all sequences flattened, heads packed per token):
-  q            [T, H * D]         k, v   [T, KVH * D]     (H a multiple of KVH: grouped queries)
-  kv_cache     [L, 2, NB, KVH, BS, D]   (layer, key/value, block, head, offset in block, dim):
-               head-major blocks, so gathering a sequence's blocks per head yields [L, D] rows;
-               an int8 cache is i8 [L, 2, NB, KVH, BS, D + 4], each row D codes and its fp32
-               scale (kernels/quant.py): written quantized, read as code * scale
-  slot_mapping [T] int: block * BS + offset where token t's K/V go; negative = padding, skipped
-  block_tables [S, MB] int: the blocks of each sequence, in order (padding entries unused)
-  seq_lens     [S] int: tokens of each sequence in the cache after this step's writes
-  query_start_loc [S + 1] int: sequence s owns query rows qsl[s] .. qsl[s+1]-1; those are its
-               last tokens, so query i of a chunk of n sits at position seq_len - n + i
-Scores are scaled by `scale` and softmaxed in fp32 (by SDPA); a query sees keys at positions
-<= its own. Returns [T, H * D] in q's dtype.
+The layouts (q, k, v, the paged cache and its int8 rows, slot mapping, block tables, lengths,
+query starts) and the meaning are the references' docstring, compiler/ops/attention.py.
 """
 
 from __future__ import annotations

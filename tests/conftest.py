@@ -44,6 +44,15 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def threads(request):
+    """torch's intra-op threads set to the test's parameter (`indirect=["threads"]`) for one test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory):
     """family name -> (transformers model, HF folder, compiled artifact path); built once each."""

@@ -61,14 +61,6 @@ def artifact(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def executor(art, kernels="native", step_plans=True, block_size=BLOCK) -> TorchExecutor:
     cache_type = art.graphs["decode"].node_map()["kv_cache"].type
     kv = KVCacheSpec.from_graph_type(cache_type, NUM_BLOCKS, block_size)

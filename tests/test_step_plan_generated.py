@@ -66,14 +66,6 @@ def kernels(tmp_path_factory) -> Kernels:
     return Kernels(ctypes.CDLL(str(folder / "unit.so")))
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def hand_built_plan(kernels: Kernels, w: torch.Tensor, m: torch.Tensor):
     """x -> (x * w + 1) into a register -> times m's rows into the output."""
     plan = torch.classes.llmc.StepPlan(False, False)
