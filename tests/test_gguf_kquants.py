@@ -26,7 +26,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from test_bad_inputs import assert_cli_error, cli
-from test_gguf_loader import hf_to_gguf_permute, tiny_vocab
+from test_gguf_loader import hf_to_gguf_permute, tiny_vocab, write_gguf
 
 Q = gguf.GGMLQuantizationType
 # K-quant super-blocks hold 256 weights, so every row here is 256 long (GGML_QUANT_SIZES)
@@ -79,30 +79,7 @@ def file_tensors(rng: np.random.Generator, qtype: Q) -> tuple[dict[str, np.ndarr
 
 def write_wide_gguf(path: Path, tensors: dict[str, np.ndarray], raw: dict[str, Q]) -> Path:
     """A 'llama' GGUF 256 wide (test_gguf_loader's are 64, too narrow for K-quants), gpt2 vocab."""
-    tokens, types = tiny_vocab()
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(["h e"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for name, array in tensors.items():
-        w.add_tensor(name, array, raw_dtype=raw.get(name))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(path, tensors, raw_types=raw, dims=(LAYERS, HIDDEN, HEADS, KV_HEADS, FFN))
 
 
 def dequantized(tensors: dict[str, np.ndarray], raw: dict[str, Q]) -> dict[str, np.ndarray]:

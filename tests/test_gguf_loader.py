@@ -57,17 +57,20 @@ def hf_weights(rng: np.random.Generator, vocab: int, bias: bool = False) -> dict
 
 
 def write_gguf(path: Path, tensors: dict[str, np.ndarray], arch: str = "llama",
-               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None, **meta) -> Path:
-    """Write a tiny GGUF: llama-style hyperparameters, a tiny gpt2 vocab, the given tensors.
+               raw_types: dict[str, gguf.GGMLQuantizationType] | None = None,
+               dims: tuple[int, int, int, int, int] = (LAYERS, HIDDEN, HEADS, KV_HEADS, FFN), **meta) -> Path:
+    """Write a tiny GGUF: llama-style hyperparameters (`dims`: layers, hidden, heads, KV heads,
+    FFN), a tiny gpt2 vocab, the given tensors (`raw_types`: those stored as raw quantized blocks).
     `meta` overrides: tokenizer_model, pre, add_bos, rope_scaling=(type, factor, orig_ctx)."""
     tokens, types = tiny_vocab()
+    layers, hidden, heads, kv_heads, ffn = dims
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_context_length(256)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     if scaling := meta.get("rope_scaling"):
