@@ -22,10 +22,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LOWER_LAYERS = ("models", "passes", "compiler")
 BOOKKEEPING = ("runtime/sequence.py", "runtime/block_manager.py", "runtime/scheduler.py", "runtime/request.py")
-# file -> the llmc.kernels modules it may still import. Each entry says why; delete it when its import goes.
-ALLOWED_KERNEL_IMPORTS: dict[str, set[str]] = {
-    # (none left: models/llama.py's attention_ref / rmsnorm_ref / rope_ref were moved by the op-record change)
-}
 
 
 def module_name(path: Path) -> str:
@@ -62,17 +58,9 @@ def kernel_imports(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", lower_layer_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_models_passes_and_compiler_import_nothing_from_kernels(path):
-    allowed = ALLOWED_KERNEL_IMPORTS.get(str(path.relative_to(ROOT)), set())
-    bad = sorted(kernel_imports(path) - allowed)
+    bad = sorted(kernel_imports(path))
     assert not bad, (f"{path.relative_to(ROOT)} imports {', '.join(bad)}: a lower layer must not import "
                      "llmc.kernels; move what it needs under compiler/ and import it from there")
-
-
-def test_every_allowed_kernel_import_is_still_there():
-    """An allow-list entry whose import is gone must go too, so the list only shrinks."""
-    for file, modules in ALLOWED_KERNEL_IMPORTS.items():
-        stale = modules - kernel_imports(ROOT / file)
-        assert not stale, f"{file} no longer imports {', '.join(sorted(stale))}: delete its ALLOWED_KERNEL_IMPORTS entry"
 
 
 @pytest.mark.parametrize("file", BOOKKEEPING)

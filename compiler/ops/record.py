@@ -86,14 +86,6 @@ class OpRecord:
         assert self.kind in OP_KINDS, f"op {self.name} has unknown kind {self.kind!r}"
         assert not set(self.backends) - set(BACKENDS), f"op {self.name} names unknown backends"
 
-    @property
-    def min_inputs(self) -> int:
-        return min(sum(not (o.optional or o.when) for o in form) for form in self.forms) if self.forms else 0
-
-    @property
-    def max_inputs(self) -> int:
-        return max((64 if any(o.variadic for o in form) else len(form)) for form in self.forms) if self.forms else 0
-
     def lowering(self, backend: str) -> Lowered | Declined | None:
         """What `backend` does with the op; None where the record does not say (a gap)."""
         if backend == "torch":
