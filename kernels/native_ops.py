@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
-from llmc.compiler.ops import OPS, Operands, bind
+from llmc.compiler.ops import OPS, Operands, operands_of
 from llmc.compiler.ops.rope import qkv_columns
 
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
@@ -110,15 +110,11 @@ PARAM_READS = {"scales": {("qlinear", "scales"), ("qembedding", "scales")},
                "mins": {("qlinear", "mins"), ("qembedding", "mins")}}
 
 
-def _named_inputs(node) -> Operands:
-    return bind(OPS[node.op], node.inputs, node.attrs)
-
-
 def _weight_reads(graphs: Iterable[Graph]) -> dict[str, set[tuple[str, str]]]:
     """Weight name -> every (op, operand name) that reads it."""
     reads: dict[str, set[tuple[str, str]]] = defaultdict(set)
     for node in (n for g in graphs for n in g.nodes if n.op not in ("input", "weight")):
-        for name, v in _named_inputs(node).items():
+        for name, v in operands_of(node).items():
             for value in (v if isinstance(v, list) else [v]):
                 if value.node.startswith("w."):
                     reads[value.node[2:]].add((node.op, name))
@@ -135,7 +131,7 @@ def _gemm_weights(graphs: Iterable[Graph], reads: dict[str, set[tuple[str, str]]
     another op (other than a tied embedding's lookup) reading it."""
     uses: dict[str, set[tuple]] = defaultdict(set)
     for node in (n for g in graphs for n in g.nodes if n.op in GEMM_WEIGHT_READS):
-        x = _named_inputs(node)
+        x = operands_of(node)
         weight = _stored(x.weight if node.op == "linear" else x.codes)
         if weight is not None:
             params = () if node.op == "linear" else (("scales", _stored(x.scales)), ("mins", _stored(x.get("mins"))))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from llmc.compiler.formula import Expr, Row
 from llmc.compiler.ir import Node, TensorType, Value
-from llmc.compiler.ops import OPS, bind
+from llmc.compiler.ops import OPS, operands_of
 
 from .errors import CodegenError
 from .units import KernelUnit
@@ -204,7 +204,7 @@ def _scalar(fn: _Function, node: Node, operands: dict, e: Expr, scalars: dict) -
 def _emit_node(fn: _Function, node: Node) -> None:
     """One op: its row sums' passes, then one pass per result width storing every result kept."""
     record = OPS[node.op]
-    operands = bind(record, node.inputs, node.attrs)
+    operands = operands_of(node)
     for v in operands.values():
         if isinstance(v, list) or v not in fn.homes:
             raise fn.fail(f"{node.op} reads {v}, which the unit neither takes nor computes before it")

@@ -21,7 +21,7 @@ import triton
 from llmc.compiler.dtypes import FLOAT_DTYPES, to_torch
 from llmc.compiler.formula import Expr, Row
 from llmc.compiler.ir import Node, TensorType, Value
-from llmc.compiler.ops import OPS, bind
+from llmc.compiler.ops import OPS, operands_of
 
 from .errors import CodegenError
 from .units import KernelUnit
@@ -132,7 +132,7 @@ def _emit_node(e: _Emitter, node: Node) -> None:
     if record.formula is None:
         raise CodegenError(f"{e.unit.label}: codegen cannot lower op {node.op!r} into a pointwise kernel")
     e.comment(node)
-    operands = bind(record, node.inputs, node.attrs)
+    operands = operands_of(node)
     row = Row({k: e.types[v].shape[-1] for k, v in operands.items()},
               {k: e.types[v].dtype for k, v in operands.items()}, [t.dtype for t in node.types])
     memo: dict = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node, TensorType, Value
-from llmc.compiler.ops import OPS, Operands, bind
+from llmc.compiler.ops import Operands, operands_of
 
 from .errors import CodegenError
 from .gemm_configs import pick_config, pick_qconfig
@@ -71,7 +71,7 @@ def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
 
 def _named(unit: KernelUnit, node: Node) -> Operands:
     """The node's operands by name, as launch() arguments."""
-    return Operands({k: _arg(unit, v) for k, v in bind(OPS[node.op], node.inputs, node.attrs).items()})
+    return Operands({k: _arg(unit, v) for k, v in operands_of(node).items()})
 
 
 def _gemm_operands(unit: KernelUnit, gemm: Node) -> tuple[str, str, str]:
