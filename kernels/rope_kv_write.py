@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from llmc.compiler.ops import OPS, bind
+from llmc.compiler.ops.rope import qkv_columns
 from llmc.compiler.ops.rope import rope_kv_write_ref as _ref
 
 from .quant import cache_head_dim
@@ -21,12 +23,10 @@ from .rope import RopeTables
 def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_heads: int,
                   head_dim: int) -> tuple[torch.Tensor, ...]:
     """(qkv, positions, cache, slots) or (q, k, v, positions, cache, slots) -> the second form,
-    q/k/v as column views of a packed qkv."""
-    if len(tensors) == 6:
-        return tensors
-    qkv, positions, kv_cache, slot_mapping = tensors
-    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-    return (*qkv.split([q_width, kv_width, kv_width], dim=-1), positions, kv_cache, slot_mapping)
+    q/k/v as column views of a packed qkv (named by the op's record, split by its qkv_columns)."""
+    attrs = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    x = bind(OPS["rope_kv_write"], list(tensors), attrs)
+    return (*qkv_columns(x, attrs), x.positions, x.kv_cache, x.slot_mapping)
 
 
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
