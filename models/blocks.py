@@ -31,18 +31,35 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_ref(x, weight, eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float, scaling) -> torch.Tensor:
-    return rope_ref(x, positions, head_dim, theta, scaling)
+def head_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    from llmc.compiler.ops.norms import head_rmsnorm_ref
+    return head_rmsnorm_ref(x, weight, eps, head_dim)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float, scaling,
+         rotary_dim: int | None = None) -> torch.Tensor:
+    if rotary_dim is None or rotary_dim == head_dim:
+        return rope_ref(x, positions, head_dim, theta, scaling)
+    return rope_ref(x, positions, head_dim, theta, scaling, rotary_dim=rotary_dim)
 
 
 def causal_attention(q, k, v, query_start_loc, num_heads: int, num_kv_heads: int, head_dim: int,
-                     scale: float) -> torch.Tensor:
-    return attention_ref(q, k, v, query_start_loc, head_dim, scale)
+                     scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    if not window and not softcap:
+        return attention_ref(q, k, v, query_start_loc, head_dim, scale)
+    return attention_ref(q, k, v, query_start_loc, head_dim, scale, window=window, softcap=softcap)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    from llmc.compiler.ops.elementwise import softcap_ref
+    return softcap_ref(x, cap)
 
 
 torch.fx.wrap("rmsnorm")
+torch.fx.wrap("head_rmsnorm")
 torch.fx.wrap("rope")
 torch.fx.wrap("causal_attention")
+torch.fx.wrap("softcap")
 
 
 class RMSNorm(nn.Module):
