@@ -108,9 +108,13 @@ def _fn_rope(b, x, pos, head_dim, theta, scaling):
     return b.op("rope", [x, pos], head_dim=head_dim, theta=float(theta), scaling=scaling)
 
 
-def _fn_attention(b, q, k, v, qsl, num_heads, num_kv_heads, head_dim, scale):
+def _fn_attention(b, q, k, v, qsl, num_heads, num_kv_heads, head_dim, scale, window=0, softcap=0.0):
+    # window and softcap are optional attrs (compiler/ops/attention.py): written only when on, so
+    # a model without them prints and verifies as before
+    options = {"window": int(window)} if window else {}
+    options |= {"softcap": float(softcap)} if softcap else {}
     return b.op("attention", [q, k, v, qsl], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, scale=float(scale))
+                head_dim=head_dim, scale=float(scale), **options)
 
 
 def _fn_index_select(b, x, dim, idx):

@@ -6,7 +6,8 @@ Produces: `kv_write(cache, k, v, slot_mapping, layer=i)`, which stores this step
   the paged block pool and returns the cache (threaded from layer to layer so the order of
   writes and reads is explicit), then, reading that cache through block tables,
   `paged_attention(q, cache, block_tables, seq_lens, query_start_loc)` in the prefill graph or
-  `paged_decode_attention(q, cache, block_tables, seq_lens)` in the decode graph.
+  `paged_decode_attention(q, cache, block_tables, seq_lens)` in the decode graph, with the
+  attention's attrs (window and softcap too, where it has them).
   New graph inputs: kv_cache [L, 2, NB, KVH, BS, D] (dtype of q), slot_mapping i64[tokens],
   block_tables i32[S, MB], seq_lens i32[S].
 Requires: canonicalize. Preserves: numerics of a step whose sequences start with an empty cache
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmc.compiler.ir import Graph, Node, TensorType, Value
+from llmc.compiler.ops.attention import ATTN_OPTIONS
 
 from .rewrite import PassContext, RewriteState, rewrite
 
@@ -50,6 +52,7 @@ def _make_rule(thread: _CacheThread):
             return None
         q, k, v, qsl = (state.get(x) for x in node.inputs)
         attrs = {a: node.attrs[a] for a in ATTN_ATTRS}
+        options = {a: node.attrs[a] for a in ATTN_OPTIONS if a in node.attrs}     # optional: as given
         if thread.cache is None:
             thread.declare_inputs(state, state.types[q], attrs)
         layer, thread.next_layer = thread.next_layer, thread.next_layer + 1
@@ -57,9 +60,9 @@ def _make_rule(thread: _CacheThread):
                                   num_kv_heads=attrs["num_kv_heads"], head_dim=attrs["head_dim"]).value()
         context = [thread.cache, thread.block_tables, thread.seq_lens]
         if state.new.name == "decode":
-            out = state.emit("paged_decode_attention", [q, *context], layer=layer, **attrs)
+            out = state.emit("paged_decode_attention", [q, *context], layer=layer, **attrs, **options)
         else:
-            out = state.emit("paged_attention", [q, *context, qsl], layer=layer, **attrs)
+            out = state.emit("paged_attention", [q, *context, qsl], layer=layer, **attrs, **options)
         return (out.value(),)
 
     return paged_attention

@@ -1,11 +1,12 @@
-"""Paged attention references against a naive per-sequence computation in float64."""
+"""Attention references (paged and cache-less) against a naive per-sequence computation in
+float64, with and without a sliding window and soft-capping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from llmc.kernels.attention import kv_write_ref, paged_attention_ref, paged_decode_attention_ref
+from llmc.kernels.attention import attention_ref, kv_write_ref, paged_attention_ref, paged_decode_attention_ref
 from paged_layout import shuffled_block_tables
 from tolerances import tolerance
 
@@ -26,14 +27,21 @@ def random_layout(lens: list[int], seed: int):
     return cache, block_tables, keys, values
 
 
-def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int) -> torch.Tensor:
-    """q [n, H*D] at positions first_pos.., k/v [L, KVH*D]; causal; float64; GQA by repetition."""
+def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, window: int = 0,
+          softcap: float = 0.0) -> torch.Tensor:
+    """q [n, H*D] at positions first_pos.., k/v [L, KVH*D]; causal, keys j > pos - window where
+    window > 0, scores softcap * tanh(scores / softcap) where softcap > 0; float64; GQA by
+    repetition."""
     qh = q.double().view(-1, H, D).transpose(0, 1)                                    # [H, n, D]
     kh = k.double().view(-1, KVH, D).repeat_interleave(GROUPS, dim=1).transpose(0, 1)  # [H, L, D]
     vh = v.double().view(-1, KVH, D).repeat_interleave(GROUPS, dim=1).transpose(0, 1)
     scores = qh @ kh.transpose(1, 2) * D ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+    key = torch.arange(k.shape[0])[None, :]
+    hidden = (key > pos) | ((key <= pos - window) if window else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return (torch.softmax(scores, -1) @ vh).transpose(0, 1).reshape(q.shape[0], -1).float()
 
 
@@ -66,3 +74,51 @@ def test_padding_slots_are_not_written():
     kv_write_ref(cache, k, k, torch.tensor([0, -1, 5]), layer=0)
     assert cache[0, 0, 0, :, 0].eq(1).all() and cache[0, 0, 1, :, 1].eq(1).all()
     assert cache.sum() == 2 * 2 * KVH * D
+
+
+OPTIONS = [dict(window=1), dict(window=BS), dict(window=7), dict(softcap=2.0), dict(window=5, softcap=1.5)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_decode_window_softcap_match_naive(options):
+    lens = [1, 3, 4, 9, 17, 29]
+    cache, tables, keys, values = random_layout(lens, seed=3)
+    q = torch.randn(len(lens), H * D, generator=torch.Generator().manual_seed(4)) * 3   # scores large enough to cap
+    got = paged_decode_attention_ref(q, cache, tables, torch.tensor(lens, dtype=torch.int32), 1, D, D ** -0.5,
+                                     **options)
+    want = torch.cat([naive(q[s:s + 1], keys[s], values[s], lens[s] - 1, **options) for s in range(len(lens))])
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, 30))
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_mixed_chunks_window_softcap_match_naive(options):
+    lens, chunk = [9, 17, 1, 23, 6], [1, 5, 1, 23, 1]
+    cache, tables, keys, values = random_layout(lens, seed=8)
+    q = torch.randn(sum(chunk), H * D) * 3
+    starts = torch.tensor([0] + torch.tensor(chunk).cumsum(0).tolist(), dtype=torch.int32)
+    got = paged_attention_ref(q, cache, tables, torch.tensor(lens, dtype=torch.int32), starts, 1, D, D ** -0.5,
+                              **options)
+    want = torch.cat([naive(q[starts[s]:starts[s + 1]], keys[s], values[s], lens[s] - chunk[s], **options)
+                      for s in range(len(lens))])
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, 30))
+
+
+@pytest.mark.parametrize("options", [{}, *OPTIONS], ids=str)
+def test_cacheless_attention_matches_naive(options):
+    chunk = [1, 6, 13]
+    starts = torch.tensor([0, 1, 7, 20], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(chunk), w, generator=g) * 2 for w in (H * D, KVH * D, KVH * D))
+    got = attention_ref(q, k, v, starts, D, D ** -0.5, **options)
+    want = torch.cat([naive(q[a:b], k[a:b], v[a:b], 0, **options) for a, b in zip(starts[:-1], starts[1:])])
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, 13))
+
+
+def test_window_is_transformers_sliding_window():
+    """Our window convention is transformers' sliding-window causal mask, key for key."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    from llmc.compiler.ops.attention import visible_keys
+    for window in (1, 3, 4):
+        rule = masking.sliding_window_causal_mask_function(window)
+        want = rule(torch.tensor(0), torch.tensor(0), torch.arange(10)[:, None], torch.arange(10)[None, :])
+        assert torch.equal(visible_keys(torch.arange(10)[:, None], 10, window), want)

@@ -11,8 +11,15 @@ Layouts (tokens of all sequences flattened, heads packed per token):
   seq_lens     [S] int: tokens of each sequence in the cache after this step's writes
   query_start_loc [S + 1] int: sequence s owns query rows qsl[s] .. qsl[s+1]-1; those are its
                last tokens, so query i of a chunk of n sits at position seq_len - n + i
-Scores are scaled by `scale` and softmaxed in fp32 (by SDPA); a query sees keys at positions
-<= its own. Returns [T, H * D] in q's dtype.
+Scores are scaled by `scale` and softmaxed in fp32; a query at position p sees keys at positions
+j <= p. Two optional attributes (absent = off, so graphs written before them still verify):
+  window  int >= 0: sliding-window attention; with window > 0 a query at position p sees only
+          keys at p - window < j <= p, the last `window` tokens including its own (transformers'
+          sliding_window_causal_mask_function: kv_idx > q_idx - window and kv_idx <= q_idx)
+  softcap float >= 0: attention-logit soft-capping; with softcap > 0 the scaled scores become
+          softcap * tanh(scores / softcap) before the mask and the softmax (Gemma 2's eager
+          attention)
+Returns [T, H * D] in q's dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +32,19 @@ from .checks import FLOAT_DTYPES, expect, float_, heads_width, index_tensor, sam
 from .record import Declined, Lowered, Operands, OpRecord, operands
 
 ATTN_ATTRS = ("num_heads", "num_kv_heads", "head_dim", "scale")
+ATTN_OPTIONS = {"window": 0, "softcap": 0.0}     # optional attrs and the value their absence means
+
+
+def attention_options(attrs: dict) -> dict:
+    """A node's window and softcap, defaults where absent (see the module docstring)."""
+    return {name: attrs.get(name, default) for name, default in ATTN_OPTIONS.items()}
+
+
+def visible_keys(q_pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """[n, length] bool: key j is visible to the query at q_pos [n, 1] (causal, within the window)."""
+    keys = torch.arange(length, device=q_pos.device)[None, :]
+    allowed = keys <= q_pos
+    return allowed & (keys > q_pos - window) if window > 0 else allowed
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -41,14 +61,22 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
-                  head_dim: int, scale: float) -> torch.Tensor:
-    """Causal attention within each packed sequence (a prompt with no earlier context)."""
+                  head_dim: int, scale: float, *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention within each packed sequence (a prompt with no earlier context); with a
+    window or a softcap (module docstring) the scores are computed and masked explicitly."""
     qh, kh, vh = _heads(q, head_dim), _heads(k, head_dim), _heads(v, head_dim)
     out = torch.empty_like(qh)
     bounds = query_start_loc.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
+        if end <= start:
+            continue
+        if not window and not softcap:
             out[start:end] = _sdpa(qh[start:end], kh[start:end], vh[start:end], None, scale, causal=True)
+            continue
+        allowed = visible_keys(torch.arange(end - start, device=q.device)[:, None], end - start, window)
+        k_seq, v_seq = (x[start:end].transpose(0, 1)[None] for x in (kh, vh))      # [1, KVH, n, D]
+        out[start:end] = _attend(q[None, start:end], k_seq, v_seq, allowed[None], scale, softcap)[0].view(
+            end - start, -1, head_dim)
     return out.view(q.shape)
 
 
@@ -67,10 +95,11 @@ def kv_write_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Grouped-query attention of B sequences with padded contexts.
 
-    q [B, n, H*D], k/v [B, KVH, L, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D].
+    q [B, n, H*D], k/v [B, KVH, L, D], allowed [B, n, L] (True = may attend) -> [B, n, H*D];
+    scores scaled, soft-capped where softcap > 0, then masked and softmaxed.
     The G query heads that share a KV head are stacked with the n queries as the rows of one
     matrix ([B, KVH, G*n, D]), so each KV head's K and V are multiplied once, unrepeated.
     """
@@ -81,6 +110,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     rows = rows.reshape(batch, kv_heads, groups * n, head_dim)                 # [B, KVH, G*n, D]
     acc = torch.promote_types(q.dtype, torch.float32)                           # float64 stays float64
     scores = torch.matmul(rows, k.transpose(-1, -2)).to(acc) * scale          # [B, KVH, G*n, L]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     mask = allowed[:, None, None].expand(batch, 1, groups, n, allowed.shape[-1])
     scores = scores.masked_fill(~mask.reshape(batch, 1, groups * n, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -108,32 +139,37 @@ def _gather_context(kv_cache: torch.Tensor, layer: int, tables: torch.Tensor, dt
 
 def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, layer: int, head_dim: int,
-                               scale: float, bucket: int = 16) -> torch.Tensor:
-    """One query per sequence (its newest token) over its cached context, batched.
+                               scale: float, bucket: int = 16, *, window: int = 0,
+                               softcap: float = 0.0) -> torch.Tensor:
+    """One query per sequence (its newest token, at position seq_len - 1) over its cached context,
+    batched; window and softcap as the module docstring says.
 
     Sequences are sorted by length and attended in buckets of `bucket`, each padded only to its
     own longest context, so short sequences do not read as many blocks as the longest one.
     """
+    options = {"window": window, "softcap": softcap}
     if q.shape[0] <= bucket:
-        return _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale)
+        return _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale, **options)
     out = torch.empty_like(q)
     block_size = kv_cache.shape[4]
     for index in torch.argsort(seq_lens).split(bucket):
         width = -(-int(seq_lens[index].max()) // block_size)
-        out[index] = _decode_bucket(q[index], kv_cache, block_tables[index, :width], seq_lens[index], layer, scale)
+        out[index] = _decode_bucket(q[index], kv_cache, block_tables[index, :width], seq_lens[index], layer, scale,
+                                    **options)
     return out
 
 
-def _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale):
+def _decode_bucket(q, kv_cache, block_tables, seq_lens, layer, scale, window, softcap):
     k, v = _gather_context(kv_cache, layer, block_tables, q.dtype)           # [S, KVH, L, D]
-    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None].long()
-    return _attend(q[:, None], k, v, allowed[:, None, :], scale)[:, 0]
+    allowed = visible_keys(seq_lens[:, None].long() - 1, k.shape[2], window)  # [S, L]
+    return _attend(q[:, None], k, v, allowed[:, None, :], scale, softcap)[:, 0]
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
-                        head_dim: int, scale: float) -> torch.Tensor:
-    """Each sequence's query chunk attends causally to its whole cached context.
+                        head_dim: int, scale: float, *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Each sequence's query chunk attends causally to its whole cached context (within the
+    window where window > 0; scores soft-capped where softcap > 0: module docstring).
 
     Sequences with one query token (decodes in a mixed step) are batched together; each
     longer chunk is attended on its own, with the causal mask offset by its cached context.
@@ -145,7 +181,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         rows = torch.tensor([bounds[s] for s in singles], device=q.device)
         index = torch.tensor(singles, device=q.device)
         out[rows] = paged_decode_attention_ref(q[rows], kv_cache, block_tables[index], seq_lens[index],
-                                               layer, head_dim, scale)
+                                               layer, head_dim, scale, window=window, softcap=softcap)
     block_size = kv_cache.shape[4]
     for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         n, length = end - start, lens[s]
@@ -154,8 +190,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         table = block_tables[s:s + 1, : (length + block_size - 1) // block_size]
         k, v = _gather_context(kv_cache, layer, table, q.dtype)              # [1, KVH, L', D]
         q_pos = torch.arange(length - n, length, device=q.device)[:, None]   # [n, 1]
-        allowed = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos  # [n, L']
-        out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale)[0]
+        allowed = visible_keys(q_pos, k.shape[2], window)                     # [n, L']
+        out[start:end] = _attend(q[None, start:end], k, v, allowed[None], scale, softcap)[0]
     return out
 
 
@@ -181,7 +217,17 @@ def check_cache(cache, attrs) -> None:
            f"layer {attrs['layer']} is outside a kv cache of {layers} layers")
 
 
+def check_options(attrs: dict) -> None:
+    """window an int >= 0, softcap a float >= 0 (where present)."""
+    window, softcap = attention_options(attrs).values()
+    expect(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+           f"attention window must be an int >= 0 (0 = off), got {window!r}")
+    expect(isinstance(softcap, float) and softcap >= 0.0,
+           f"attention softcap must be a float >= 0.0 (0.0 = off), got {softcap!r}")
+
+
 def _attention_types(ts: Operands, attrs: dict):
+    check_options(attrs)
     check_heads(ts.q, ts.k, ts.v, attrs)
     index_tensor(ts.query_start_loc, "query_start_loc")
     return (ts.q,)
@@ -196,6 +242,7 @@ def kv_write_types(ts: Operands, attrs: dict):
 
 
 def _paged_attention_types(ts: Operands, attrs: dict):
+    check_options(attrs)
     check_cache(ts.kv_cache, attrs)
     float_(ts.q, "paged attention query")
     heads_width(ts.q, attrs["num_heads"], attrs["head_dim"], "paged attention query")
@@ -207,6 +254,8 @@ def _paged_attention_types(ts: Operands, attrs: dict):
 
 
 # ------------------------------------------------------------------ records
+# The three attention ops also take the optional attrs ATTN_OPTIONS (window, softcap); graphs
+# written before them have none, so they are read through attention_options, not required.
 
 _NO_CACHE = ("attention without the KV cache; keep the insert_paged_attention pass")
 _CPU_ATTENTION = Lowered("kernels/cpu/paged_attention.cpp (tiles for prompt chunks, split-K for decodes)")
@@ -214,9 +263,10 @@ _CPU_ATTENTION = Lowered("kernels/cpu/paged_attention.cpp (tiles for prompt chun
 RECORDS = [
     OpRecord("attention", (operands("q", "k", "v", "query_start_loc"),), ATTN_ATTRS, _attention_types, "attention",
              "causal attention within each sequence of packed tokens, no cache",
-             reference=lambda x, a: attention_ref(x.q, x.k, x.v, x.query_start_loc, a["head_dim"], a["scale"]),
-             backends={"native": Lowered("the torch reference (SDPA)"), "step_plan": Declined(_NO_CACHE),
-                       "triton": Declined(_NO_CACHE)}),
+             reference=lambda x, a: attention_ref(x.q, x.k, x.v, x.query_start_loc, a["head_dim"], a["scale"],
+                                                  **attention_options(a)),
+             backends={"native": Lowered("the torch reference (SDPA; explicit scores with window/softcap)"),
+                       "step_plan": Declined(_NO_CACHE), "triton": Declined(_NO_CACHE)}),
     OpRecord("kv_write", (operands("kv_cache", "k", "v", "slot_mapping"),), ("layer", "num_kv_heads", "head_dim"),
              kv_write_types, "data_movement",
              "store k, v of each token at its slot of the paged cache; returns the cache", side_effects=True,
@@ -228,14 +278,16 @@ RECORDS = [
              ("layer",) + ATTN_ATTRS, _paged_attention_types, "attention",
              "causal attention of packed query chunks over the paged cache (prefill and mixed steps)",
              reference=lambda x, a: paged_attention_ref(x.q, x.kv_cache, x.block_tables, x.seq_lens,
-                                                        x.query_start_loc, a["layer"], a["head_dim"], a["scale"]),
+                                                        x.query_start_loc, a["layer"], a["head_dim"], a["scale"],
+                                                        **attention_options(a)),
              backends={"native": _CPU_ATTENTION, "step_plan": Lowered("instruction paged_attention"),
                        "triton": Lowered("template kernels/triton/paged_prefill_attention.py")}),
     OpRecord("paged_decode_attention", (operands("q", "kv_cache", "block_tables", "seq_lens"),),
              ("layer",) + ATTN_ATTRS, _paged_attention_types, "attention",
              "attention of one query token per sequence over the paged cache",
              reference=lambda x, a: paged_decode_attention_ref(x.q, x.kv_cache, x.block_tables, x.seq_lens,
-                                                               a["layer"], a["head_dim"], a["scale"]),
+                                                               a["layer"], a["head_dim"], a["scale"],
+                                                               **attention_options(a)),
              backends={"native": _CPU_ATTENTION, "step_plan": Lowered("instruction paged_decode_attention"),
                        "triton": Lowered("template kernels/triton/paged_decode_attention.py")}),
 ]
