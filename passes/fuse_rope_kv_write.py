@@ -6,7 +6,10 @@ Matches: `kv_write(cache, rope(k, pos), v, slots)` whose roped k has no other re
 Produces: `rope_kv_write(q, k, v, pos, cache, slots) -> (roped q, cache)`, or with a packed
   `rope_kv_write(qkv, pos, cache, slots)` when q, k, v are the three results of one `split(qkv)`
   (after merge_qkv). Readers of the roped q and of the cache read its results; the ropes (and
-  the split) are left for dce.
+  the split) are left for dce. Where q and k are each normed before their rope by a
+  `head_rmsnorm` (Qwen3, Gemma 3) or an `rmsnorm` over the row (OLMo-2) of one kind and eps,
+  whose result only that rope reads, the norms are absorbed too: attrs qk_norm="head"|"all" and
+  norm_eps, operands q_norm and k_norm (their weights); q and k are then the norms' inputs.
 Requires: insert_paged_attention. Preserves: numerics exactly.
 """
 
@@ -19,6 +22,26 @@ from .rewrite import PassContext, RewriteState, rewrite
 
 PAGED = ("paged_attention", "paged_decode_attention")
 ROPE_ATTRS = ("head_dim", "theta", "scaling")
+QK_NORMS = {"head_rmsnorm": "head", "rmsnorm": "all"}
+
+
+def _qk_norms(q_rope: Node, k_rope: Node, state: RewriteState) -> tuple[Value, Value, dict, list] | None:
+    """(q, k before any norms, the norm attrs, the norm weights) of the ropes' inputs; None where
+    only one is normed, the two norms differ, or a normed value has another reader."""
+    q, k = q_rope.inputs[0], k_rope.inputs[0]
+    q_norm, k_norm = state.producer(q), state.producer(k)
+    if q_norm.op not in QK_NORMS and k_norm.op not in QK_NORMS:
+        return q, k, {}, []
+    if q_norm.op != k_norm.op or q_norm.attrs["eps"] != k_norm.attrs["eps"]:
+        return None
+    head_dims = {q_norm.attrs.get("head_dim"), k_norm.attrs.get("head_dim")}
+    if q_norm.op == "head_rmsnorm" and head_dims != {q_rope.attrs["head_dim"]}:
+        return None
+    if state.num_users(q) != 1 or state.num_users(k) != 1:
+        return None
+    qx, kx = operands_of(q_norm), operands_of(k_norm)
+    attrs = {"qk_norm": QK_NORMS[q_norm.op], "norm_eps": q_norm.attrs["eps"]}
+    return qx.x, kx.x, attrs, [qx.weight, kx.weight]
 
 
 def _query_rope(kv_write: Node, k_rope: Node, state: RewriteState) -> tuple[Node, Node] | None:
@@ -54,12 +77,17 @@ def fuse_rope_into_kv_write(node: Node, state: RewriteState):
     if found is None:
         return None
     attention, q_rope = found
-    q, positions = q_rope.inputs[0], k_rope.inputs[1]
-    packed = _packed_qkv(q, k_rope.inputs[0], v, state)
-    tensors = [packed] if packed is not None else [q, k_rope.inputs[0], v]
+    norms = _qk_norms(q_rope, k_rope, state)
+    if norms is None or not all(state.has(w) for w in norms[3]):
+        return None
+    q, k_in, norm_attrs, norm_weights = norms
+    positions = k_rope.inputs[1]
+    packed = _packed_qkv(q, k_in, v, state)
+    tensors = [packed] if packed is not None else [q, k_in, v]
     attrs = {"layer": node.attrs["layer"], "num_heads": attention.attrs["num_heads"],
-             "num_kv_heads": node.attrs["num_kv_heads"], **{a: k_rope.attrs[a] for a in ROPE_ATTRS}}
-    fused = state.emit("rope_kv_write", [state.get(x) for x in (*tensors, positions, cache, slots)], **attrs)
+             "num_kv_heads": node.attrs["num_kv_heads"], **{a: k_rope.attrs[a] for a in ROPE_ATTRS}, **norm_attrs}
+    inputs = (*tensors, positions, cache, slots, *norm_weights)
+    fused = state.emit("rope_kv_write", [state.get(x) for x in inputs], **attrs)
     state.replace(q_rope.value(), fused.value(0))
     return (fused.value(1),)
 

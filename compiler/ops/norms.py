@@ -1,4 +1,6 @@
-"""Row-wise ops: rmsnorm, and add_rmsnorm (the residual add fused with the norm after it).
+"""Row-wise ops: rmsnorm, add_rmsnorm (the residual add fused with the norm after it), and
+head_rmsnorm (each head of a packed [T, H*D] row normed on its own, one weight [D] for all heads:
+Qwen3's and Gemma 3's q/k norms).
 
 The references are the meaning: the mean and the scaling in fp32 (float64 for float64 x, the
 reference runs of bisect), the normed row rounded to x's dtype before the product with the weight,
@@ -12,7 +14,9 @@ import torch
 from ..formula import Row, rounded, row_sum, rsqrt
 from ..ir import TensorType
 from .checks import expect, float_, same
-from .record import Operands, OpRecord, operands
+from .record import Declined, Lowered, Operands, OpRecord, operands
+
+_FUSED = "fused into rope_kv_write; keep the fuse_rope_kv_write pass"
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +24,12 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def head_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+    """rmsnorm_ref of every head of x [T, H*D] over its head_dim values, weight [D] shared by the heads."""
+    heads = x.view(x.shape[0], -1, head_dim)                          # [T, H, D]
+    return rmsnorm_ref(heads, weight, eps).reshape(x.shape)
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -32,6 +42,15 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
 def _rmsnorm_types(ts: Operands, attrs: dict) -> tuple[TensorType, ...]:
     float_(ts.x, "rmsnorm input")
     expect(ts.weight.shape == (ts.x.shape[-1],), f"rmsnorm weight {ts.weight} does not match hidden size of {ts.x}")
+    return (ts.x,)
+
+
+def _head_rmsnorm_types(ts: Operands, attrs: dict) -> tuple[TensorType, ...]:
+    float_(ts.x, "head_rmsnorm input")
+    head_dim = attrs["head_dim"]
+    expect(isinstance(ts.x.shape[1], int) and ts.x.shape[1] % head_dim == 0,
+           f"head_rmsnorm input width {ts.x.shape[1]} is not a multiple of head_dim={head_dim}")
+    expect(ts.weight.shape == (head_dim,), f"head_rmsnorm weight {ts.weight} is not [head_dim={head_dim}]")
     return (ts.x,)
 
 
@@ -64,4 +83,9 @@ RECORDS = [
              "s = x + r; returns (rmsnorm(s, w), s): the residual add fused with the next norm",
              reference=lambda x, a: add_rmsnorm_ref(x.x, x.residual, x.weight, a["eps"]),
              formula=_add_rmsnorm_formula),
+    OpRecord("head_rmsnorm", (operands("x", "weight"),), ("eps", "head_dim"), _head_rmsnorm_types, "rowwise",
+             "rmsnorm of each head_dim-wide head of x, one weight [head_dim] for every head",
+             reference=lambda x, a: head_rmsnorm_ref(x.x, x.weight, a["eps"], a["head_dim"]),
+             backends={"native": Lowered("the torch reference"), "step_plan": Declined(_FUSED),
+                       "triton": Declined(_FUSED)}),
 ]

@@ -6,6 +6,11 @@ shape and dtype. Each head's first half is rotated against its second half (the 
 layout, not GPT-J's interleaved one). Frequencies come from `theta` and an optional Hugging Face
 `rope_scaling` dict: `linear` (positions divided by factor) or `llama3` (long wavelengths scaled,
 short kept, a smooth band between). cos/sin are computed in fp32.
+
+rope_kv_write may norm q and k before the rotation (attr `qk_norm`, absent or "" for none): "head"
+normalizes each head over its head_dim values with weights q_norm, k_norm [head_dim] (Qwen3,
+Gemma 3: head_rmsnorm), "all" each token's whole q row [H*D] and k row [KVH*D] with weights of
+those widths (OLMo-2: rmsnorm); both exactly as norms.py's references, eps from attr `norm_eps`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 
 from .attention import check_cache, kv_write_ref, kv_write_types
 from .checks import expect, float_, heads_width, index_tensor
-from .record import Declined, Lowered, Operands, OpRecord, operands
+from .norms import head_rmsnorm_ref, rmsnorm_ref
+from .record import Declined, Lowered, Operand, Operands, OpRecord, operands
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3")
 
@@ -61,10 +67,25 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: flo
     return (heads * cos + rotated * sin).reshape(x.shape)
 
 
+QK_NORMS = ("", "head", "all")
+
+
+def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, head_dim: int) -> torch.Tensor:
+    """x normed as rope_kv_write's `qk_norm` says: "" not at all, "head" per head, "all" per row."""
+    if kind == "head":
+        return head_rmsnorm_ref(x, weight, eps, head_dim)
+    return rmsnorm_ref(x, weight, eps) if kind == "all" else x
+
+
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, layer: int, head_dim: int, theta: float,
-                      scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rope(q), the cache with rope(k) and v stored at the tokens' slots of `layer`)."""
+                      scaling: dict[str, Any] | None, q_norm: torch.Tensor | None = None,
+                      k_norm: torch.Tensor | None = None, qk_norm: str = "",
+                      norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope(q), the cache with rope(k) and v stored at the tokens' slots of `layer`); with
+    `qk_norm`, q and k are normed (weights q_norm, k_norm) before their rotation."""
+    q = qk_norm_ref(q, q_norm, qk_norm, norm_eps, head_dim)
+    k = qk_norm_ref(k, k_norm, qk_norm, norm_eps, head_dim)
     q = rope_ref(q, positions, head_dim, theta, scaling)
     k = rope_ref(k, positions, head_dim, theta, scaling)
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
@@ -102,15 +123,39 @@ def _rope_kv_write_types(ts: Operands, attrs: dict):
     index_tensor(ts.slot_mapping, "slot_mapping")
     expect(ts.positions.shape[0] == q.shape[0], f"rope positions {ts.positions} do not match tokens of {q}")
     check_cache(ts.kv_cache, attrs)
+    _qk_norm_types(ts, attrs, q)
     return (q, ts.kv_cache)
+
+
+def has_qk_norm(attrs: dict) -> bool:
+    """Whether a rope_kv_write norms q and k (then it takes operands q_norm and k_norm)."""
+    return attrs.get("qk_norm", "") != ""
+
+
+def _qk_norm_types(ts: Operands, attrs: dict, q) -> None:
+    kind = attrs.get("qk_norm", "")
+    expect(kind in QK_NORMS, f"rope_kv_write qk_norm={kind!r} is not one of {QK_NORMS}")
+    if not kind:
+        return
+    expect(isinstance(attrs.get("norm_eps"), float), "rope_kv_write with qk_norm needs a float attr norm_eps")
+    heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
+    for name, width in (("q_norm", heads * d), ("k_norm", kv_heads * d)):
+        want = (d,) if kind == "head" else (width,)
+        w = ts[name]
+        expect(w.shape == want and w.dtype == q.dtype,
+               f"rope_kv_write {name} {w} is not {q.dtype}{list(want)} (qk_norm={kind!r})")
 
 
 def _rope_kv_write(x: Operands, a: dict):
     q, k, v = qkv_columns(x, a)
     return rope_kv_write_ref(q, k, v, x.positions, x.kv_cache, x.slot_mapping, layer=a["layer"],
-                             head_dim=a["head_dim"], theta=a["theta"], scaling=a["scaling"])
+                             head_dim=a["head_dim"], theta=a["theta"], scaling=a["scaling"],
+                             q_norm=x.get("q_norm"), k_norm=x.get("k_norm"), qk_norm=a.get("qk_norm", ""),
+                             norm_eps=a.get("norm_eps", 0.0))
 
 
+# present when attr qk_norm is "head" or "all" (optional attrs qk_norm and norm_eps: old graphs have none)
+_NORMS = (Operand("q_norm", when=has_qk_norm), Operand("k_norm", when=has_qk_norm))
 _UNFUSED = "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass"
 
 RECORDS = [
@@ -119,10 +164,10 @@ RECORDS = [
              reference=lambda x, a: rope_ref(x.x, x.positions, a["head_dim"], a["theta"], a["scaling"]),
              backends={"native": Lowered("the torch reference"), "step_plan": Declined(_UNFUSED),
                        "triton": Declined(_UNFUSED)}),
-    OpRecord("rope_kv_write", (operands("qkv", "positions", "kv_cache", "slot_mapping"),
-                               operands("q", "k", "v", "positions", "kv_cache", "slot_mapping")),
+    OpRecord("rope_kv_write", ((*operands("qkv", "positions", "kv_cache", "slot_mapping"), *_NORMS),
+                               (*operands("q", "k", "v", "positions", "kv_cache", "slot_mapping"), *_NORMS)),
              ("layer", "num_heads", "num_kv_heads", "head_dim", "theta", "scaling"), _rope_kv_write_types,
-             "data_movement", "rope q and k, store k and v at their slots; returns (roped q, cache)",
+             "data_movement", "(norm q and k,) rope q and k, store k and v at their slots; returns (roped q, cache)",
              side_effects=True, reference=_rope_kv_write,
              backends={"native": Lowered("kernels/cpu/rope_kv_write.cpp"),
                        "step_plan": Lowered("instruction rope_kv_write (a packed qkv)"),

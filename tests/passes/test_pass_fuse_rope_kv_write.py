@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from llmc.compiler.ir import format_node
 from llmc.passes.fuse_rope_kv_write import fuse_rope_kv_write
-from pass_checks import (PREFILL_STEPS, TINY, assert_same_numbers, hits, ir, printed, run_pass, steps_for,
-                         traced_before)
+from pass_checks import (PREFILL_STEPS, TINY, assert_same_numbers, hits, ir, printed, random_weights, run_pass,
+                         steps_for, traced_before)
 
 ROPE = "head_dim=12, theta=10000.0, scaling=None"
 KV = "layer=0, num_kv_heads=3, head_dim=12"
@@ -83,3 +84,56 @@ def test_traced_model_keeps_its_numbers(entry):
     assert hits(ctx) == TINY.num_layers
     assert "kv_write" not in after.op_counts()
     assert_same_numbers(graph, after, weights, steps_for(graph), exact=True)
+
+
+# q/k norms before RoPE: per head (Qwen3, Gemma 3: head_rmsnorm) or over the whole row (OLMo-2: rmsnorm)
+NORM_WEIGHTS = {"head": ("f32[12]", "f32[12]"), "all": ("f32[72]", "f32[36]")}
+NORM_OPS = {"head": ("head_rmsnorm", ", head_dim=12"), "all": ("rmsnorm", "")}
+
+
+def normed(kind: str) -> str:
+    """BEFORE with q and k normed between the split and their ropes."""
+    op, extra = NORM_OPS[kind]
+    qw, kw = NORM_WEIGHTS[kind]
+    weights = f"\n  %w.q_norm = weight() : {qw}\n  %w.k_norm = weight() : {kw}"
+    return (BEFORE.replace("%qkv = input() : f32[T,144]", "%qkv = input() : f32[T,144]" + weights)
+            .replace("  %1 = rope(%0, %positions", f"  %5 = {op}(%0, %w.q_norm, eps=1e-06{extra}) : f32[T,72]\n"
+                     f"  %6 = {op}(%0#1, %w.k_norm, eps=1e-06{extra}) : f32[T,36]\n  %1 = rope(%5, %positions")
+            .replace("%2 = rope(%0#1,", "%2 = rope(%6,"))
+
+
+@pytest.mark.parametrize("kind", ["head", "all"])
+def test_norms_before_rope_are_absorbed(kind):
+    graph = ir(normed(kind))
+    after, ctx = run_pass(fuse_rope_kv_write, graph)
+    assert hits(ctx) == 1
+    fused = [format_node(n) for n in after.nodes if n.op == "rope_kv_write"]
+    assert fused == [f"%5 = rope_kv_write(%qkv, %positions, %kv_cache, %slot_mapping, %w.q_norm, %w.k_norm, layer=0, "
+                     f"num_heads=6, num_kv_heads=3, head_dim=12, theta=10000.0, scaling=None, qk_norm='{kind}', "
+                     f"norm_eps=1e-06) : f32[T,72], {CACHE}"]
+    assert_same_numbers(graph, after, random_weights(graph), PREFILL_STEPS, exact=True)
+
+
+@pytest.mark.parametrize("kind", ["head", "all"])
+def test_norms_before_separate_q_k_v_are_absorbed(kind):
+    graph = ir(_unpacked(normed(kind)).replace(f"{NORM_OPS[kind][0]}(%0,", f"{NORM_OPS[kind][0]}(%q,")
+               .replace(f"{NORM_OPS[kind][0]}(%0#1,", f"{NORM_OPS[kind][0]}(%k,"))
+    after, ctx = run_pass(fuse_rope_kv_write, graph)
+    assert hits(ctx) == 1
+    assert [len(n.inputs) for n in after.nodes if n.op == "rope_kv_write"] == [8]
+    assert_same_numbers(graph, after, random_weights(graph), PREFILL_STEPS, exact=True)
+
+
+@pytest.mark.parametrize("change", ["q only", "normed k read elsewhere", "eps differs"])
+def test_a_norm_near_miss_is_left_alone(change):
+    text = normed("head")
+    if change == "q only":
+        text = text.replace("%2 = rope(%6,", "%2 = rope(%0#1,")
+    elif change == "normed k read elsewhere":
+        text = text.replace("return %4, %3", "return %4, %3, %6")
+    else:
+        text = text.replace("%6 = head_rmsnorm(%0#1, %w.k_norm, eps=1e-06", "%6 = head_rmsnorm(%0#1, %w.k_norm, "
+                            "eps=1e-05")
+    graph = ir(text)
+    after, ctx = run_pass(fuse_rope_kv_write, graph)
+    assert after.op_counts() == graph.op_counts() and hits(ctx) == 0   # copied (renumbered)
