@@ -14,6 +14,14 @@ Canonical weight names (the keys of `LoadedModel.weights`):
     layers.{i}.down_proj.weight                 [hidden, intermediate]
     norm.weight                                 [hidden]
     lm_head.weight                              [vocab, hidden]  (absent when tied)
+
+and where a family has them (the parameters of its model are the list: `expected_weights`):
+
+    layers.{i}.{q,k}_norm.weight                [head_dim] (per head) or [heads * head_dim] (whole)
+    layers.{i}.post_attn_norm.weight            [hidden]  norm of the attention's output (Gemma, OLMo-2)
+    layers.{i}.post_mlp_norm.weight             [hidden]  norm of the MLP's output (Gemma, OLMo-2)
+
+A norm weight is the multiplier itself: Gemma's (1 + w) is stored as 1 + w.
 """
 
 from __future__ import annotations
@@ -23,6 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+QK_NORMS = ("", "head", "all")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ModelError(Exception):
@@ -50,6 +63,17 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What the newer families change (models/families); the defaults are Llama's.
+    hidden_act: str = "silu"               # the gated MLP's activation: "silu" or "gelu_tanh"
+    qk_norm: str = ""                      # RMSNorm of q and k before RoPE: "", "head" (each head) or "all"
+    attn_scale: float | None = None        # the attention's score scale; None: head_dim ** -0.5
+    layer_types: tuple[str, ...] = ()      # each layer's "full_attention" or "sliding_attention"; (): all full
+    sliding_window: int | None = None      # keys a sliding layer's query sees, its own included
+    local_rope_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: rope_theta
+    attn_softcap: float | None = None      # attention scores s -> c * tanh(s / c)
+    final_softcap: float | None = None     # logits likewise
+    embed_scale: bool = False              # embeddings times sqrt(hidden_size), rounded to their dtype
+    rotary_dim: int | None = None          # the dims of each head RoPE turns (partial rotary); None: head_dim
 
     def __post_init__(self) -> None:
         from .families import family_of  # the families import this module: ask at call time
@@ -65,10 +89,44 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelError(f"head_dim={self.head_dim} is odd; rotary embeddings need an even head_dim")
+        self._check_variants()
+
+    def _check_variants(self) -> None:
+        """The newer families' fields: known values, one layer type per layer, a window for sliding layers."""
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelError(f"hidden activation {self.hidden_act!r} is not supported; llmc has {HIDDEN_ACTS}")
+        if self.qk_norm not in QK_NORMS:
+            raise ModelError(f"qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ModelError(f"layer type {unknown[0]!r} is not supported; llmc has {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ModelError("the config has sliding-attention layers but no positive sliding_window")
+        rotary = self.rotary_dim if self.rotary_dim is not None else self.head_dim
+        if not (0 < rotary <= self.head_dim and rotary % 2 == 0):
+            raise ModelError(f"rotary_dim={rotary} must be even and within head_dim={self.head_dim}")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends within the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def rope_of(self, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """RoPE base and scaling of layer `layer`: a sliding layer's own base where the config has one."""
+        if self.is_sliding(layer) and self.local_rope_theta is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def scale(self) -> float:
+        """The attention's score scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["layer_types"] = list(self.layer_types)
         return out
 
     @classmethod
@@ -79,6 +137,7 @@ class ModelConfig:
             raise ModelError(f"model config has unknown keys {sorted(unknown)}; it was written by a newer llmc")
         data = dict(data)
         data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
         return cls(**data)
 
 
@@ -115,22 +174,12 @@ class LoadedModel:
 
 
 def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every canonical weight of `cfg` with its shape."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"embed_tokens.weight": (cfg.vocab_size, hidden), "norm.weight": (hidden,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        shapes |= {p + "attn_norm.weight": (hidden,), p + "mlp_norm.weight": (hidden,),
-                   p + "q_proj.weight": (q, hidden), p + "k_proj.weight": (kv, hidden),
-                   p + "v_proj.weight": (kv, hidden), p + "o_proj.weight": (hidden, q),
-                   p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden),
-                   p + "down_proj.weight": (hidden, inter)}
-        if cfg.qkv_bias:
-            shapes |= {p + "q_proj.bias": (q,), p + "k_proj.bias": (kv,), p + "v_proj.bias": (kv,)}
-    return shapes
+    """Every canonical weight of `cfg` with its shape: the parameters of its family's model, built
+    on the meta device (so the definition is the one list of what a checkpoint must hold)."""
+    from .families import family_of  # the families import this module: ask at call time
+    with torch.device("meta"):
+        module = family_of(cfg.architecture).causal_lm(cfg)
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
