@@ -15,6 +15,8 @@ tensor names of each, are the family's (models/families): 'qwen2' files are not 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,14 @@ from gguf.quants import dequantize
 
 from llmc.compiler.quant_format import QuantizedWeight
 
-from .config import LoadedModel, ModelConfig, ModelError, check_weights
+from .config import LoadedModel, ModelConfig, ModelError, TokenizerFiles, check_weights, expected_weights
 from .families import family_for_gguf
 from .families.family import Family
 from .gguf_blocks import check_tensor_type, read_blocks
 from .gguf_tokenizer import gguf_value, tokenizer_from_gguf
 from .provenance import file_sha256
+
+log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -48,19 +52,31 @@ def load_gguf(path: str | Path) -> LoadedModel:
     names = {t.name for t in reader.tensors}
     config = _read_config(reader, family, names)
     weights = _read_weights(reader, family)
+    expected = expected_weights(config)
+    family.split_fused(weights, expected)
     check_weights(config, weights, path.name)
     quantized = _read_quantized(reader, family)
+    family.split_fused(quantized, expected, lambda qw, start, stop: qw.rows(torch.arange(start, stop)))
     if family.gguf_permuted_qk:
         _unpermute_attention(weights, config)
         _unpermute_quantized(quantized, config)
     return LoadedModel(
         config=config,
         weights=weights,
-        tokenizer=tokenizer_from_gguf(reader),
+        tokenizer=_tokenizer(reader, family),
         source_files={path.name: file_sha256(path)},
         source_format="gguf",
         quantized=quantized,
     )
+
+
+def _tokenizer(reader: GGUFReader, family: Family) -> TokenizerFiles:
+    """The file's tokenizer; a file with no chat template gets its family's known one, said at INFO."""
+    files = tokenizer_from_gguf(reader)
+    if files.chat_template is None and family.chat_template is not None:
+        log.info("the GGUF file has no chat template; using the %s family's known one", family.name)
+        return dataclasses.replace(files, chat_template=family.chat_template)
+    return files
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .config import LoadedModel, ModelConfig, ModelError, TokenizerFiles, check_weights
+from .config import LoadedModel, ModelConfig, ModelError, TokenizerFiles, check_weights, expected_weights
 from .families import family_for_hf, family_of
 from .families.family import LLAMA_HF_LAYER_NAMES
 from .provenance import file_sha256
@@ -60,20 +60,28 @@ def _load_safetensors(folder: Path, cfg: ModelConfig) -> tuple[dict[str, torch.T
     if not files:
         raise ModelError(f"{folder} has no *.safetensors file; llmc reads safetensors checkpoints only")
     weights: dict[str, torch.Tensor] = {}
-    layer_names = family_of(cfg.architecture).hf_layer_names
+    family = family_of(cfg.architecture)
     for path in files:
         try:
             tensors = load_file(str(path))
         except (SafetensorError, OSError) as exc:
             raise ModelError(f"{path.name} cannot be read as safetensors ({exc}); re-download it") from None
         for hf_name, tensor in tensors.items():
-            name = canonical_name(hf_name, layer_names)
-            if name is not None:
+            name = canonical_name(hf_name, family.hf_layer_names)
+            if name is not None and family.hf_norm_offset and _is_norm(name):
+                weights[name] = tensor.float() + family.hf_norm_offset   # (1 + w) as the multiplier, in fp32
+            elif name is not None:
                 weights[name] = tensor
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    family.split_fused(weights, expected_weights(cfg))
     check_weights(cfg, weights, str(folder))
     return weights, files
+
+
+def _is_norm(name: str) -> bool:
+    """Whether canonical weight `name` is an RMSNorm's (every norm's module name ends in `norm`)."""
+    return name.endswith("norm.weight")
 
 
 def _token_text(token: Any) -> str | None:

@@ -15,7 +15,7 @@ from llmc.runtime.model_runner import ModelRunner, build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
-from tiny_models import FAMILIES, build_hf_model
+from tiny_models import FAMILIES, NATIVE_PLANS, build_hf_model
 from tolerances import tolerance
 
 PROMPT_LENS = (7, 1, 13)
@@ -51,12 +51,20 @@ def run_all_positions(runner, blocks, chunks):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_prefill_and_decode_match_transformers(tiny_family, family, kernels):
     model, _, artifact = tiny_family(family)
-    assert_matches_transformers(model, artifact, kernels)
+    assert_matches_transformers(model, artifact, kernels, family)
 
 
-def assert_matches_transformers(model, artifact, kernels: str) -> None:
+def assert_whole_plans(runner, family: str, kernels: str) -> None:
+    """The families shaped for the native kernels run both graphs as one step plan each, no op by op."""
+    if kernels == "native" and family in NATIVE_PLANS:
+        runs = runner.capabilities.graphs
+        assert all(run.plan for run in runs), f"{family}: {[(r.entry, r.why) for r in runs if not r.plan]}"
+
+
+def assert_matches_transformers(model, artifact, kernels: str, family: str = "") -> None:
     """Prefill logits at every position of three prompts, then 16 teacher-forced decode steps."""
     runner, blocks = new_runner(artifact, kernels)
+    assert_whole_plans(runner, family, kernels)
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     seqs = [Sequence(i, p, SamplingParams(max_tokens=16)) for i, p in enumerate(make_prompts(1))]
     for s in seqs:
@@ -85,6 +93,7 @@ def test_chunked_prefill_over_cached_context_matches_transformers(tiny_family, f
     """A prompt computed in three chunks, mixed with another sequence's decode token."""
     model, _, artifact = tiny_family(family)
     runner, blocks = new_runner(artifact, kernels)
+    assert_whole_plans(runner, family, kernels)
     tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
     long = Sequence(0, make_prompts(3)[2] * 2, SamplingParams(max_tokens=1))    # 26 tokens
     short = Sequence(1, make_prompts(4)[0], SamplingParams(max_tokens=8))

@@ -23,17 +23,45 @@ FAMILIES = {
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM",
                    dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=None)),
+                dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=6)),    # every layer sliding
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False)),
     # widths a multiple of 16 and head_dim 32: the shapes llmc's native CPU kernels take
     "llama_hd32": ("LlamaConfig", "LlamaForCausalLM",
                    dict(hidden_size=128, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)),
+    # The newer families, their real configs' structure scaled down: a window smaller than the test
+    # prompts, a score scale that is not head_dim's, soft-caps that bite, partial rotary; widths a
+    # multiple of 16 and head_dim 32, so every graph runs as one native step plan (NATIVE_PLANS).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=4, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                  original_max_position_embeddings=256,
+                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                   "short_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0, 55.0, 89.0, 144.0],
+                                   "long_factor": [2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0, 55.0, 89.0, 144.0, 233.0,
+                                                   377.0]})),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM",
+              dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
                     dict(num_attention_heads=6, num_key_value_heads=3,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
+
+
+# the families whose tiny models every path must run as whole step plans (tests/test_parity_tiny.py)
+NATIVE_PLANS = ("llama_hd32", "qwen3", "gemma3", "gemma2", "phi3", "olmo2")
 
 
 def byte_tokenizer() -> Tokenizer:
@@ -74,6 +102,10 @@ def build_hf_model(family: str, seed: int = 0, **config):
                 p.normal_(0.0, 0.5)
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(QK_GAIN)
+            if name.endswith("qkv_proj.weight"):                     # Phi-3's fused q, k, v: q and k rows
+                p[: p.shape[0] - config.num_key_value_heads * config.hidden_size // config.num_attention_heads].mul_(QK_GAIN)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):   # normed q, k: the gain is in the norm
+                p.uniform_(2.0, 4.0)
     return model
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelError
-from . import llama, mistral, qwen2
+from . import gemma, llama, mistral, olmo2, phi3, qwen2, qwen3
 from .family import Family
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                                   gemma.GEMMA2, gemma.GEMMA3, phi3.FAMILY, olmo2.FAMILY)}
 
 
 def register(family: Family) -> Family:

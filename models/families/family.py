@@ -52,6 +52,12 @@ class Family:
     gguf_permuted_qk   llama.cpp's converter interleaved this family's Q/K rows (the loader undoes it)
     hf_layer_names     HF layer weight path -> canonical name (see LLAMA_HF_LAYER_NAMES)
     gguf_layer_names   GGUF layer tensor -> canonical name (see LLAMA_GGUF_LAYER_NAMES)
+    fused_weights      canonical name of a weight the checkpoint stores fused -> the canonical
+                       weights it holds, stacked along rows in this order (Phi-3's qkv_proj)
+    hf_norm_offset     added to every RMSNorm weight read from config.json's checkpoint (Gemma
+                       stores w for a (1 + w) norm: 1.0); GGUF files hold the multiplier itself
+    chat_template      the family's known chat template (Jinja, as its tokenizer_config.json has
+                       it), for a GGUF file that carries none; None: such a file has no template
     """
 
     name: str
@@ -64,6 +70,9 @@ class Family:
     gguf_permuted_qk: bool = False
     hf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_HF_LAYER_NAMES)
     gguf_layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    fused_weights: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    hf_norm_offset: float = 0.0
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
@@ -77,6 +86,23 @@ class Family:
     def architecture(self) -> str:
         """The ModelConfig.architecture this family records when the source names none of its own."""
         return self.hf_architectures[0]
+
+    def split_fused(self, weights: dict[str, Any], expected: Mapping[str, tuple[int, ...]],
+                    cut: Callable[[Any, int, int], Any] = lambda w, start, stop: w[start:stop]) -> None:
+        """Replace, in place, each fused weight (`fused_weights`) by its parts, rows [start, stop) of it
+        as `cut` takes them, at the part heights `expected` (the canonical shapes) gives:
+        `layers.3.qkv_proj.weight` -> `layers.3.q_proj.weight`, `...k_proj...`, `...v_proj...`. A fused
+        weight whose rows do not add up is left whole, for check_weights to name."""
+        for name in [n for n in weights if n.count(".") >= 2 and n.split(".")[-2] in self.fused_weights]:
+            prefix, fused, suffix = name.rsplit(".", 2)
+            parts = [f"{prefix}.{part}.{suffix}" for part in self.fused_weights[fused]]
+            if not all(p in expected for p in parts):
+                continue
+            heights = [expected[p][0] for p in parts]
+            if sum(heights) == weights[name].shape[0]:
+                whole, start = weights.pop(name), 0
+                for part, height in zip(parts, heights):
+                    weights[part], start = cut(whole, start, start + height), start + height
 
     def gguf_config(self, fields: dict[str, Any], value: Callable[[str], Any]) -> ModelConfig:
         """This family's ModelConfig from the shared GGUF fields (see `config_from_gguf`)."""

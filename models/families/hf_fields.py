@@ -19,9 +19,10 @@ def rope_fields(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def decoder_fields(raw: dict[str, Any]) -> dict[str, Any]:
+def decoder_fields(raw: dict[str, Any], cap_at_window: bool = True) -> dict[str, Any]:
     """ModelConfig keywords (all but `architecture`) of a Llama-layout config.json; KeyError for a
-    missing required key. A sliding window the config turns on caps max_position_embeddings."""
+    missing required key. A sliding window the config turns on caps max_position_embeddings, unless
+    the family attends within it (`cap_at_window=False`)."""
     heads = raw["num_attention_heads"]
     theta, scaling = rope_fields(raw)
     eos = raw.get("eos_token_id")
@@ -36,7 +37,8 @@ def decoder_fields(raw: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=window_capped(raw, raw.get("max_position_embeddings", 4096)),
+        max_position_embeddings=(window_capped(raw, raw.get("max_position_embeddings", 4096)) if cap_at_window
+                                 else raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=bool(raw.get("attention_bias", False)),
         bos_token_id=raw.get("bos_token_id"),

@@ -1,9 +1,8 @@
-"""Mistral: Llama's layers; a sliding window in config.json caps the served sequence length.
+"""Mistral: Llama's layers; a sliding window in config.json applies to every layer.
 
-llmc attends fully (no window), exact only up to the window, so `max_position_embeddings` is
-capped at `sliding_window` when the config turns it on (hf_fields.window_capped, which every family
-so far applies). llama.cpp writes Mistral GGUF files as architecture 'llama', so they load as the
-llama family.
+Every layer attends to the last `sliding_window` tokens (itself included), as transformers' Mistral
+does; the KV cache still keeps every token (see `llmc plan`). llama.cpp writes Mistral GGUF files as
+architecture 'llama', so they load as the llama family (and attend fully).
 """
 
 from __future__ import annotations
@@ -17,7 +16,9 @@ from .hf_fields import decoder_fields
 
 
 def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
-    fields = decoder_fields(raw)  # caps the length at a sliding window the config turns on
+    fields = decoder_fields(raw, cap_at_window=False)
+    if raw.get("sliding_window"):
+        fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=raw["sliding_window"])
     return ModelConfig(architecture=architecture, **fields)
 
 
