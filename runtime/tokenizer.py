@@ -1,13 +1,15 @@
 """Tokenizer, chat template and incremental detokenizer for an artifact.
 
 The chat template is a Hugging Face Jinja template, rendered the way transformers renders it
-(sandboxed, trim_blocks + lstrip_blocks, `raise_exception` available, `add_generation_prompt`).
+(sandboxed, trim_blocks + lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a
+non-escaping `tojson`, `add_generation_prompt`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
@@ -39,6 +41,17 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as transformers renders chat templates: sandboxed, trim_blocks + lstrip_blocks, loop
+    controls, `raise_exception` and `strftime_now`, and a `tojson` that keeps non-ASCII text."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return env
+
+
 class Tokenizer:
     def __init__(self, files: TokenizerFiles):
         self.files = files
@@ -47,9 +60,7 @@ class Tokenizer:
         self._byte_chars = _byte_level_alphabet() if decoder == "ByteLevel" else None
         self._template = None
         if files.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            self._template = env.from_string(files.chat_template)
+            self._template = _template_environment().from_string(files.chat_template)
 
     @property
     def has_chat_template(self) -> bool:

@@ -23,6 +23,24 @@ from .family import LLAMA_GGUF_LAYER_NAMES, LLAMA_HF_LAYER_NAMES, Family
 from .hf_fields import decoder_fields, rope_fields
 
 
+# The instruction-tuned checkpoints' template (text turns; a system message leads the first user turn in
+# Gemma 3's, and Gemma 2's refuses one), for GGUF files that carry none.
+_TURNS = ("{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+          "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}"
+          "{%- set role = message['role'] -%}{%- endif -%}"
+          "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+          "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+GEMMA3_TEMPLATE = ("{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+                   "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+                   "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+                   + _TURNS)
+GEMMA2_TEMPLATE = ("{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+                   "{{ raise_exception('System role not supported') }}{%- endif -%}"
+                   "{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}" + _TURNS)
+
+
 class GemmaLayer(DecoderLayer):
     """h + post_attn_norm(attn(attn_norm(h))), then h + post_mlp_norm(mlp(mlp_norm(h)))."""
 
@@ -117,11 +135,11 @@ GEMMA2 = Family(
     name="gemma2", hf_architectures=("Gemma2ForCausalLM",), hf_model_types=("gemma2",),
     config_from_hf=gemma2_config_from_hf, causal_lm=causal_lm, gguf_architecture="gemma2",
     config_from_gguf=gemma2_config_from_gguf, hf_layer_names=GEMMA_HF_LAYER_NAMES,
-    gguf_layer_names=GEMMA_GGUF_LAYER_NAMES, hf_norm_offset=1.0,
+    gguf_layer_names=GEMMA_GGUF_LAYER_NAMES, hf_norm_offset=1.0, chat_template=GEMMA2_TEMPLATE,
 )
 GEMMA3 = Family(
     name="gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
     config_from_hf=gemma3_config_from_hf, causal_lm=causal_lm, gguf_architecture="gemma3",
     config_from_gguf=gemma3_config_from_gguf, hf_layer_names=GEMMA_HF_LAYER_NAMES,
-    gguf_layer_names=GEMMA_GGUF_LAYER_NAMES, hf_norm_offset=1.0,
+    gguf_layer_names=GEMMA_GGUF_LAYER_NAMES, hf_norm_offset=1.0, chat_template=GEMMA3_TEMPLATE,
 )
