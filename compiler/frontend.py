@@ -117,6 +117,10 @@ def _fn_attention(b, q, k, v, qsl, num_heads, num_kv_heads, head_dim, scale, win
                 head_dim=head_dim, scale=float(scale), **options)
 
 
+def _fn_softcap(b, x, cap):
+    return b.op("softcap", [x], cap=float(cap))
+
+
 def _fn_index_select(b, x, dim, idx):
     if dim != 0:
         raise IRError(f"index_select along dim {dim} is not supported; llmc gathers token rows only")
@@ -127,22 +131,39 @@ _FUNCTIONS: dict[Any, Callable[..., Value]] = {
     blocks.rmsnorm: _fn_rmsnorm,
     blocks.rope: _fn_rope,
     blocks.causal_attention: _fn_attention,
+    blocks.softcap: _fn_softcap,
     F.linear: lambda b, x, w, bias=None: _linear(b, x, w, bias),
     torch.index_select: _fn_index_select,
 }
 
 
 def _traced_elementwise(target: Any) -> Callable[..., Value] | None:
-    """The elementwise op whose record lists `target` among the torch functions it traces from:
-    its tensor arguments are the op's operands in order (an `inplace=False` is ignored)."""
-    name = next((r.name for r in OPS.values() if target in r.traced), None)
-    if name is None:
+    """The lowering of a call to `target` into the elementwise op whose record lists it among the
+    torch functions it traces from. Tensor arguments are the op's operands in order; a call with
+    one number among its arguments (`x * 2.0`) becomes the listing op with one attribute (`scale`),
+    the number its value; one with tensors only, the listing op with none (`mul`). Keywords must
+    be the record's `traced_kwargs` (an `inplace=False` is ignored)."""
+    records = [r for r in OPS.values() if target in r.traced]
+    if not records:
         return None
 
-    def lower(b: _Builder, *args: Value, inplace: bool = False) -> Value:
+    def lower(b: _Builder, *args: Any, inplace: bool = False, **kwargs: Any) -> Value:
         if inplace:
             raise IRError(f"the frontend cannot lower an in-place {target}; the model must not write in place")
-        return b.op(name, list(args))
+        name = getattr(target, "__name__", str(target))
+        numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        record = next((r for r in records if len(r.attrs) == len(numbers) <= 1), None)
+        if record is None or len(numbers) + sum(isinstance(a, Value) for a in args) != len(args):
+            takes = ", ".join(f"{r.name} takes {'tensors and one number' if r.attrs else 'tensors only'}"
+                              for r in records)
+            raise IRError(f"the frontend cannot lower {name} with arguments {args!r}: {takes}")
+        want = record.traced_kwargs
+        got = {k: kwargs.get(k, "(default)") for k in {*want, *kwargs}}
+        if got != want:
+            raise IRError(f"the frontend lowers {name} only with {want} (op {record.name}), got {got}; "
+                          f"llmc has no op for that call")
+        attrs = {record.attrs[0]: float(numbers[0])} if numbers else {}
+        return b.op(record.name, [a for a in args if isinstance(a, Value)], **attrs)
     return lower
 
 

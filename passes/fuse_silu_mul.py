@@ -1,9 +1,11 @@
-"""Fuse the SwiGLU gate: SiLU of the gate times the up projection.
+"""Fuse the gated MLP's activation: act(gate) times the up projection, act SiLU (SwiGLU: Llama,
+Qwen, Mistral) or GELU with the tanh approximation (GeGLU: Gemma).
 
-Matches: `mul(silu(gate), up)` (operands in either order) where the silu result has no other
-  reader.
-Produces: `silu_mul(x)` when gate and up are the two equal halves of one `split(x)` (after
-  merge_gate_up), else `silu_mul(gate, up)`. The silu (and the split) are left for dce.
+Matches: `mul(act(gate), up)` (operands in either order) with act one of GATED's activations,
+  where the activation's result has no other reader.
+Produces: the activation's gated op (`silu_mul`, `gelu_tanh_mul`): `op(x)` when gate and up are
+  the two equal halves of one `split(x)` (after merge_gate_up), else `op(gate, up)`. The
+  activation (and the split) are left for dce. The pass keeps its first name, fuse_silu_mul.
 Requires: canonicalize. Preserves: numerics exactly.
 """
 
@@ -12,6 +14,9 @@ from __future__ import annotations
 from llmc.compiler.ir import Graph, Node, Value
 
 from .rewrite import PassContext, RewriteState, rewrite
+
+# activation -> the op computing activation(gate) * up (compiler/ops/elementwise.py)
+GATED = {"silu": "silu_mul", "gelu_tanh": "gelu_tanh_mul"}
 
 
 def _halves_of_one_split(gate: Value, up: Value, state: RewriteState) -> Value | None:
@@ -23,24 +28,24 @@ def _halves_of_one_split(gate: Value, up: Value, state: RewriteState) -> Value |
     return split.inputs[0]
 
 
-def fuse_silu_gate(node: Node, state: RewriteState):
+def fuse_gated_activation(node: Node, state: RewriteState):
     if node.op != "mul":
         return None
     a, b = node.inputs
-    if state.producer(a).op != "silu" and state.producer(b).op == "silu":
+    if state.producer(a).op not in GATED and state.producer(b).op in GATED:
         a, b = b, a
-    silu = state.producer(a)
-    if silu.op != "silu" or state.num_users(a) != 1:
-        return None  # no silu, or its result is needed elsewhere too
-    gate, up = silu.inputs[0], b
+    act = state.producer(a)
+    if act.op not in GATED or state.num_users(a) != 1:
+        return None  # no gated activation, or its result is needed elsewhere too
+    gate, up = act.inputs[0], b
     packed = _halves_of_one_split(gate, up, state)
     inputs = [packed] if packed is not None else [gate, up]
-    return (state.emit("silu_mul", [state.get(v) for v in inputs]).value(),)
+    return (state.emit(GATED[act.op], [state.get(v) for v in inputs]).value(),)
 
 
-RULES = [fuse_silu_gate]
+RULES = [fuse_gated_activation]
 
 
 def fuse_silu_mul(graph: Graph, ctx: PassContext) -> Graph:
-    """SiLU(gate) * up -> one op (see module docstring)."""
+    """act(gate) * up -> one gated op, silu_mul or gelu_tanh_mul (see module docstring)."""
     return rewrite(graph, RULES, "fuse_silu_mul", ctx)

@@ -50,7 +50,7 @@ PIPELINE: list[Pass] = [
     Pass("merge_gate_up", merge_gate_up, "MLP gate and up projections -> one linear + split"),
     # --- fuse elementwise ops into their neighbours
     Pass("fuse_add_rmsnorm", fuse_add_rmsnorm, "residual add + rmsnorm -> add_rmsnorm (normed, sum)"),
-    Pass("fuse_silu_mul", fuse_silu_mul, "silu(gate) * up -> silu_mul"),
+    Pass("fuse_silu_mul", fuse_silu_mul, "silu(gate) * up -> silu_mul, gelu_tanh(gate) * up -> gelu_tanh_mul"),
     # --- lower to the runtime's execution model
     Pass("insert_paged_attention", insert_paged_attention,
          "attention -> kv_write + paged attention over block tables", required=True),

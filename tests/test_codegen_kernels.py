@@ -80,6 +80,16 @@ CASES = {
         %3 = rmsnorm(%1#1, %w.n, eps=1e-05) : {dt}[T,48]
         %4 = add(%2, %3) : {dt}[T,48]
         return %4""",
+    # Gemma's elementwise ops chained into one kernel: the GeGLU gate of one [T, 2N] input,
+    # soft-capping, a GELU, the embedding scale
+    "gemma_chain": """
+        %x = input() : {dt}[T,240]
+        %0 = gelu_tanh_mul(%x) : {dt}[T,120]
+        %1 = softcap(%0, cap=3.0) : {dt}[T,120]
+        %2 = gelu_tanh(%1) : {dt}[T,120]
+        %3 = scale(%2, factor=55.42562584220407) : {dt}[T,120]
+        %4 = softcap(%3, cap=30.0) : {dt}[T,120]
+        return %4""",
     # a chain feeding a norm (elementwise before a row-wise op), norm weight of another width
     "chain_into_norm": """
         %x = input() : {dt}[T,80]
@@ -203,7 +213,7 @@ def test_a_bug_planted_in_every_generated_kernel_fails_the_check(case, dtype, bu
         check_case(case, dtype, 5, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["silu_mul_chain", "split_cast", "norm_epilogue", "chain_into_norm", "gemm_residual",
+@pytest.mark.parametrize("case", ["silu_mul_chain", "gemma_chain", "split_cast", "norm_epilogue", "chain_into_norm", "gemm_residual",
                                   "gemm_split"])
 def test_the_fusing_cases_run_fewer_kernels_than_ops(case):
     graph = graph_of(case, "f32")

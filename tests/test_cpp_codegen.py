@@ -106,6 +106,20 @@ CASES = {
         %0 = add_rmsnorm(%x, %r, %w.n, eps=1e-05, group=0) : {dt}[T,{w}], {dt}[T,{w}]
         %1 = mul(%0, %0#1, group=0) : {dt}[T,{w}]
         return %1, %0#1""",
+    # Gemma's ops, each alone and chained into one unit (the GeGLU gate, the embedding scale, soft-capping)
+    "gelu_tanh": "%x = input() : {dt}[T,{w}]\n%0 = gelu_tanh(%x) : {dt}[T,{w}]\nreturn %0",
+    "gelu_tanh_mul_halves": "%x = input() : {dt}[T,{w2}]\n%0 = gelu_tanh_mul(%x) : {dt}[T,{w}]\nreturn %0",
+    "scale": "%x = input() : {dt}[T,{w}]\n%0 = scale(%x, factor=55.42562584220407) : {dt}[T,{w}]\nreturn %0",
+    "softcap": "%x = input() : {dt}[T,{w}]\n%0 = softcap(%x, cap=0.5) : {dt}[T,{w}]\nreturn %0",
+    # (GELU's inputs kept above -4: below, 1 + tanh cancels and torch's own fp32 result has no digit right)
+    "gemma_chain": """%g = input() : {dt}[T,{w}]
+        %u = input() : {dt}[T,{w}]
+        %0 = softcap(%g, cap=3.0) : {dt}[T,{w}]
+        %1 = gelu_tanh(%0) : {dt}[T,{w}]
+        %2 = gelu_tanh_mul(%1, %u) : {dt}[T,{w}]
+        %3 = scale(%2, factor=55.42562584220407) : {dt}[T,{w}]
+        %4 = softcap(%3, cap=30.0) : {dt}[T,{w}]
+        return %4""",
     "every_primitive": """%x = input() : {dt}[T,{w}]
         %y = input() : {dt}[T,{w}]
         %0 = every_primitive(%x, %y) : {dt}[T,{w}]

@@ -80,7 +80,9 @@ class OpRecord:
     formula: Formula | None = None
     backends: dict[str, Lowered | Declined] = field(default_factory=dict)
     side_effects: bool = False
-    traced: tuple = ()          # torch functions the frontend maps to this op, tensor args = operands
+    traced: tuple = ()          # torch functions the frontend maps to this op, tensor args = operands,
+                                # a number argument = the op's one attribute (see compiler/frontend.py)
+    traced_kwargs: dict = field(default_factory=dict)   # keywords the traced call must pass, with these values
 
     def __post_init__(self) -> None:
         assert self.kind in OP_KINDS, f"op {self.name} has unknown kind {self.kind!r}"

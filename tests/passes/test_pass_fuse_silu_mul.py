@@ -1,4 +1,5 @@
-"""fuse_silu_mul: silu(gate) * up -> silu_mul, packed when gate and up halve one split."""
+"""fuse_silu_mul: silu(gate) * up -> silu_mul and gelu_tanh(gate) * up -> gelu_tanh_mul, packed
+when gate and up halve one split."""
 
 from __future__ import annotations
 
@@ -48,23 +49,44 @@ graph prefill {
 """
 
 
-@pytest.mark.parametrize("before, want", [(BEFORE, AFTER), (PACKED_BEFORE, PACKED_AFTER)], ids=["two", "packed"])
-def test_printed_before_and_after_and_counter(before, want):
+
+
+def gelu(text: str) -> str:
+    """The SwiGLU case as GeGLU (Gemma's MLP): gelu_tanh for silu, gelu_tanh_mul for silu_mul."""
+    return text.replace("silu(", "gelu_tanh(").replace("silu_mul(", "gelu_tanh_mul(")
+
+
+CASES = {"two": (BEFORE, AFTER), "packed": (PACKED_BEFORE, PACKED_AFTER),
+         "gelu_two": (gelu(BEFORE), gelu(AFTER)), "gelu_packed": (gelu(PACKED_BEFORE), gelu(PACKED_AFTER))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_printed_before_and_after_and_counter(case):
+    before, want = CASES[case]
     after, ctx = run_pass(fuse_silu_mul, ir(before))
     assert str(after) == printed(want)
     assert hits(ctx) == 1
 
 
-@pytest.mark.parametrize("before", [BEFORE, PACKED_BEFORE], ids=["two", "packed"])
-def test_numbers_are_unchanged_exactly(before):
-    graph = ir(before)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_numbers_are_unchanged_exactly(case, dtype):
+    graph = ir(CASES[case][0].replace("f32[", f"{dtype}["))
     after, _ = run_pass(fuse_silu_mul, graph)
     assert_same_numbers(graph, after, {}, PREFILL_STEPS, exact=True)
 
 
-def test_a_silu_read_elsewhere_is_left_alone():
-    """Near-miss: the silu result is also returned, so it must still be computed alone."""
-    graph = ir(BEFORE.replace("return %1", "return %1, %0"))
+@pytest.mark.parametrize("case", ["two", "gelu_two"])
+def test_an_activation_read_elsewhere_is_left_alone(case):
+    """Near-miss: the activation's result is also returned, so it must still be computed alone."""
+    graph = ir(CASES[case][0].replace("return %1", "return %1, %0"))
+    after, ctx = run_pass(fuse_silu_mul, graph)
+    assert str(after) == str(graph) and hits(ctx) == 0
+
+
+def test_an_activation_without_a_gated_op_is_left_alone():
+    """Near-miss: scale(gate) * up has no gated op, so the mul stays."""
+    graph = ir(BEFORE.replace("silu(%g)", "scale(%g, factor=2.0)"))
     after, ctx = run_pass(fuse_silu_mul, graph)
     assert str(after) == str(graph) and hits(ctx) == 0
 

@@ -1,4 +1,4 @@
-"""merge_gate_up: the SwiGLU gate and up projections become one linear and a split."""
+"""merge_gate_up: the gated MLP's (SwiGLU, GeGLU) gate and up projections become one linear and a split."""
 
 from __future__ import annotations
 
@@ -36,14 +36,19 @@ graph prefill {
 """
 
 
-def test_printed_before_and_after_and_counter():
-    after, ctx = run_pass(merge_gate_up, ir(BEFORE))
-    assert str(after) == printed(AFTER)
+ACTIVATIONS = {"silu": lambda text: text, "gelu_tanh": lambda text: text.replace("silu(", "gelu_tanh(")}
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_printed_before_and_after_and_counter(act):
+    after, ctx = run_pass(merge_gate_up, ir(ACTIVATIONS[act](BEFORE)))
+    assert str(after) == printed(ACTIVATIONS[act](AFTER))
     assert hits(ctx) == 2
 
 
-def test_numbers_are_unchanged():
-    before = ir(BEFORE)
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_numbers_are_unchanged(act):
+    before = ir(ACTIVATIONS[act](BEFORE))
     after, _ = run_pass(merge_gate_up, before)
     assert_same_numbers(before, after, random_weights(before), PREFILL_STEPS)
 
