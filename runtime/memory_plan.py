@@ -7,6 +7,10 @@
                          embedding, LM head and norms stay at 2 bytes (fp16/bf16)
     kv_tokens          = (memory - weight bytes) // KV bytes per token
     max_sequences      = kv_tokens // context
+
+Sliding-window layers (Gemma, Mistral, Phi-3) keep every token's K and V like the others: the paged
+cache is one pool of blocks shared by all layers, so a token's row of every layer is counted;
+`sliding_layers` says how many of the layers only read their window of it.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class MemoryPlan:
     kv_tokens: int
     context: int
     max_sequences: int
+    sliding_layers: int = 0          # of the layers, those that attend within a window (all keep every token)
+    sliding_window: int | None = None
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -102,4 +108,6 @@ def plan_memory(cfg: ModelConfig, memory_bytes: int, weight_dtype: str = "float1
         raise RequestError(f"the weights alone take {weights} bytes, more than the {memory_bytes} "
                            "bytes of memory given; give more memory or a smaller weight dtype")
     kv_tokens = (memory_bytes - weights) // per_token
-    return MemoryPlan(memory_bytes, params, weights, per_token, kv_tokens, context, kv_tokens // context)
+    sliding = sum(cfg.is_sliding(i) for i in range(cfg.num_layers))
+    return MemoryPlan(memory_bytes, params, weights, per_token, kv_tokens, context, kv_tokens // context,
+                      sliding, cfg.sliding_window if sliding else None)

@@ -8,6 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from llmc.models.config import ModelConfig
+from llmc.runtime.artifact import load_artifact
+from llmc.runtime.backends import choose_backend
 from llmc.runtime.memory_plan import kv_bytes_per_token, parse_bytes, plan_memory
 from llmc.runtime.sampling_params import RequestError
 from llmc.tools.bench import Workload, parse_range, percentiles
@@ -101,3 +103,27 @@ def test_bench_rejects_a_baseline_with_a_request_rate(tiny_family):
     result = CliRunner().invoke(app, ["bench", str(artifact), "--num-requests", "2", "--output-len", "2",
                                       "--request-rate", "5", "--baseline", "hf"])
     assert result.exit_code == 1 and "drop --request-rate" in result.output
+
+
+GEMMA3_4B_TEXT = {"architectures": ["Gemma3ForCausalLM"], "vocab_size": 262208, "hidden_size": 2560,
+                  "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                  "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 131072}
+
+
+def test_plan_counts_sliding_layers_kv_as_the_runtime_allocates_it(tmp_path, tiny_family):
+    """Gemma 3 (29 of 34 layers sliding): every layer's row of every token, as the one block pool the
+    runtime allocates for all layers holds them; the table says which layers slide."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_4B_TEXT))
+    result = CliRunner().invoke(app, ["plan", str(path), "--memory", "80GiB", "--json"])
+    plan = json.loads(result.output)
+    assert plan["kv_bytes_per_token"] == 2 * 34 * 4 * 256 * 2
+    assert (plan["sliding_layers"], plan["sliding_window"]) == (29, 1024)
+    table = CliRunner().invoke(app, ["plan", str(path), "--memory", "80GiB"]).output
+    assert "29 of 34 attend within 1,024 tokens; their KV keeps every token" in table
+
+    art = load_artifact(tiny_family("gemma3")[2])
+    cache_type = next(n.type for n in art.graphs["decode"].inputs() if n.name == "kv_cache")
+    per_block = choose_backend("torch", art, "cpu").kv_bytes_per_block(cache_type, 16)
+    assert per_block == 16 * kv_bytes_per_token(art.config, "float32")

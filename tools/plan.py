@@ -24,6 +24,9 @@ def _config(model: str) -> ModelConfig:
 
 
 def format_plan(cfg: ModelConfig, plan: MemoryPlan, weight_dtype: str, kv_dtype: str) -> str:
+    sliding = ([f"sliding layers    {plan.sliding_layers} of {cfg.num_layers} attend within {plan.sliding_window:,} "
+                "tokens; their KV keeps every token, as the runtime allocates it (counted above)"]
+               if plan.sliding_layers else [])
     return "\n".join([
         f"model             {cfg.architecture}: {plan.parameters / 1e9:.2f} B parameters, {cfg.num_layers} layers, "
         f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}",
@@ -31,6 +34,7 @@ def format_plan(cfg: ModelConfig, plan: MemoryPlan, weight_dtype: str, kv_dtype:
         f"weights           {human_bytes(plan.weight_bytes, 2)} ({weight_dtype})",
         f"KV per token      {human_bytes(plan.kv_bytes_per_token, 2)} ({kv_dtype}; 2 x {cfg.num_layers} layers x "
         f"{cfg.num_kv_heads} kv heads x {_row(cfg, plan, kv_dtype)} bytes)",
+        *sliding,
         f"KV tokens         {plan.kv_tokens:,} in the {human_bytes(plan.memory_bytes - plan.weight_bytes, 2)} the weights leave",
         f"max sequences     {plan.max_sequences:,} at a context of {plan.context:,} tokens",
     ])

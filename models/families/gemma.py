@@ -110,8 +110,14 @@ def _gguf_scale(fields: dict[str, Any]) -> float:
     return float(fields["hidden_size"] // fields["num_heads"] if big else fields["head_dim"]) ** -0.5
 
 
-def _gguf_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+def _gguf_layer_types(layers: int, value, default_pattern: int) -> tuple[str, ...]:
+    """Each layer's type: `attention.sliding_window_pattern` where the file has it (a period, or a
+    flag per layer), else the family's period (every `default_pattern`-th layer full)."""
+    pattern = value("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):
+        return tuple("sliding_attention" if flag else "full_attention" for flag in pattern)
+    period = int(pattern or default_pattern)
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers))
 
 
 def gemma2_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
@@ -119,7 +125,7 @@ def gemma2_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     return ModelConfig(architecture="Gemma2ForCausalLM", **fields | dict(
         hidden_act="gelu_tanh", embed_scale=True, attn_scale=_gguf_scale(fields),
         attn_softcap=value("attn_logit_softcapping"), final_softcap=value("final_logit_softcapping"),
-        layer_types=_gguf_layer_types(fields["num_layers"], 2) if window else (),
+        layer_types=_gguf_layer_types(fields["num_layers"], value, 2) if window else (),
         sliding_window=int(window) if window else None))
 
 
@@ -127,7 +133,7 @@ def gemma3_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     window = value("attention.sliding_window")
     return ModelConfig(architecture="Gemma3ForCausalLM", **fields | dict(
         hidden_act="gelu_tanh", embed_scale=True, attn_scale=_gguf_scale(fields), qk_norm="head",
-        layer_types=_gguf_layer_types(fields["num_layers"], 6) if window else (),
+        layer_types=_gguf_layer_types(fields["num_layers"], value, 6) if window else (),
         sliding_window=int(window) if window else None, local_rope_theta=10000.0))
 
 
