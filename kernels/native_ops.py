@@ -63,7 +63,9 @@ def native_op_impls() -> dict[str, OpImpl]:
         q, k, v = qkv_columns(x, a)
         if not native_rope_kv_write_fits(x.kv_cache, q.dtype, a["head_dim"]):
             return OPS["rope_kv_write"].reference(x, a)
-        return run_rope_kv_write(q, k, v, x.positions, x.kv_cache, x.slot_mapping, a["layer"], tables_for(a))
+        norm = {"qk_norm": a["qk_norm"], "norm_eps": a["norm_eps"]} if a.get("qk_norm") else {}
+        return run_rope_kv_write(q, k, v, x.positions, x.kv_cache, x.slot_mapping, a["layer"], tables_for(a),
+                                 x.get("q_norm"), x.get("k_norm"), **norm)
 
     def paged_attention(x, a):
         if not native_attention_fits(x.q, x.kv_cache):

@@ -138,8 +138,11 @@ STEP_PLAN_INSTRUCTIONS = [
                                    layout="0: rows [V, W]; 1: float panels")),
     Instruction("linear", _args("out x panels bias:optional k:int n:int num_panels:int")),
     Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
-                                       "cache slots layer:int heads:int kv_heads:int head_dim:int",
-                                       row_width="the elements of a row of q, k and v")),
+                                       "cache slots layer:int heads:int kv_heads:int head_dim:int "
+                                       "q_norm:optional k_norm:optional norm_span:int",
+                                       row_width="the elements of a row of q, k and v",
+                                       norm_span="q/k norms before the rotation: 0 none, 1 per head, 2 whole row"),
+                f="norm_eps"),
     Instruction("paged_decode_attention", _args("out q cache block_tables seq_lens layer:int heads:int "
                                                 "kv_heads:int head_dim:int"), f="scale"),
     Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "

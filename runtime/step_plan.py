@@ -286,7 +286,25 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
     return encode("rope_kv_write", q_out=lo.result(node), q=source, k=source, v=source, q_col=0, k_col=heads * d,
                   v_col=(heads + kv_heads) * d, row_width=width, cos=cos, sin=sin, cache=cache_id,
-                  slots=lo.graph_input(slots, node), layer=a["layer"], heads=heads, kv_heads=kv_heads, head_dim=d)
+                  slots=lo.graph_input(slots, node), layer=a["layer"], heads=heads, kv_heads=kv_heads, head_dim=d,
+                  **_qk_norms(lo, node, named))
+
+
+NORM_SPANS = {"": 0, "head": 1, "all": 2}          # rope_kv_write's qk_norm -> the instruction's norm_span
+
+
+def _qk_norms(lo: _Lowering, node: Node, named) -> dict:
+    """The rope_kv_write instruction's norm args: its q/k norm weights as plan constants."""
+    a, span = node.attrs, NORM_SPANS[node.attrs.get("qk_norm", "")]
+    if not span:
+        return {"q_norm": -1, "k_norm": -1, "norm_span": 0, "norm_eps": 0.0}
+    ids = {}
+    for name in ("q_norm", "k_norm"):
+        w = lo.weight(named[name])
+        if not isinstance(w, torch.Tensor) or w.dtype != lo.dtype:
+            raise NotPlannable(f"{node.name} (rope_kv_write) has a {name} that is not a {lo.dtype} weight")
+        ids[name] = lo.constant(w.contiguous())
+    return {**ids, "norm_span": span, "norm_eps": a["norm_eps"]}
 
 
 def _lower_attention(lo: _Lowering, node: Node) -> Encoded:

@@ -239,6 +239,15 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     const at::Tensor& slots = *b.tensor_at[a[A::slots]];
     TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::head_dim] / 2,
                 "slot_mapping and the RoPE tables need one row per token");
+    const int64_t span = a[A::norm_span], d = a[A::head_dim];
+    TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");
+    const auto elems = [&](int64_t id) {   // a norm weight: a plan constant
+      return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].numel() : -1;
+    };
+    if (span)
+      TORCH_CHECK(elems(a[A::q_norm]) == (span == 1 ? d : a[A::heads] * d) &&
+                      elems(a[A::k_norm]) == (span == 1 ? d : a[A::kv_heads] * d),
+                  "rope_kv_write's q_norm and k_norm are not constants that fit its norm_span ", span);
     const int64_t* p = slots.const_data_ptr<int64_t>();
     for (int64_t t = 0; t < b.rows; ++t)
       TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
@@ -331,7 +340,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
     {
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
       llmc_cpu::Scratch scratch;
-      std::vector<float> row(max_head_dim_);
+      std::vector<float> row(2 * max_head_dim_);  // a rotation's scratch: its normed head and rotated row
       if (timed && tid == 0) stamps[0] = Clock::now();
       for (size_t i = 0; i < code_.size(); ++i) {
         llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
