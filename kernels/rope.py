@@ -3,8 +3,9 @@
 Contract: x [T, H * head_dim] (all heads of a token packed), positions [T] (int); returns x's
 shape and dtype. Each head's first half is rotated against its second half (the Hugging Face
 layout, not GPT-J's interleaved one). Frequencies come from `theta` and an optional Hugging Face
-`rope_scaling` dict: `linear` (positions divided by factor) or `llama3` (long wavelengths scaled,
-short kept, a smooth band between). cos/sin are computed in fp32.
+`rope_scaling` dict: `linear` (positions divided by factor), `llama3` (long wavelengths scaled,
+short kept, a smooth band between) or `longrope` (per-frequency factors, cos and sin times
+`rope_attention_factor`). cos/sin are computed in fp32.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ from typing import Any
 
 import torch
 
-from llmc.compiler.ops.rope import ROPE_SCALING_TYPES, rope_inv_freq, rope_ref
+from llmc.compiler.ops.rope import ROPE_SCALING_TYPES, rope_attention_factor, rope_inv_freq, rope_ref
 
-__all__ = ["ROPE_SCALING_TYPES", "RopeTables", "rope_inv_freq", "rope_ref"]
+__all__ = ["ROPE_SCALING_TYPES", "RopeTables", "rope_attention_factor", "rope_inv_freq", "rope_ref"]
 
 
 class RopeTables:
-    """cos and sin [T, head_dim/2] (fp32) of one step's positions, made once and reused by every
-    layer of that step: called again with the same, unmodified positions tensor, it returns the
-    tables it already made. `key(attrs)` names the tables a rope_kv_write node's attributes need,
+    """cos and sin [T, head_dim/2] (fp32, times the rotation's attention factor: longrope's, else
+    1) of one step's positions, made once and reused by every layer of that step: called again
+    with the same, unmodified positions tensor, it returns the tables it already made. `key(attrs)` names the tables a rope_kv_write node's attributes need,
     so the layers sharing a rotation share one."""
 
     @staticmethod
@@ -36,12 +37,14 @@ class RopeTables:
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
         self._key: tuple[torch.Tensor, int] | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._key is None or self._key[0] is not positions or self._key[1] != positions._version:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
-            self._tables = (freqs.cos().contiguous(), freqs.sin().contiguous())
+            scale = self.attention_factor
+            self._tables = ((freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous())
             self._key = (positions, positions._version)
         return self._tables

@@ -20,6 +20,7 @@ from __future__ import annotations
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node, TensorType, Value
 from llmc.compiler.ops import Operands, operands_of
+from llmc.compiler.ops.rope import rope_attention_factor
 
 from .errors import CodegenError
 from .gemm_configs import pick_config, pick_qconfig
@@ -138,7 +139,8 @@ def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
     args = ", ".join(_named(unit, node).values())          # (qkv | q, k, v), positions, kv_cache, slot_mapping
     prelude = [f"inv_freq = rope_inv_freq({a['head_dim']}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
     call = (f"rope_kv_write_triton({args}, layer={a['layer']}, num_heads={a['num_heads']}, "
-            f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq)")
+            f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq, "
+            f"attention_factor={rope_attention_factor(a['scaling'])!r})")
     imports = ["from llmc.kernels.rope import rope_inv_freq",
                "from llmc.kernels.triton.rope_kv_write import rope_kv_write_triton"]
     return _module(unit, imports, prelude, call, _pick(unit, node))

@@ -4,8 +4,9 @@ and rope_kv_write (RoPE of q and k fused with the KV cache write).
 Contract: x [T, H * head_dim] (all heads of a token packed), positions [T] (int); returns x's
 shape and dtype. Each head's first half is rotated against its second half (the Hugging Face
 layout, not GPT-J's interleaved one). Frequencies come from `theta` and an optional Hugging Face
-`rope_scaling` dict: `linear` (positions divided by factor) or `llama3` (long wavelengths scaled,
-short kept, a smooth band between). cos/sin are computed in fp32.
+`rope_scaling` dict: `linear` (positions divided by factor), `llama3` (long wavelengths scaled,
+short kept, a smooth band between) or `longrope` (Phi-3: each frequency divided by its own factor,
+cos and sin times an attention factor; see `longrope_choice`). cos/sin are computed in fp32.
 
 rope_kv_write may norm q and k before the rotation (attr `qk_norm`, absent or "" for none): "head"
 normalizes each head over its head_dim values with weights q_norm, k_norm [head_dim] (Qwen3,
@@ -25,7 +26,7 @@ from .checks import expect, float_, heads_width, index_tensor
 from .norms import head_rmsnorm_ref, rmsnorm_ref
 from .record import Declined, Lowered, Operand, Operands, OpRecord, operands
 
-ROPE_SCALING_TYPES = ("default", "linear", "llama3")
+ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -38,6 +39,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "longrope":
+        return _longrope_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"rope scaling {kind!r} is not supported; supported: {ROPE_SCALING_TYPES}")
 
 
@@ -54,13 +57,59 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_choice(scaling: dict[str, Any], max_positions: int, original_max: int | None) -> dict[str, Any]:
+    """The rope attrs' scaling dict of a `longrope` config: its Hugging Face dict plus `factors`,
+    the one set of factors the artifact rotates with, chosen at compile time: "long" when the
+    served context `max_positions` (ModelConfig.max_position_embeddings) exceeds `original_max`
+    (the pretraining context; None: the dict's, else max_positions), else "short". transformers
+    instead picks per forward call by the call's length, so one sequence's keys could be rotated
+    with both sets depending on how it was split into calls; one set per artifact rotates every
+    token of every sequence alike, whatever the batch or chunking (as llama.cpp decides per
+    context size). `original_max_position_embeddings` and `factor` (max_positions / original_max,
+    transformers' default when the config has none) are filled in, so `rope_attention_factor`
+    needs nothing else."""
+    original = original_max or scaling.get("original_max_position_embeddings") or max_positions
+    if not all(isinstance(scaling.get(k), list) for k in ("short_factor", "long_factor")):
+        raise ValueError(f"longrope scaling needs short_factor and long_factor lists; got keys {sorted(scaling)}")
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+            "factor": scaling.get("factor") or max_positions / original,
+            "factors": "long" if max_positions > original else "short"}
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """1 / (factor_i * theta^(2i/d)) with the set `longrope_choice` chose, as transformers computes it."""
+    if scaling.get("factors") not in ("long", "short"):
+        raise ValueError(f"longrope scaling needs 'factors': 'long' or 'short' (longrope_choice picks it at "
+                         f"compile time); got {scaling.get('factors')!r}")
+    factors = scaling[f"{scaling['factors']}_factor"]
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope {scaling['factors']}_factor has {len(factors)} values; the rotary dim "
+                         f"{head_dim} needs {head_dim // 2}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1.0 but for longrope, whose `attention_factor` when the
+    config gives one, else transformers' rule sqrt(1 + ln(factor) / ln(original_max)) for a
+    factor above 1 (the config's, else max_positions / original_max: longrope_choice fills it
+    in), else 1.0. transformers applies it with either set of factors."""
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling.get("factor") or 1.0, scaling["original_max_position_embeddings"]
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+
+
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
              scaling: dict[str, Any] | None) -> torch.Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)                 # float64 stays float64
     inv_freq = rope_inv_freq(head_dim, theta, scaling).to(x.device, acc)
     freqs = positions.to(acc)[:, None] * inv_freq[None, :]            # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)                           # [T, D]
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    scale = rope_attention_factor(scaling)                            # cos, sin times it (longrope)
+    cos, sin = (emb.cos() * scale).to(x.dtype)[:, None, :], (emb.sin() * scale).to(x.dtype)[:, None, :]
     heads = x.view(x.shape[0], -1, head_dim)                          # [T, H, D]
     half = head_dim // 2
     rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)

@@ -11,6 +11,8 @@ Contract (kernels/rope_kv_write.py's `rope_kv_write_ref`, same tensors):
   slot_mapping  [T] int32/int64: block * BS + offset; negative = padding, no K/V written. A slot
                 must lie inside the cache: it is not checked (that would need a host sync)
   inv_freq      [D / 2] fp32 from kernels/rope.py `rope_inv_freq`, so every scaling rule applies
+  attention_factor  a float cos and sin are multiplied by (kernels/rope.py `rope_attention_factor`:
+                longrope's, else 1.0)
 Rotates q and k (rotate-half: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin on each head's halves),
 cos/sin and the rotation in fp32, from positions * inv_freq computed in the kernel. Stores the
 rotated k and v of each token at its slot of `layer` (cast to the cache's dtype), in place, and
@@ -54,6 +56,7 @@ def _rope_kv_write_kernel(
     v_ptr,          # v [T, KVH*D], row stride stride_v: read
     positions_ptr,  # positions [T] int
     inv_freq_ptr,   # inv_freq [D/2] fp32
+    attention_factor,  # fp32 scalar: cos and sin are multiplied by it (longrope; else 1.0)
     slots_ptr,      # slot_mapping [T] int, negative = padding
     q_out_ptr,      # q_out [T, H*D], row stride stride_qo: the rotated q, written for every token
     k_cache_ptr,    # kv_cache[layer, 0] [NB, KVH, BS, D] (int8: D + 4): rotated k written at each valid slot
@@ -68,7 +71,8 @@ def _rope_kv_write_kernel(
     dims = tl.arange(0, BLOCK_HALF)
     inv_freq = tl.load(inv_freq_ptr + dims, mask=dims < HALF, other=0.0)
     freqs = tl.load(positions_ptr + t).to(tl.float32) * inv_freq           # [BHALF]
-    cos, sin = tl.cos(freqs)[None, :], tl.sin(freqs)[None, :]              # [1, BHALF]
+    cos = (tl.cos(freqs) * attention_factor)[None, :]                      # [1, BHALF]
+    sin = (tl.sin(freqs) * attention_factor)[None, :]
 
     q1, q2, q_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, HEADS, HALF, BLOCK_H, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -129,7 +133,7 @@ def _store_rows(row_ptrs, x1, x2, mask, dims, HALF: tl.constexpr, KV_INT8: tl.co
 
 
 def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         inv_freq: torch.Tensor, q_out: torch.Tensor | None = None
+                         inv_freq: torch.Tensor, q_out: torch.Tensor | None = None, attention_factor: float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: checks the contract (ValueError naming the bad value) from shapes, dtypes and
     devices only, then launches one program per token. `q_out` may be q itself."""
@@ -144,7 +148,7 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
         return q_out, kv_cache
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]             # [NB, KVH, BS, D] each
     _rope_kv_write_kernel[(tokens,)](
-        q, k, v, positions, inv_freq, slot_mapping, q_out, k_cache, v_cache,
+        q, k, v, positions, inv_freq, float(attention_factor), slot_mapping, q_out, k_cache, v_cache,
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), *k_cache.stride()[:3], kv_cache.shape[4],
         HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
