@@ -104,6 +104,10 @@ def _fn_rmsnorm(b, x, w, eps):
     return b.op("rmsnorm", [x, w], eps=float(eps))
 
 
+def _fn_head_rmsnorm(b, x, w, eps, head_dim):
+    return b.op("head_rmsnorm", [x, w], eps=float(eps), head_dim=head_dim)
+
+
 def _fn_rope(b, x, pos, head_dim, theta, scaling):
     return b.op("rope", [x, pos], head_dim=head_dim, theta=float(theta), scaling=scaling)
 
@@ -129,6 +133,7 @@ def _fn_index_select(b, x, dim, idx):
 
 _FUNCTIONS: dict[Any, Callable[..., Value]] = {
     blocks.rmsnorm: _fn_rmsnorm,
+    blocks.head_rmsnorm: _fn_head_rmsnorm,
     blocks.rope: _fn_rope,
     blocks.causal_attention: _fn_attention,
     blocks.softcap: _fn_softcap,
