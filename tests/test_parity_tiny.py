@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmc.compiler.driver import compile_model
-from llmc.models import blocks
+from llmc.models import blocks, families
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.model_runner import ModelRunner, build_step_inputs
@@ -159,5 +159,40 @@ def test_a_rope_theta_bug_in_the_model_definition_fails_parity(tiny_family, tmp_
     broken = compile_model(folder, tmp_path / "broken")
     monkeypatch.undo()
     assert_matches_transformers(model, compile_model(folder, tmp_path / "fixed"), "reference")
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_matches_transformers(model, broken, "reference")
+
+
+CONFIG_BUGS = {   # name -> (family, the ModelConfig fields a buggy definition would use)
+    "embedding scale dropped": ("gemma3", lambda c: dict(embed_scale=False)),
+    "window off by one": ("gemma3", lambda c: dict(sliding_window=c.sliding_window + 1)),
+    "attention soft-cap off": ("gemma2", lambda c: dict(attn_softcap=None)),
+    "final soft-cap off": ("gemma2", lambda c: dict(final_softcap=None)),
+}
+
+
+@pytest.mark.parametrize("bug", list(CONFIG_BUGS))
+def test_a_family_bug_in_the_model_definition_fails_parity(tiny_family, tmp_path, monkeypatch, bug):
+    """Each Gemma feature is seen by the parity test: a model definition that drops it fails."""
+    family, change = CONFIG_BUGS[bug]
+    model, folder, artifact = tiny_family(family)
+    build_model = blocks.CausalLM.__init__
+
+    def buggy(self, cfg, *args, **kwargs):
+        build_model(self, dataclasses.replace(cfg, **change(cfg)), *args, **kwargs)
+
+    monkeypatch.setattr(blocks.CausalLM, "__init__", buggy)
+    broken = compile_model(folder, tmp_path / "broken")
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+        assert_matches_transformers(model, broken, "reference")
+
+
+def test_gemmas_norm_offset_dropped_fails_parity(tiny_family, tmp_path, monkeypatch):
+    """Reading Gemma's norm weights as the multiplier itself (no 1 + w) is caught."""
+    model, folder, _ = tiny_family("gemma3")
+    monkeypatch.setitem(families.FAMILIES, "gemma3", dataclasses.replace(families.FAMILIES["gemma3"], hf_norm_offset=0.0))
+    broken = compile_model(folder, tmp_path / "broken")
+    monkeypatch.undo()
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_matches_transformers(model, broken, "reference")
