@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import OPS, Operands, operands_of
+from llmc.compiler.ops.attention import attention_options
 from llmc.compiler.ops.rope import qkv_columns
 
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
@@ -71,12 +72,13 @@ def native_op_impls() -> dict[str, OpImpl]:
         if not native_attention_fits(x.q, x.kv_cache):
             return OPS["paged_attention"].reference(x, a)
         return paged_attention_cpu(x.q, x.kv_cache, x.block_tables, x.seq_lens, x.query_start_loc, a["layer"],
-                                   a["scale"])
+                                   a["scale"], **attention_options(a))
 
     def paged_decode_attention(x, a):
         if not native_attention_fits(x.q, x.kv_cache):
             return OPS["paged_decode_attention"].reference(x, a)
-        return run_paged_decode_attention(x.q, x.kv_cache, x.block_tables, x.seq_lens, a["layer"], a["scale"])
+        return run_paged_decode_attention(x.q, x.kv_cache, x.block_tables, x.seq_lens, a["layer"], a["scale"],
+                                          **attention_options(a))
 
     return {"linear": linear, "qlinear": qlinear, "embedding": embedding_rows, "qembedding": qembedding_rows,
             "rope_kv_write": rope_kv_write, "paged_attention": paged_attention,

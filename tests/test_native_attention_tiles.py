@@ -51,3 +51,36 @@ def test_rows_kernel_matches_ref(dtype):
     lens, chunks = [100, 9, 40], [100, 1, 17]
     check_attention(lens, chunks, 9, 3, 64, torch.int8, dtype, seed=13, kernel=torch.ops.llmc.paged_attention_rows)
     check_attention(lens, chunks, 9, 3, 64, dtype, dtype, seed=13, kernel=torch.ops.llmc.paged_attention_rows)
+
+
+# window 1 (only itself), 16 (a block exactly), 64 (a key tile exactly), 37 (mid-block); softcap
+# small enough to bite (scores here have a standard deviation of about 3)
+WINDOWS = [dict(window=1), dict(window=16), dict(window=64), dict(window=37), dict(softcap=1.5),
+           dict(window=37, softcap=1.5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("options", WINDOWS, ids=str)
+def test_window_and_softcap_match_ref(dtype, cache, options):
+    """Prompts and chunks over a cached context with decodes mixed in; blocks before every
+    query's window hold NaN (check_attention), so a read of one shows."""
+    lens, chunks = [200, 130, 40, 9, 300], [200, 33, 1, 9, 77]
+    check_attention(lens, chunks, 9, 3, 64, cache_type(cache, dtype), dtype, seed=14, **options)
+
+
+@pytest.mark.parametrize("options", [dict(window=16), dict(window=37, softcap=1.5)], ids=str)
+def test_rows_kernel_window_and_softcap_match_ref(options):
+    lens, chunks = [100, 9, 40], [100, 1, 17]
+    for cache_dtype, dtype in [(torch.float32, torch.float32), (torch.int8, torch.bfloat16)]:
+        check_attention(lens, chunks, 9, 3, 64, cache_dtype, dtype, seed=15,
+                        kernel=torch.ops.llmc.paged_attention_rows, **options)
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.int8, torch.bfloat16)], ids=["f32", "bf16", "int8-bf16"])
+def test_head_dim_256(cache_dtype, dtype):
+    """Gemma's head_dim, with its window and softcap and without."""
+    lens, chunks = [90, 20, 33], [90, 1, 5]
+    check_attention(lens, chunks, 4, 2, 256, cache_dtype, dtype, seed=16)
+    check_attention(lens, chunks, 4, 2, 256, cache_dtype, dtype, seed=16, window=32, softcap=2.0)

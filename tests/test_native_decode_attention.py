@@ -59,3 +59,19 @@ def test_decode_reads_nothing_past_a_sequence_end_after_a_tile(threads):
 def test_many_decodes_as_whole_sequences_match_ref(cache_dtype, dtype, threads):
     """Nine decodes (whole-sequence items on up to two threads) of 3 KV heads next to each other."""
     check_decode([300, 1, 16, 17, 70, 129, 15, 200, 33], 3, 3, 64, cache_dtype, dtype, seed=9)
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", CACHES, ids=["f32", "bf16", "int8-f32", "int8-bf16"])
+@pytest.mark.parametrize("options", [dict(window=1), dict(window=16), dict(window=64), dict(window=50),
+                                     dict(softcap=1.5), dict(window=50, softcap=1.5)], ids=str)
+def test_decode_window_and_softcap_match_ref(cache_dtype, dtype, options, threads):
+    """Window 1, a block, a softmax tile exactly and mid-block, longer and shorter than the
+    sequences; the blocks before each window hold NaN (check_attention): they must not be read."""
+    check_attention([300, 17, 1, 64, 130, 65], [1] * 6, 6, 2, 64, cache_dtype, dtype, seed=21, **options)
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", CACHES, ids=["f32", "bf16", "int8-f32", "int8-bf16"])
+def test_decode_head_dim_256(cache_dtype, dtype, threads):
+    """Gemma's head_dim (bf16 pairs: a multiple of 32), with its window and softcap and without."""
+    check_decode([300, 17, 1, 64], 2, 2, 256, cache_dtype, dtype, seed=22)
+    check_attention([300, 17, 1, 64], [1] * 4, 4, 2, 256, cache_dtype, dtype, seed=22, window=40, softcap=2.0)

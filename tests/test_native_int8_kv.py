@@ -16,25 +16,42 @@ from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
 from llmc.kernels.quant import dequantize_kv_rows
 from llmc.kernels.rope import RopeTables, rope_ref
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
-from paged_layout import poisoned_caches
+from paged_layout import NAN_SCALE, poisoned_caches
 from test_native_kernels import assert_matches
 
 DTYPES = [torch.float32, torch.bfloat16]
 BS = 16
 
 
-def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu):
-    """`kernel` (the native launcher or op) over a cache with NaN rows against the ref over a clean one."""
+def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu,
+                    window=0, softcap=0.0):
+    """`kernel` (the native launcher or op) over a cache with NaN rows against the ref over a clean
+    one; with a window, the blocks before every query's window are NaN too (they must not be read)."""
     clean, poisoned, tables = poisoned_caches(lens, kv_heads, head_dim, cache_dtype, dtype, BS, seed)
+    if window:
+        poison_outside_window(poisoned, tables, lens, chunks, window)
     qsl = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(chunks), heads * head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    seq_lens, scale = torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5
-    got = kernel(q, poisoned, tables, seq_lens, qsl, 1, scale)
-    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, 1, head_dim, scale)
+    seq_lens, scale, options = torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5, dict(window=window,
+                                                                                            softcap=softcap)
+    got = kernel(q, poisoned, tables, seq_lens, qsl, 1, scale, **options)
+    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, 1, head_dim, scale, **options)
     exact_cache = clean if cache_dtype == torch.int8 else clean.double()
-    exact = paged_attention_ref(q.double(), exact_cache, tables, seq_lens, qsl, 1, head_dim, scale)
+    exact = paged_attention_ref(q.double(), exact_cache, tables, seq_lens, qsl, 1, head_dim, scale, **options)
     assert got.isfinite().all()
     assert_matches(got, want, exact, dtype, max(lens))
+
+
+def poison_outside_window(cache: torch.Tensor, tables: torch.Tensor, lens, chunks, window: int) -> None:
+    """NaN (int8: NaN scales) in layer 1's blocks that lie wholly before the window of every
+    query of their sequence, in place."""
+    for s, (n, chunk) in enumerate(zip(lens, chunks)):
+        first_key = max(0, n - chunk - window + 1)             # the first query's window starts here
+        for b in tables[s, : first_key // BS].tolist():
+            if cache.dtype == torch.int8:
+                cache[1, :, b, ..., -4:] = NAN_SCALE
+            else:
+                cache[1, :, b] = float("nan")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,6 +15,9 @@
 //     (strips of NV x 16 dimensions for R <= 8 rows).
 //   * A block's KV heads lie next to each other, so an item reads K and V in runs of
 //     KVH x 16 rows.
+//   * With a window (Inputs::window) the item starts at the block holding its window's first
+//     key: earlier blocks are not read; the keys before it in that block are masked, and a
+//     softcap is applied to the scores before the mask (shape_scores).
 //   * The reads are kept apart from the arithmetic: touch_blocks loads every line of the next
 //     kTouched keys' blocks in a loop of nothing but loads (many misses in flight), then the
 //     tiles compute from L2. Loads spread through the arithmetic keep few misses in flight; on
@@ -159,10 +162,27 @@ void finish_row(const float* o, int64_t d, float sum, bool pairs, T* out) {
   for (int64_t j = 0; j < d; j += 16) store16(out + j, load16(o + j) * (1.f / sum));
 }
 
+// The softcap and the window's start `lo` applied to a tile's scores s [rows][kTile] (keys
+// first .. first + padded - 1); masked lanes stay -inf.
+inline void shape_scores(float* s, int64_t rows, int64_t first, int64_t padded, int64_t lo, float softcap) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < padded; n += 16) {
+      Vec16 x = load16(s + r * kTile + n);
+      if (softcap > 0) x = tiles::soft_cap(x, softcap);
+      if (first + n < lo) {
+        Int16 key;
+        for (int t = 0; t < 16; ++t) key[t] = static_cast<int32_t>(first + n + t);
+        x = key < static_cast<int32_t>(lo) ? splat(tiles::kNegInf) : x;
+      }
+      store16(s + r * kTile + n, x);
+    }
+}
+
 }  // namespace decode
 
-// One decode item: the sequence's newest token against its seq_len keys, tile by tile, for
-// the G rows of each of the item's KV heads (row h * G + g: query head (kv_head + h) * G + g).
+// One decode item: the sequence's newest token against its seq_len keys (with a window, the
+// last `window` of them: the blocks before are not read), tile by tile, for the G rows of each
+// of the item's KV heads (row h * G + g: query head (kv_head + h) * G + g).
 template <typename T, typename C>
 void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   using namespace decode;
@@ -176,9 +196,10 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   w.s.resize(rows * kTile);
   TileRows<C> v{{}, row};
   const bool pairs = std::is_same_v<C, c10::BFloat16> && d % 32 == 0;  // used where AVX512_BF16 is
-  for (int64_t first = 0; first < keys_total; first += kTile) {
+  const int64_t lo = in.first_key(keys_total - 1), start = lo / kBlock * kBlock;
+  for (int64_t first = start; first < keys_total; first += kTile) {
     const int64_t keys = std::min(kTile, keys_total - first), padded = (keys + 15) / 16 * 16;
-    if (first % kTouched == 0)
+    if ((first - start) % kTouched == 0)
       touch_blocks(in, it, first / kBlock, std::min(first + kTouched, keys_total + kBlock - 1) / kBlock);
     for (int64_t n = 0; n < keys; n += kBlock) {
       const int64_t at = in.block_offset(it, (first + n) / kBlock);
@@ -187,6 +208,7 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
         scorer.score_block(in.k_cache + at + h * head_rows, std::min(kBlock, keys - n), h * groups, w.s.data() + n,
                            kTile);
     }
+    if (in.softcap > 0 || first < lo) shape_scores(w.s.data(), rows, first, padded, lo, in.softcap);
     for (int64_t r = 0; r < rows; ++r) w.alpha[r] = softmax_tile(w.s.data() + r * kTile, padded, w.max[r], w.sum[r]);
     for (int64_t h = 0; h < it.kv_heads; ++h) {
       weigh_values(w.s.data() + h * groups * kTile, w.alpha.data() + h * groups, groups, v, keys,

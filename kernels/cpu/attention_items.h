@@ -6,8 +6,9 @@
 //   run_rows   a decode: each row folds one cache block (16 keys, one vector of scores) at a
 //              time into its online softmax; few rows, so no tiles to pack.
 //   run_tiles  a prompt chunk: tiles of kKeys keys are met by all rows at once as two small
-//              GEMMs (attention_tiles.h); tiles past the item's last query are never read, the
-//              causal mask is applied only on the diagonal tiles. run_tiles_bf16 is the same
+//              GEMMs (attention_tiles.h); tiles past the item's last query, and with a window
+//              the blocks before its first query's window, are never read; the mask is applied
+//              only on the tiles it touches. run_tiles_bf16 is the same
 //              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16.
 #pragma once
 
@@ -47,10 +48,15 @@ struct Inputs {
   const int32_t* qsl;
   Geometry g;
   float scale;
+  int64_t window = 0;    // > 0: a query at position p sees keys p - window < j <= p only
+  float softcap = 0.f;   // > 0: scaled scores become softcap * tanh(score / softcap)
 
   int64_t first_pos(const Item& it) const { return lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.first_query; }
   int64_t token(const Item& it, int64_t row) const { return qsl[it.seq] + it.first_query + row / g.groups; }
   int64_t head(const Item& it, int64_t row) const { return it.kv_head * g.groups + row % g.groups; }
+  // The first key a query at `pos` sees (its window's start), and the first block holding it.
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
+  int64_t first_block(int64_t pos) const { return first_key(pos) / kBlock; }
   // Offset of the item's KV head's first row in block `b` of its sequence.
   int64_t block_offset(const Item& it, int64_t b) const {
     const int64_t block = tables[it.seq * width + b];
@@ -131,6 +137,18 @@ inline void fold_block(float* acc, float& max, float& sum, Vec16 scores, const f
   }
 }
 
+// A row's scores of block b (keys b * 16 ..) with the softcap and, before key `lo`, the window
+// applied; visible = the keys up to the row's position.
+template <typename T, typename C>
+Vec16 row_scores(const Inputs<T, C>& in, const float* q, const float* k, int64_t b, int64_t visible, int64_t lo) {
+  Vec16 scores = block_scores(q, k, visible, in.g.head_dim);
+  if (in.softcap > 0) scores = tiles::soft_cap(scores, in.softcap);
+  if (lo <= b * kBlock) return scores;
+  Int16 key;
+  for (int t = 0; t < 16; ++t) key[t] = static_cast<int32_t>(b * kBlock + t);
+  return key < static_cast<int32_t>(lo) ? splat(tiles::kNegInf) : scores;
+}
+
 template <typename T, typename C>
 void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
@@ -138,13 +156,13 @@ void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   start_rows(in, it, rows, rows, in.scale, w);
   w.k.resize(kBlock * d);
   w.v.resize(kBlock * d);
-  for (int64_t b = 0; b * kBlock <= last_pos; ++b) {
+  for (int64_t b = in.first_block(first_pos); b * kBlock <= last_pos; ++b) {
     load_keys(in, it, b * kBlock, std::min(kBlock, last_pos + 1 - b * kBlock), kBlock, w.k.data(), w.v.data());
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(kBlock, first_pos + r / in.g.groups + 1 - b * kBlock);
-      if (visible > 0)
-        fold_block(w.o.data() + r * d, w.max[r], w.sum[r], block_scores(w.q.data() + r * d, w.k.data(), visible, d),
-                   w.v.data(), visible, d);
+      const int64_t pos = first_pos + r / in.g.groups, visible = std::min(kBlock, pos + 1 - b * kBlock);
+      if (visible <= 0 || (b + 1) * kBlock <= in.first_key(pos)) continue;
+      const Vec16 scores = row_scores(in, w.q.data() + r * d, w.k.data(), b, visible, in.first_key(pos));
+      fold_block(w.o.data() + r * d, w.max[r], w.sum[r], scores, w.v.data(), visible, d);
     }
   }
   finish_rows(in, it, rows, w);
@@ -164,6 +182,13 @@ void start_tiles(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t p
   w.alpha.resize(padded_rows);
 }
 
+// Whether a tile of keys first .. first + padded - 1 needs the mask for rows at positions
+// first_pos .. last_pos: a key past the first row (causal) or before the last row's window.
+template <typename T, typename C>
+bool masks(const Inputs<T, C>& in, int64_t first, int64_t padded, int64_t first_pos, int64_t last_pos) {
+  return first + padded - 1 > first_pos || first < in.first_key(last_pos);
+}
+
 template <typename T, typename C>
 void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
@@ -172,12 +197,13 @@ void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   w.qt.assign(d * padded_rows, 0.f);  // [D][R]
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
-  for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
+  const tiles::ScoreRule rule{1.f, in.softcap, in.window};  // q holds the scale
+  for (int64_t first = in.first_block(first_pos) * kBlock; first <= last_pos; first += tiles::kKeys) {
     const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
     load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
     tiles::scores<tiles::F32>(w.qt.data(), padded_rows, d, w.k.data(), padded, w.s.data());
-    tiles::softmax<false>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos, 1.f,
-                          w.max.data(), w.sum.data(), w.alpha.data(), nullptr);
+    tiles::softmax<false>(w.s.data(), padded_rows, padded, first, w.pos.data(), masks(in, first, padded, first_pos,
+                          last_pos), rule, w.max.data(), w.sum.data(), w.alpha.data(), nullptr);
     tiles::accumulate<tiles::F32>(w.s.data(), w.alpha.data(), padded_rows, padded, w.v.data(), d, w.o.data());
   }
   finish_rows(in, it, rows, w);
@@ -204,15 +230,17 @@ void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch&
   w.kp.resize(tiles::kKeys * d / 2);
   w.vp.resize(tiles::kKeys * d / 2);
   w.pp.resize(tiles::kKeys / 2 * padded_rows);
-  for (int64_t first = 0; first <= last_pos; first += tiles::kKeys) {
+  const tiles::ScoreRule rule{in.scale, in.softcap, in.window};
+  for (int64_t first = in.first_block(first_pos) * kBlock; first <= last_pos; first += tiles::kKeys) {
     const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
     load_keys(in, it, first, keys, padded, w.k.data(), w.v.data());
     for (int64_t i = 0; i < padded * d; i += 16)  // a bf16 K row is its own row of pairs
       store16(reinterpret_cast<c10::BFloat16*>(w.kp.data()) + i, load16(w.k.data() + i));
     for (int64_t m = 0; m < padded / 2; ++m) tiles::pair_rows(&w.v[2 * m * d], &w.v[(2 * m + 1) * d], d, &w.vp[m * d]);
     tiles::scores<tiles::Bf16Pairs>(w.qp.data(), padded_rows, d / 2, w.kp.data(), padded, w.s.data());
-    tiles::softmax<true>(w.s.data(), padded_rows, padded, first, w.pos.data(), first + padded - 1 > first_pos,
-                         in.scale, w.max.data(), w.sum.data(), w.alpha.data(), w.pp.data());
+    tiles::softmax<true>(w.s.data(), padded_rows, padded, first, w.pos.data(),
+                         masks(in, first, padded, first_pos, last_pos), rule, w.max.data(), w.sum.data(),
+                         w.alpha.data(), w.pp.data());
     tiles::accumulate<tiles::Bf16Pairs>(w.pp.data(), w.alpha.data(), padded_rows, padded / 2, w.vp.data(), d,
                                         w.o.data());
   }

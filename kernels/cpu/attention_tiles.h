@@ -6,10 +6,11 @@
 //
 //   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
 //                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
-//   softmax<kPairs>(st, R, keys, ...)    st scaled, causally masked, turned into probabilities
-//                                        against each row's running max (in place, or as bf16
-//                                        pairs); alpha[r] the factor that rescales row r's
-//                                        earlier output
+//   softmax<kPairs>(st, R, keys, ...)    st scaled, soft-capped (ScoreRule), masked (causal and
+//                                        the sliding window), turned into probabilities against
+//                                        each row's running max (in place, or as bf16 pairs);
+//                                        alpha[r] the factor that rescales row r's earlier output
+//   soft_cap(x, cap)                     cap * tanh(x / cap) per lane (cap > 0), -inf kept
 //   accumulate<A>(p, alpha, R, keys, v, d, o) o[r] = o[r] * alpha[r] + sum_n p[n][r] v[n],
 //                                        v [keys][d], o [R][d]
 // A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
@@ -166,24 +167,56 @@ inline Vec16 exp_nonpositive(Vec16 x) {
 #endif
 }
 
+// tanh per lane, relative error ~3e-7 everywhere (Eigen's rational approximation; the
+// exp form 1 - 2 / (e^2x + 1) loses all relative accuracy near 0).
+inline Vec16 tanh16(Vec16 x) {
+  const Vec16 c = splat(7.90531110763549805f);
+  x = x > c ? c : (x < -c ? -c : x);
+  const Vec16 x2 = x * x;
+  Vec16 p = splat(-2.76076847742355e-16f);
+  for (const float a : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                        1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = p * x2 + a;
+  Vec16 q = splat(1.19825839466702e-06f);
+  for (const float b : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f}) q = q * x2 + b;
+  return p * x / q;
+}
+
+// Attention-logit soft-capping, cap > 0: cap * tanh(x / cap); masked lanes (-inf) stay -inf.
+inline Vec16 soft_cap(Vec16 x, float cap) {
+  return x == kNegInf ? x : tanh16(x * (1.f / cap)) * cap;
+}
+
+// What turns a q.k product into a score: times `scale`, soft-capped where softcap > 0, and,
+// where window > 0, masked for keys at or before pos - window (as well as after pos).
+struct ScoreRule {
+  float scale, softcap;
+  int64_t window;
+};
+
 // The online-softmax step over a tile of transposed scores st [keys][rows] whose key indices
-// start at first_key, scaled by `scale`; pos[r] is row r's position (keys after it are masked
-// where `diagonal`). max, sum, alpha are [rows]; every row must see a key in its first tile.
-// The probabilities go back into st, or, kPairs, into pairs [keys/2][rows] as bf16 pairs.
+// start at first_key, made scores by `rule`; pos[r] is row r's position (keys after it, and
+// keys outside its window, are masked where `masked`). max, sum, alpha are [rows]; a row that
+// has seen no visible key keeps max -inf, sum 0 (its alpha is then 0). The probabilities go
+// back into st, or, kPairs, into pairs [keys/2][rows] as bf16 pairs.
 template <bool kPairs>
-inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool diagonal,
-                    float scale, float* max, float* sum, float* alpha, uint32_t* pairs) {
+inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
+                    const ScoreRule& rule, float* max, float* sum, float* alpha, uint32_t* pairs) {
   for (int64_t r = 0; r < rows; r += 16) {
-    Int16 last;
+    Int16 last, edge;
     std::memcpy(&last, pos + r, sizeof(last));
+    edge = last - static_cast<int32_t>(rule.window > 0 ? rule.window : INT32_MAX / 2);  // keys <= edge: outside
     const auto score = [&](int64_t n) {
-      const Vec16 x = load16(st + n * rows + r) * scale;
-      return diagonal ? (last < static_cast<int32_t>(first_key + n) ? splat(kNegInf) : x) : x;
+      Vec16 x = load16(st + n * rows + r) * rule.scale;
+      if (rule.softcap > 0) x = tanh16(x * (1.f / rule.softcap)) * rule.softcap;
+      const int32_t key = static_cast<int32_t>(first_key + n);
+      return masked ? ((last < key) | (edge >= key) ? splat(kNegInf) : x) : x;
     };
     const Vec16 old = load16(max + r);
     Vec16 m = old;
     for (int64_t n = 0; n < keys; ++n) m = vmax(m, score(n));
-    const Vec16 a = exp_nonpositive(old - m);  // old = -inf on the first tile: 0
+    m = m == kNegInf ? splat(0.f) : m;         // no key seen yet: exps below are 0, max stays -inf
+    const Vec16 a = exp_nonpositive(old - m);  // old = -inf on a row's first visible tile: 0
     Vec16 total{};
     for (int64_t n = 0; n < keys; n += 2) {
       const Vec16 p0 = exp_nonpositive(score(n) - m), p1 = exp_nonpositive(score(n + 1) - m);
@@ -195,7 +228,7 @@ inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, co
         store16(st + (n + 1) * rows + r, p1);
       }
     }
-    store16(max + r, m);
+    store16(max + r, total == 0.f ? old : m);  // total 0 only while no key is seen (old = -inf)
     store16(sum + r, load16(sum + r) * a + total);
     store16(alpha + r, a);
   }

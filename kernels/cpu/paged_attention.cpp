@@ -12,9 +12,13 @@
 //   query_start_loc [S+1]    int32: sequence s owns query rows qsl[s] .. qsl[s+1]-1, its newest
 //                            tokens, so query i of a chunk of n sits at position seq_len - n + i
 //   layer, scale    the cache layer to read; the factor applied to q.k
+//   window          0, or > 0: a query at position p sees only keys p - window < j <= p (the
+//                   blocks wholly before that are not read)
+//   softcap         0, or > 0: scaled scores become softcap * tanh(score / softcap) before the
+//                   mask and the softmax
 //   returns         [T, H*D] in q's dtype; a query sees keys at positions <= its own.
-// D must be a multiple of 16 and H a multiple of KVH. Scores, softmax and the weighted sum are
-// computed in fp32.
+// D must be a multiple of 16 (any size: 256 included) and H a multiple of KVH. Scores, softmax
+// and the weighted sum are computed in fp32.
 //
 // Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
 // (one query) is one item over all KV heads where there are kDecodesPerThread decodes per
@@ -34,6 +38,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -65,7 +71,7 @@ int64_t head_dim(const at::Tensor& cache) {
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-                  const at::Tensor& lens, const at::Tensor& qsl, int64_t layer) {
+                  const at::Tensor& lens, const at::Tensor& qsl, int64_t layer, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be a contiguous [T, H*D] tensor");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
               q.scalar_type());
@@ -77,6 +83,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& cache, const at::Tensor
               " is not a positive multiple of 16");
   TORCH_CHECK(layer >= 0 && layer < cache.size(0), "layer ", layer, " is outside the cache's ", cache.size(0),
               " layers");
+  TORCH_CHECK(window >= 0 && window <= INT32_MAX, "window ", window, " is not 0 (off) or a positive int32");
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap ", softcap, " is not 0 (off) or a positive number");
   for (const at::Tensor* t : {&tables, &lens, &qsl})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "block tables and lengths must be contiguous int32");
   TORCH_CHECK(qsl.numel() == lens.numel() + 1 && tables.size(0) == lens.numel(),
@@ -101,8 +109,8 @@ void with_types(const at::Tensor& q, const at::Tensor& kv_cache, Fn fn) {
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer, double scale,
-                  bool tiled) {
-  check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, layer);
+                  int64_t window, double softcap, bool tiled) {
+  check_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, window, softcap);
   const int64_t kv_heads = kv_cache.size(3), d = head_dim(kv_cache);
   at::Tensor out = at::empty_like(q);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -117,7 +125,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     const C* k_cache = kv_cache.const_data_ptr<C>() + layer * kv_cache.stride(0);
     const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
     const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
-                                    tables, width, lens, qsl, g, static_cast<float>(scale)};
+                                    tables, width, lens, qsl, g, static_cast<float>(scale), window,
+                                    static_cast<float>(softcap)};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
       if (!tiled)
         llmc_cpu::run_rows(in, it, w);
@@ -133,33 +142,34 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
-                           double scale) {
-  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, true);
+                           double scale, int64_t window, double softcap) {
+  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, window, softcap, true);
 }
 
 // The decode case: one query per sequence, so query_start_loc is 0, 1, ..., S (made here, not by
 // the caller once per layer).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, int64_t layer, double scale) {
+                                  const at::Tensor& seq_lens, int64_t layer, double scale, int64_t window,
+                                  double softcap) {
   const at::Tensor one_each = at::arange(seq_lens.numel() + 1, seq_lens.options().dtype(at::kInt));
-  return attend(q, kv_cache, block_tables, seq_lens, one_each, layer, scale, true);
+  return attend(q, kv_cache, block_tables, seq_lens, one_each, layer, scale, window, softcap, true);
 }
 
 at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t layer,
-                                double scale) {
-  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, false);
+                                double scale, int64_t window, double softcap) {
+  return attend(q, kv_cache, block_tables, seq_lens, query_start_loc, layer, scale, window, softcap, false);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, int layer, float scale) -> Tensor");
+        "Tensor query_start_loc, int layer, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int layer, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_attention_rows(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, int layer, float scale) -> Tensor");
+        "Tensor query_start_loc, int layer, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmc, CPU, m) {
