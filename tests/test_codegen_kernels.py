@@ -69,6 +69,15 @@ CASES = {
         %0 = linear(%x, %w.p, %w.b) : {dt}[T,40]
         %1 = add(%0, %r) : {dt}[T,40]
         return %1""",
+    # the gate/up GEMM with its GeGLU epilogue (Gemma's MLP), then a residual add
+    "gemm_geglu": """
+        %x = input() : {dt}[T,72]
+        %r = input() : {dt}[T,60]
+        %w.gu = weight() : {dt}[120,72]
+        %0 = linear(%x, %w.gu) : {dt}[T,120]
+        %1 = gelu_tanh_mul(%0) : {dt}[T,60]
+        %2 = add(%1, %r) : {dt}[T,60]
+        return %2""",
     # a GEMM whose output is split into column views feeding two norms
     "gemm_split": """
         %x = input() : {dt}[T,72]
@@ -214,7 +223,7 @@ def test_a_bug_planted_in_every_generated_kernel_fails_the_check(case, dtype, bu
 
 
 @pytest.mark.parametrize("case", ["silu_mul_chain", "gemma_chain", "split_cast", "norm_epilogue", "chain_into_norm", "gemm_residual",
-                                  "gemm_split"])
+                                  "gemm_geglu", "gemm_split"])
 def test_the_fusing_cases_run_fewer_kernels_than_ops(case):
     graph = graph_of(case, "f32")
     assert len(kernel_units(graph)) < len([n for n in graph.nodes if n.op not in ("input", "weight")])

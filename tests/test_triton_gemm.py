@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmc.compiler.ops.elementwise import gelu_tanh_mul_ref
 from llmc.kernels.activation import silu_mul_ref
 from llmc.kernels.triton.gemm import GemmConfig, linear_epilogue_ref, linear_triton, pick_config
 from tolerances import EPS, tolerance
@@ -25,6 +26,8 @@ EPILOGUES = [
     (False, False, "none", False), (True, False, "none", False), (False, True, "none", False),
     (True, True, "none", False), (False, False, "silu", False), (True, True, "silu", False),
     (False, False, "none", True), (False, True, "none", True), (True, True, "none", True),
+    (False, False, "gelu_tanh", False), (True, True, "gelu_tanh", False),            # GELU, tanh approximation
+    (False, False, "gelu_tanh", True), (True, True, "gelu_tanh", True),              # GeGLU (Gemma's MLP)
 ]
 SCALE = 4.0                                      # largest |value| of y and of its partial sums, about
 
@@ -39,10 +42,14 @@ def gemm_tolerance(dtype: torch.dtype, K: int) -> dict[str, float]:
 def want(x, w, bias, residual, activation, gated):
     """F.linear and the epilogue, all in fp32 from the same (rounded) inputs."""
     y = F.linear(x.float(), w.float(), None if bias is None else bias.float())   # [M, N_w]
-    if gated:
+    if gated and activation == "gelu_tanh":
+        y = gelu_tanh_mul_ref(y)                                                # [M, N_w / 2]
+    elif gated:
         y = silu_mul_ref(y)                                                     # [M, N_w / 2]
     elif activation == "silu":
         y = F.silu(y)
+    elif activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
     return y if residual is None else y + residual.float()
 
 
@@ -131,6 +138,7 @@ def _inputs(**overrides):
     (dict(w=torch.zeros(6, 8, dtype=torch.float16)), {}, "w must match"),
     (dict(w=torch.zeros(6, 9)), {}, "K must match"),
     ({}, dict(activation="gelu"), "'gelu'"),
+    ({}, dict(gated=True, activation="gelu"), "'gelu'"),
     (dict(w=torch.zeros(5, 8)), dict(gated=True), "w \\(5, 8\\)"),
     ({}, dict(gated=True, activation="silu"), "activation 'silu'"),
     (dict(bias=torch.zeros(3)), {}, "bias must be \\[6\\]"),

@@ -21,7 +21,7 @@ DTYPES = [torch.float32, torch.float16]          # bf16: one test below (interpr
 FORMATS = [(8, 72, 72), (8, 32, 96), (4, 32, 96), (4, 64, 128), (4, 128, 256)]
 # (bias, residual, activation, gated)
 EPILOGUES = [(False, False, "none", False), (True, True, "none", False), (False, False, "silu", False),
-             (True, True, "none", True)]
+             (True, True, "none", True), (True, True, "gelu_tanh", True)]
 N, SCALE = 40, 4.0                               # N not a power of two; |y| and partial sums, about
 
 

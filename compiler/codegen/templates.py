@@ -1,6 +1,7 @@
 """Kernel modules for units that a hand-written Triton template computes.
 
-  gemm group        linear (+ bias) -> [silu | silu_mul over the gate/up halves] -> [+ residual]:
+  gemm group        linear (+ bias) -> [silu | gelu_tanh | silu_mul | gelu_tanh_mul over the gate/up
+                    halves] -> [+ residual]:
                     kernels/triton/gemm.py, the epilogue as the template's constexpr flags;
                     qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
@@ -93,6 +94,11 @@ def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activa
     return f"linear_triton({x}, {weight}, {bias}, {residual}, {options})"
 
 
+# epilogue op -> the GEMM template's activation: applied to the output, or (gated) to the gate half
+_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}
+_GATED = {"silu_mul": "none", "gelu_tanh_mul": "gelu_tanh"}          # "none": the gate's SiLU implied
+
+
 def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     gemm, *epilogue = unit.nodes
     activation, gated, residual, last, split = "none", False, "None", gemm.value(), None
@@ -102,16 +108,16 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
         if node.op == "split" and node.inputs[0] == last:
             split = node                     # the GEMM's columns, handed out as views: no extra pass
             continue
-        if node.op == "silu_mul" and len(node.inputs) == 1 and node.inputs[0] == last and not gated \
-                and activation == "none" and residual == "None":
-            gated = True
-        elif node.op == "silu" and node.inputs[0] == last and not gated and activation == "none" and residual == "None":
-            activation = "silu"
+        first_activation = node.inputs[0] == last and not gated and activation == "none" and residual == "None"
+        if node.op in _GATED and len(node.inputs) == 1 and first_activation:
+            gated, activation = True, _GATED[node.op]
+        elif node.op in _ACTIVATIONS and first_activation:
+            activation = _ACTIVATIONS[node.op]
         elif node.op == "add" and last in node.inputs and residual == "None":
             residual = _arg(unit, node.inputs[1] if node.inputs[0] == last else node.inputs[0])
         else:
             raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} as an epilogue of the GEMM template "
-                               "(it takes bias, then silu or gated silu_mul, then a residual add)")
+                               "(it takes bias, then an activation or a gated one, then a residual add)")
         last = node.value()
     results = ["result"] if split is None else _split_views(unit, split)
     if split is None and unit.outputs != (last,):

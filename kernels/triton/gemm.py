@@ -8,11 +8,12 @@ Contract:
   out      [M, N]   x's dtype, optional preallocated output (may be `residual` itself)
 The product accumulates in fp32 and the whole epilogue runs on the fp32 accumulator; the result
 is rounded to x's dtype once, at the store. Epilogue, in order:
-  gated=False: N = N_w;      y = act(x @ w.T + bias)                      act: "none" or "silu"
-  gated=True:  N = N_w // 2; y = silu(g) * u, g = columns [0, N), u = columns [N, 2N) of
-               x @ w.T + bias (a merged gate/up GEMM followed by SiLU-and-multiply: each program
-               keeps two accumulators, for columns j and j + N, so the [M, 2N] product is never
-               stored). The gate's SiLU is implied; `activation` must stay "none".
+  gated=False: N = N_w;      y = act(x @ w.T + bias)       act: "none", "silu" or "gelu_tanh"
+  gated=True:  N = N_w // 2; y = act(g) * u, g = columns [0, N), u = columns [N, 2N) of
+               x @ w.T + bias (a merged gate/up GEMM followed by the gated activation: each
+               program keeps two accumulators, for columns j and j + N, so the [M, 2N] product is
+               never stored). act is SiLU (SwiGLU) with `activation` "none", the gate's SiLU
+               implied, or GELU's tanh approximation (GeGLU) with "gelu_tanh".
   then y += residual.
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
 fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from llmc.compiler.codegen.gemm_configs import GemmConfig, pick_config
 
-ACTIVATIONS = ("none", "silu")
+ACTIVATIONS = ("none", "silu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -42,9 +43,11 @@ def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     y = F.linear(x.float(), w.float(), None if bias is None else bias.float())   # [M, N_w]
     if gated:
         gate, up = y.chunk(2, dim=-1)                                           # [M, N] each
-        y = F.silu(gate) * up
+        y = (F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)) * up
     elif activation == "silu":
         y = F.silu(y)
+    elif activation == "gelu_tanh":
+        y = F.gelu(y, approximate="tanh")
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
@@ -59,8 +62,8 @@ def _linear_kernel(
     out_ptr,       # out [M, N]: the result, written once, in out's dtype
     M, N, K,       # N is the output width (N_w // 2 when GATED)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr,
+    GATED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -85,7 +88,7 @@ def _linear_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
-                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GATED)
+                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED)
 
 
 @triton.jit
@@ -102,24 +105,37 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 def store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
                    stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GATED: tl.constexpr):
+                   HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr):
     """The contract's epilogue on the fp32 accumulators [BM, BN] (acc_up: the up columns j + N,
-    read only if GATED), then one rounding to out's dtype at the masked store."""
+    read only if GATED; the gate's activation GELU if GELU, else SiLU), then one rounding to out's
+    dtype at the masked store."""
     mask_m, mask_n = offs_m < M, offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_up += tl.load(bias_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if GELU:
+            acc = gelu_tanh(acc) * acc_up
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     elif SILU:
         acc = acc * tl.sigmoid(acc)
+    elif GELU:
+        acc = gelu_tanh(acc)
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
         acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gelu_tanh(a):
+    """0.5 a (1 + tanh(z)), z = sqrt(2/pi) (a + 0.044715 a^3), as a * sigmoid(2z): the same value,
+    without 1 + tanh's cancellation for very negative a."""
+    return a * tl.sigmoid(1.5957691216057308 * (a + 0.044715 * a * a * a))
 
 
 @triton.jit
@@ -147,7 +163,8 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, residual if residual is not None else x, out,
         M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu", GATED=gated,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
+        GELU=activation == "gelu_tanh", GATED=gated,
         DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -167,9 +184,9 @@ def _check_linear_inputs(x, w, bias, residual, activation, gated) -> int:
         raise ValueError(f"w {tuple(w.shape)} does not take x {tuple(x.shape)}: K must match")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
-    if gated and (activation != "none" or w.shape[0] % 2):
-        raise ValueError(f"gated takes w [2N, K] and applies the gate's silu itself (activation 'none'); got "
-                         f"w {tuple(w.shape)}, activation {activation!r}")
+    if gated and (activation not in ("none", "gelu_tanh") or w.shape[0] % 2):
+        raise ValueError(f"gated takes w [2N, K] and activation 'none' (the gate's silu implied) or 'gelu_tanh'; "
+                         f"got w {tuple(w.shape)}, activation {activation!r}")
     n_out = w.shape[0] // 2 if gated else w.shape[0]
     _check_operand("bias", bias, (w.shape[0],), x)
     _check_operand("residual", residual, (x.shape[0], n_out), x)

@@ -98,7 +98,7 @@ def _qlinear_kernel(
     M, N, K, GROUP,  # N is the output width (N_w // 2 when GATED); GROUP: inputs per scale
     stride_xm, stride_xk, stride_c, stride_s, stride_rm, stride_rn, stride_om, stride_on,
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-    GATED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GELU: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -133,7 +133,7 @@ def _qlinear_kernel(
                                      offs_byte, group, stride_c, stride_s, DOT_FP32, INPUT_PRECISION)
 
     store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
-                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GATED)
+                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED)
 
 
 def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
@@ -159,7 +159,8 @@ def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
         residual if residual is not None else x, out,
         M, n_out, K, group_size, *x.stride(), codes.stride(0), scales.stride(0), *res_strides, *out.stride(),
         BITS=bits, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
-        GATED=gated, DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
+        GELU=activation == "gelu_tanh", GATED=gated, DOT_FP32=dot_fp32,
+        INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -191,8 +192,9 @@ def _check_qlinear_inputs(x, codes, scales, mins, bias, residual, bits, group_si
             raise ValueError(f"{name} must be contiguous on {x.device}; got strides {t.stride()} on {t.device}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
-    if gated and (activation != "none" or n_w % 2):
-        raise ValueError(f"gated takes {n_w} weight rows, an even number, and activation 'none'; got {activation!r}")
+    if gated and (activation not in ("none", "gelu_tanh") or n_w % 2):
+        raise ValueError(f"gated takes {n_w} weight rows, an even number, and activation 'none' (silu) or "
+                         f"'gelu_tanh'; got {activation!r}")
     n_out = n_w // 2 if gated else n_w
     if bias is not None:
         _checked(bias, "bias", (n_w,), x)
