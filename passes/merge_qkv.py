@@ -1,7 +1,7 @@
 """Merge the Q, K and V projections of every attention into one GEMM.
 
-Matches: `attention(q, k, v, qsl)` where q and k are `rope(linear(x, w))` (or plain linears)
-  and v is `linear(x, w)`, all three over the same x, with weight (and, for Qwen2, bias)
+Matches: `attention(q, k, v, qsl)` where q and k are `rope(linear(x, w))` (or plain linears;
+  a q/k norm, `head_rmsnorm` or `rmsnorm`, may sit between linear and rope) and v is `linear(x, w)`, all three over the same x, with weight (and, for Qwen2, bias)
   operands that are weight nodes.
 Produces: `linear(x, concat(wq, wk, wv, dim=0) [, concat(bq, bk, bv, dim=0)])` and a `split`
   into q, k, v widths, whose results replace the three projections.
@@ -17,10 +17,14 @@ from .merge_linears import merge_linears, mergeable
 from .rewrite import PassContext
 
 
+QK_NORMS = ("head_rmsnorm", "rmsnorm")
+
+
 def _projection(value: Value, nodes: dict[str, Node]) -> Node:
-    """The GEMM behind a q or k operand: through a `rope` if there is one."""
+    """The GEMM behind a q or k operand: through a `rope` and a q/k norm before it, if there are."""
     node = nodes[value.node]
-    return nodes[node.inputs[0].node] if node.op == "rope" else node
+    node = nodes[node.inputs[0].node] if node.op == "rope" else node
+    return nodes[node.inputs[0].node] if node.op in QK_NORMS else node
 
 
 def qkv_groups(graph: Graph) -> list[tuple[str, ...]]:

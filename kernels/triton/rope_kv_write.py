@@ -13,6 +13,10 @@ Contract (kernels/rope_kv_write.py's `rope_kv_write_ref`, same tensors):
   inv_freq      [D / 2] fp32 from kernels/rope.py `rope_inv_freq`, so every scaling rule applies
   attention_factor  a float cos and sin are multiplied by (kernels/rope.py `rope_attention_factor`:
                 longrope's, else 1.0)
+  q_norm, k_norm  with qk_norm "head" ([D] each) or "all" ([H*D], [KVH*D]), after the slots in
+                `tensors`, q's dtype: q and k are RMS-normed before the rotation as rmsnorm_ref
+                (fp32 mean of squares and rsqrt, the normed value rounded to q's dtype, then the
+                weight's product rounded), eps `norm_eps`
 Rotates q and k (rotate-half: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin on each head's halves),
 cos/sin and the rotation in fp32, from positions * inv_freq computed in the kernel. Stores the
 rotated k and v of each token at its slot of `layer` (cast to the cache's dtype), in place, and
@@ -37,15 +41,29 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, HEADS: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Token t's HEADS heads, rotated: the two halves [BLOCK_H, BLOCK_HALF] each, fp32."""
+def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM_SPAN: tl.constexpr):
+    """Token t's HEADS heads, normed (NORM_SPAN 1 per head, 2 the whole row; 0 not) and rotated:
+    the two halves [BLOCK_H, BLOCK_HALF] each, fp32."""
     heads = tl.arange(0, BLOCK_H)[:, None]                                 # [BH, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]                               # [1, BHALF]
     mask = (heads < HEADS) & (dims < HALF)
     first = src_ptr + t * src_row_stride + heads * (2 * HALF) + dims       # [BH, BHALF]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM_SPAN != 0:
+        dtype = src_ptr.dtype.element_ty
+        squares = tl.sum(x1 * x1 + x2 * x2, 1)                             # [BH]
+        if NORM_SPAN == 1:
+            scale = tl.rsqrt(squares / (2 * HALF) + eps)[:, None]          # [BH, 1]
+            w = norm_ptr + dims                                            # [1, BHALF]: one weight [D]
+        else:
+            scale = tl.rsqrt(tl.sum(squares, 0) / (HEADS * 2 * HALF) + eps)
+            w = norm_ptr + heads * (2 * HALF) + dims                       # [BH, BHALF]: weight [H*D]
+        w1 = tl.load(w, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * scale).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * scale).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
 
 
@@ -61,11 +79,15 @@ def _rope_kv_write_kernel(
     q_out_ptr,      # q_out [T, H*D], row stride stride_qo: the rotated q, written for every token
     k_cache_ptr,    # kv_cache[layer, 0] [NB, KVH, BS, D] (int8: D + 4): rotated k written at each valid slot
     v_cache_ptr,    # kv_cache[layer, 1] [NB, KVH, BS, D] (int8: D + 4): v written at each valid slot
+    q_norm_ptr,     # q's norm weight [D] (NORM_SPAN 1) or [H*D] (2); unread with NORM_SPAN 0
+    k_norm_ptr,     # k's norm weight [D] or [KVH*D]; unread with NORM_SPAN 0
+    norm_eps,       # fp32: the norms' eps
     stride_q, stride_k, stride_v, stride_qo,
     stride_block, stride_head, stride_offset,       # the cache's strides (dim stride is 1)
     BLOCK_SIZE,                                     # BS: tokens per cache block
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_INT8: tl.constexpr,
+    NORM_SPAN: tl.constexpr,                        # q/k norms: 0 none, 1 per head, 2 the whole row
 ):
     t = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -74,13 +96,15 @@ def _rope_kv_write_kernel(
     cos = (tl.cos(freqs) * attention_factor)[None, :]                      # [1, BHALF]
     sin = (tl.sin(freqs) * attention_factor)[None, :]
 
-    q1, q2, q_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    q1, q2, q_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, q_norm_ptr, norm_eps, HEADS, HALF, BLOCK_H,
+                                   BLOCK_HALF, NORM_SPAN)
     heads = tl.arange(0, BLOCK_H)[:, None]
     q_out = q_out_ptr + t * stride_qo + heads * (2 * HALF) + dims[None, :]  # [BH, BHALF]
     tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
 
-    k1, k2, kv_mask = _rotate_heads(k_ptr, stride_k, t, cos, sin, KV_HEADS, HALF, BLOCK_KVH, BLOCK_HALF)
+    k1, k2, kv_mask = _rotate_heads(k_ptr, stride_k, t, cos, sin, k_norm_ptr, norm_eps, KV_HEADS, HALF, BLOCK_KVH,
+                                    BLOCK_HALF, NORM_SPAN)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     kv_mask = kv_mask & (slot >= 0)                                        # padding: no K/V write
     kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
@@ -132,16 +156,24 @@ def _store_rows(row_ptrs, x1, x2, mask, dims, HALF: tl.constexpr, KV_INT8: tl.co
         tl.store(row_ptrs + HALF + dims, x2.to(row_ptrs.dtype.element_ty), mask=mask)
 
 
+NORM_SPANS = {"": 0, "head": 1, "all": 2}
+
+
 def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         inv_freq: torch.Tensor, q_out: torch.Tensor | None = None, attention_factor: float = 1.0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         inv_freq: torch.Tensor, q_out: torch.Tensor | None = None, attention_factor: float = 1.0,
+                         qk_norm: str = "", norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: checks the contract (ValueError naming the bad value) from shapes, dtypes and
     devices only, then launches one program per token. `q_out` may be q itself."""
-    if len(tensors) not in (4, 6):
+    norms = 2 if qk_norm else 0
+    if qk_norm not in NORM_SPANS or len(tensors) not in (4 + norms, 6 + norms):
         raise ValueError(f"rope_kv_write_triton takes (qkv, positions, cache, slots) or (q, k, v, positions, "
-                         f"cache, slots); got {len(tensors)} tensors")
-    q, k, v, positions, kv_cache, slot_mapping = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim)
+                         f"cache, slots), then q_norm, k_norm with qk_norm 'head' or 'all'; got {len(tensors)} "
+                         f"tensors and qk_norm={qk_norm!r}")
+    q, k, v, positions, kv_cache, slot_mapping, *norm_weights = unpack_inputs(tensors, num_heads, num_kv_heads,
+                                                                              head_dim, qk_norm)
     _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim, inv_freq)
+    _check_norms(norm_weights, qk_norm, q, num_heads, num_kv_heads, head_dim)
+    q_norm, k_norm = norm_weights or (q, q)                                # unread without norms
     q_out = _checked_q_out(q_out, q)
     tokens = q.shape[0]
     if tokens == 0:
@@ -149,10 +181,12 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]             # [NB, KVH, BS, D] each
     _rope_kv_write_kernel[(tokens,)](
         q, k, v, positions, inv_freq, float(attention_factor), slot_mapping, q_out, k_cache, v_cache,
+        q_norm, k_norm, float(norm_eps),
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), *k_cache.stride()[:3], kv_cache.shape[4],
         HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_INT8=is_int8_cache(kv_cache),
+        NORM_SPAN=NORM_SPANS[qk_norm],
     )
     return q_out, kv_cache
 
@@ -187,6 +221,17 @@ def _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, 
     devices = {t.device for t in (q, k, v, positions, kv_cache, slot_mapping, inv_freq)}
     if len(devices) != 1:
         raise ValueError(f"every tensor must be on one device; got {sorted(map(str, devices))}")
+
+
+def _check_norms(weights: list[torch.Tensor], qk_norm: str, q: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+    if not qk_norm:
+        return
+    widths = (head_dim, head_dim) if qk_norm == "head" else (num_heads * head_dim, num_kv_heads * head_dim)
+    for name, w, width in zip(("q_norm", "k_norm"), weights, widths):
+        if tuple(w.shape) != (width,) or w.dtype != q.dtype or w.device != q.device or not w.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{width}] {q.dtype} on {q.device} for qk_norm={qk_norm!r}; "
+                             f"got {tuple(w.shape)} {w.dtype} on {w.device}")
 
 
 def _checked_q_out(q_out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

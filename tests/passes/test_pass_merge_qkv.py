@@ -78,3 +78,18 @@ def test_traced_model_keeps_its_numbers(config, entry):
     assert after.op_counts()["split"] == config.num_layers
     assert after.op_counts()["concat"] == (2 if config.qkv_bias else 1) * config.num_layers
     assert_same_numbers(graph, after, weights, steps_for(graph))
+
+
+@pytest.mark.parametrize("op,extra,widths", [("head_rmsnorm", ", head_dim=12", (12, 12)), ("rmsnorm", "", (72, 36))])
+def test_q_k_norms_between_projection_and_rope_still_merge(op, extra, widths):
+    """Qwen3 / Gemma 3 (per head) and OLMo-2 (whole row): the norm reads the split's result."""
+    norms = (f"  %w.qn = weight() : f32[{widths[0]}]\n  %w.kn = weight() : f32[{widths[1]}]\n"
+             f"  %0 = linear(%x, %w.q) : f32[T,72]\n  %6 = {op}(%0, %w.qn, eps=1e-06{extra}) : f32[T,72]\n")
+    before = ir(BEFORE.replace("  %0 = linear(%x, %w.q) : f32[T,72]\n", norms)
+                .replace("rope(%0,", "rope(%6,")
+                .replace("  %3 = rope(%2,", f"  %7 = {op}(%2, %w.kn, eps=1e-06{extra}) : f32[T,36]\n  %3 = rope(%7,"))
+    after, ctx = run_pass(merge_qkv, before)
+    assert hits(ctx) == 3
+    text = str(after)
+    assert f"= {op}(%2, %w.qn" in text and f"= {op}(%2#1, %w.kn" in text and "= split(%1," in text
+    assert_same_numbers(before, after, random_weights(before), PREFILL_STEPS)
