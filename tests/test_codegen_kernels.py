@@ -78,6 +78,13 @@ CASES = {
         %1 = gelu_tanh_mul(%0) : {dt}[T,60]
         %2 = add(%1, %r) : {dt}[T,60]
         return %2""",
+    # Gemma 2's LM head: the GEMM with its final-logit soft-cap
+    "gemm_softcap": """
+        %x = input() : {dt}[T,72]
+        %w.h = weight() : {dt}[40,72]
+        %0 = linear(%x, %w.h) : {dt}[T,40]
+        %1 = softcap(%0, cap=0.5) : {dt}[T,40]
+        return %1""",
     # a GEMM whose output is split into column views feeding two norms
     "gemm_split": """
         %x = input() : {dt}[T,72]
@@ -223,7 +230,7 @@ def test_a_bug_planted_in_every_generated_kernel_fails_the_check(case, dtype, bu
 
 
 @pytest.mark.parametrize("case", ["silu_mul_chain", "gemma_chain", "split_cast", "norm_epilogue", "chain_into_norm", "gemm_residual",
-                                  "gemm_geglu", "gemm_split"])
+                                  "gemm_geglu", "gemm_softcap", "gemm_split"])
 def test_the_fusing_cases_run_fewer_kernels_than_ops(case):
     graph = graph_of(case, "f32")
     assert len(kernel_units(graph)) < len([n for n in graph.nodes if n.op not in ("input", "weight")])

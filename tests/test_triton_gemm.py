@@ -95,6 +95,18 @@ def test_bf16_gated_epilogue():
                                **gemm_tolerance(torch.bfloat16, 72))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", SHAPES[:2])
+def test_softcap_epilogue_caps_the_logits(dtype, M, N, K):
+    """Gemma 2's final logits: cap * tanh(y / cap) after the product (and a residual), |y| past the cap."""
+    x, w, b, r = make_inputs(M, N, K, dtype, True, True, False)
+    w = w * 8                                                                     # |y| ~ 8, cap 3: it bites
+    got = linear_triton(x, w, b, r, softcap=3.0, out=poisoned(M, N, dtype))
+    expected = 3.0 * torch.tanh(want(x, w, b, r, "none", False) / 3.0)
+    torch.testing.assert_close(got.float(), expected.to(dtype).float(), **gemm_tolerance(dtype, K))
+    torch.testing.assert_close(linear_epilogue_ref(x, w, b, r, softcap=3.0), expected.to(dtype))
+
+
 def test_grouped_tile_order_writes_every_tile_once():
     """Small blocks and GROUP_M 2 over 5 x 3 tiles: the last group holds one row of tiles."""
     config = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
@@ -139,6 +151,7 @@ def _inputs(**overrides):
     (dict(w=torch.zeros(6, 9)), {}, "K must match"),
     ({}, dict(activation="gelu"), "'gelu'"),
     ({}, dict(gated=True, activation="gelu"), "'gelu'"),
+    ({}, dict(softcap=-1.0), "softcap must be 0"),
     (dict(w=torch.zeros(5, 8)), dict(gated=True), "w \\(5, 8\\)"),
     ({}, dict(gated=True, activation="silu"), "activation 'silu'"),
     (dict(bias=torch.zeros(3)), {}, "bias must be \\[6\\]"),

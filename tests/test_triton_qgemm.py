@@ -96,6 +96,14 @@ def test_several_k_tiles_per_group(bits, group, K, block_k):
     torch.testing.assert_close(got.cpu(), want, **qgemm_tolerance(torch.float32, K))
 
 
+def test_softcap_epilogue():
+    """A quantized LM head with Gemma 2's final soft-cap: the same epilogue code as the float GEMM."""
+    x, codes, scales, mins, b, r = make_case(13, 96, 4, 32, torch.float32, True, False, False, seed=7)
+    got = qlinear_triton(x, codes, scales, mins, b, bits=4, group_size=32, softcap=0.5, out=poisoned(13, torch.float32))
+    want = expected(x, codes, scales, mins, b, None, 4, "none", False)
+    torch.testing.assert_close(got.cpu(), 0.5 * torch.tanh(want / 0.5), **qgemm_tolerance(torch.float32, 96))
+
+
 def test_bf16_int4_gated():
     """bf16 takes fp32 dots on CPU tensors (the interpreter's bf16 dot and int -> bf16 casts are wrong)."""
     x, codes, scales, mins, b, r = make_case(9, 128, 4, 64, torch.bfloat16, True, True, True, seed=5)

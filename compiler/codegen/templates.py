@@ -1,7 +1,7 @@
 """Kernel modules for units that a hand-written Triton template computes.
 
   gemm group        linear (+ bias) -> [silu | gelu_tanh | silu_mul | gelu_tanh_mul over the gate/up
-                    halves] -> [+ residual]:
+                    halves] -> [+ residual] -> [softcap]:
                     kernels/triton/gemm.py, the epilogue as the template's constexpr flags;
                     qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
@@ -84,9 +84,11 @@ def _gemm_operands(unit: KernelUnit, gemm: Node) -> tuple[str, str, str]:
     return x.x, weight, x.get("bias", "None")
 
 
-def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool) -> str:
+def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool,
+               softcap: float) -> str:
     x, weight, bias = operands
-    options = f"activation={activation!r}, gated={gated}, config=config_for({x}.shape[0])"
+    capped = f", softcap={softcap!r}" if softcap else ""
+    options = f"activation={activation!r}, gated={gated}{capped}, config=config_for({x}.shape[0])"
     if gemm.op == "qlinear":
         a = gemm.attrs
         return (f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, "
@@ -101,10 +103,11 @@ _GATED = {"silu_mul": "none", "gelu_tanh_mul": "gelu_tanh"}          # "none": t
 
 def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     gemm, *epilogue = unit.nodes
-    activation, gated, residual, last, split = "none", False, "None", gemm.value(), None
+    activation, gated, residual, last, split, softcap = "none", False, "None", gemm.value(), None, 0.0
     for node in epilogue:
-        if split is not None:
-            raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} after a split of a GEMM's output")
+        if split is not None or softcap:
+            raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} after a split or softcap of a GEMM's "
+                               "output")
         if node.op == "split" and node.inputs[0] == last:
             split = node                     # the GEMM's columns, handed out as views: no extra pass
             continue
@@ -113,17 +116,20 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
             gated, activation = True, _GATED[node.op]
         elif node.op in _ACTIVATIONS and first_activation:
             activation = _ACTIVATIONS[node.op]
+        elif node.op == "softcap" and node.inputs[0] == last:
+            softcap = node.attrs["cap"]                         # the last op of the group (checked above)
         elif node.op == "add" and last in node.inputs and residual == "None":
             residual = _arg(unit, node.inputs[1] if node.inputs[0] == last else node.inputs[0])
         else:
             raise CodegenError(f"{unit.label}: codegen cannot lower {node.op!r} as an epilogue of the GEMM template "
-                               "(it takes bias, then an activation or a gated one, then a residual add)")
+                               "(it takes bias, then an activation or a gated one, then a residual add, then a "
+                               "softcap)")
         last = node.value()
     results = ["result"] if split is None else _split_views(unit, split)
     if split is None and unit.outputs != (last,):
         raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
     n_out, k = types[gemm.value()].shape[1], types[gemm.inputs[0]].shape[1]
-    call = _gemm_call(gemm, _gemm_operands(unit, gemm), residual, activation, gated)
+    call = _gemm_call(gemm, _gemm_operands(unit, gemm), residual, activation, gated, softcap)
     imports = ["from llmc.kernels.triton.qgemm import GemmConfig, qlinear_triton" if gemm.op == "qlinear"
                else "from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
     return _module(unit, imports, [], call, results, _gemm_configs(gemm, n_out // 2 if gated else n_out, k, gated))

@@ -14,7 +14,8 @@ is rounded to x's dtype once, at the store. Epilogue, in order:
                program keeps two accumulators, for columns j and j + N, so the [M, 2N] product is
                never stored). act is SiLU (SwiGLU) with `activation` "none", the gate's SiLU
                implied, or GELU's tanh approximation (GeGLU) with "gelu_tanh".
-  then y += residual.
+  then y += residual;
+  then, with softcap > 0, y = softcap * tanh(y / softcap) (Gemma 2's final-logit soft-capping).
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
 fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
 code generator calls it at compile time): BLOCK_M 16 for decode-sized M, larger tiles for
@@ -38,7 +39,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                         residual: torch.Tensor | None = None, *, activation: str = "none",
-                        gated: bool = False) -> torch.Tensor:
+                        gated: bool = False, softcap: float = 0.0) -> torch.Tensor:
     """The contract in torch, every step in fp32, rounded to x's dtype at the end."""
     y = F.linear(x.float(), w.float(), None if bias is None else bias.float())   # [M, N_w]
     if gated:
@@ -50,6 +51,8 @@ def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
         y = F.gelu(y, approximate="tanh")
     if residual is not None:
         y = y + residual.float()
+    if softcap:
+        y = softcap * torch.tanh(y / softcap)
     return y.to(x.dtype)
 
 
@@ -62,8 +65,9 @@ def _linear_kernel(
     out_ptr,       # out [M, N]: the result, written once, in out's dtype
     M, N, K,       # N is the output width (N_w // 2 when GATED)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    softcap,       # fp32: the soft-cap, read only if SOFTCAP
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr,
-    GATED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GATED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -88,7 +92,8 @@ def _linear_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
-                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED)
+                   stride_rm, stride_rn, stride_om, stride_on, softcap, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED,
+                   SOFTCAP)
 
 
 @triton.jit
@@ -104,8 +109,9 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 def store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
-                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr):
+                   stride_rm, stride_rn, stride_om, stride_on, softcap, HAS_BIAS: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr, GATED: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     """The contract's epilogue on the fp32 accumulators [BM, BN] (acc_up: the up columns j + N,
     read only if GATED; the gate's activation GELU if GELU, else SiLU), then one rounding to out's
     dtype at the masked store."""
@@ -127,6 +133,8 @@ def store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, ou
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
         acc += tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SOFTCAP:                                      # cap * tanh(acc / cap), tanh(z) = 2 sigmoid(2z) - 1
+        acc = softcap * (2.0 * tl.sigmoid(2.0 * (acc / softcap)) - 1.0)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -148,10 +156,12 @@ def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, *, activation: str = "none", gated: bool = False,
-                  out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+                  softcap: float = 0.0, out: torch.Tensor | None = None, config: GemmConfig | None = None
+                  ) -> torch.Tensor:
     """Launcher: checks the contract (ValueError naming the bad value), picks a config unless
     given one, launches one program per output tile, returns `out`."""
     n_out = _check_linear_inputs(x, w, bias, residual, activation, gated)
+    check_softcap(softcap)
     M, K = x.shape
     out = _checked_out(out, x, (M, n_out))
     if M == 0 or n_out == 0:
@@ -162,14 +172,19 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, residual if residual is not None else x, out,
-        M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(),
+        M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(), float(softcap),
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
-        GELU=activation == "gelu_tanh", GATED=gated,
+        GELU=activation == "gelu_tanh", GATED=gated, SOFTCAP=softcap > 0,
         DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def check_softcap(softcap: float) -> None:
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be 0 (off) or a positive cap; got {softcap!r}")
 
 
 def _check_linear_inputs(x, w, bias, residual, activation, gated) -> int:

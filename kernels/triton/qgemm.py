@@ -7,7 +7,7 @@ Contract (the `qlinear` op; compiler/quant_format.py states the weight formats):
   scales   f16 [N_w, K/G]; mins f16 [N_w, K/G] (int4 only: w = scale * code + min)
   group G  int8: K (one scale per output channel) or any divisor of K (32: GGUF Q8_0);
            int4: a multiple of 32 dividing K (32, 64, 128)
-  bias, residual, out, activation, gated: as kernels/triton/gemm.py (the same epilogue code)
+  bias, residual, out, activation, gated, softcap: as kernels/triton/gemm.py (the same epilogue code)
   codes, scales and mins are contiguous (the artifact stores them so).
 The meaning is `qlinear_epilogue_ref`: the weight dequantized in fp32, x @ w.T accumulated in
 fp32, the epilogue on the fp32 accumulator, one rounding to x's dtype.
@@ -37,17 +37,17 @@ import triton.language as tl
 from llmc.compiler.codegen.gemm_configs import GemmConfig, k_tile_fits_group, pick_qconfig
 from llmc.compiler.quant_format import INT4_BLOCK, dequantize_weight
 
-from .gemm import ACTIVATIONS, DTYPES, dot_acc, grouped_tile, linear_epilogue_ref, store_epilogue
+from .gemm import ACTIVATIONS, DTYPES, check_softcap, dot_acc, grouped_tile, linear_epilogue_ref, store_epilogue
 
 __all__ = ["pick_qconfig", "qlinear_epilogue_ref", "qlinear_triton"]
 
 
 def qlinear_epilogue_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                          bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, *, bits: int,
-                         activation: str = "none", gated: bool = False) -> torch.Tensor:
+                         activation: str = "none", gated: bool = False, softcap: float = 0.0) -> torch.Tensor:
     """The contract in torch: dequantize in fp32, then gemm.py's fp32 GEMM and epilogue."""
     w = dequantize_weight(codes, scales, mins, bits)                                # [N_w, K] fp32
-    return linear_epilogue_ref(x, w, bias, residual, activation=activation, gated=gated)
+    return linear_epilogue_ref(x, w, bias, residual, activation=activation, gated=gated, softcap=softcap)
 
 
 @triton.jit
@@ -97,8 +97,9 @@ def _qlinear_kernel(
     out_ptr,       # out [M, N]: written once, in out's dtype
     M, N, K, GROUP,  # N is the output width (N_w // 2 when GATED); GROUP: inputs per scale
     stride_xm, stride_xk, stride_c, stride_s, stride_rm, stride_rn, stride_om, stride_on,
+    softcap,         # fp32: the soft-cap, read only if SOFTCAP
     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr,
-    GELU: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    GELU: tl.constexpr, GATED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -133,16 +134,18 @@ def _qlinear_kernel(
                                      offs_byte, group, stride_c, stride_s, DOT_FP32, INPUT_PRECISION)
 
     store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
-                   stride_rm, stride_rn, stride_om, stride_on, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED)
+                   stride_rm, stride_rn, stride_om, stride_on, softcap, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED,
+                   SOFTCAP)
 
 
 def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, *, bits: int,
-                   group_size: int, activation: str = "none", gated: bool = False, out: torch.Tensor | None = None,
-                   config: GemmConfig | None = None) -> torch.Tensor:
+                   group_size: int, activation: str = "none", gated: bool = False, softcap: float = 0.0,
+                   out: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """Launcher: checks the contract (ValueError naming the bad value), picks a config unless
     given one, launches one program per output tile, returns `out`."""
     n_out = _check_qlinear_inputs(x, codes, scales, mins, bias, residual, bits, group_size, activation, gated)
+    check_softcap(softcap)
     M, K = x.shape
     out = _checked(out, "out", (M, n_out), x) if out is not None else torch.empty(M, n_out, dtype=x.dtype,
                                                                                  device=x.device)
@@ -158,8 +161,8 @@ def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
         x, codes, scales, mins if mins is not None else scales, bias if bias is not None else x,
         residual if residual is not None else x, out,
         M, n_out, K, group_size, *x.stride(), codes.stride(0), scales.stride(0), *res_strides, *out.stride(),
-        BITS=bits, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
-        GELU=activation == "gelu_tanh", GATED=gated, DOT_FP32=dot_fp32,
+        float(softcap), BITS=bits, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        SILU=activation == "silu", GELU=activation == "gelu_tanh", GATED=gated, SOFTCAP=softcap > 0, DOT_FP32=dot_fp32,
         INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
