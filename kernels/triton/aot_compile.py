@@ -58,7 +58,8 @@ GEMM_ROWS = (1, 24, 64, 200)        # pick_config's buckets: decode tile, M <= 3
 # SmolLM2-135M's GEMMs: the merged gate/up ([2 x 1536, 576]: K 576), the down projection (K 1536)
 K, N_W, QK, QN_W = 576, 3072, 1536, 1152
 EPILOGUES = {"none": {}, "bias": dict(bias=True), "silu": dict(activation="silu"), "gated": dict(gated=True),
-             "residual": dict(residual=True), "bias+gated+residual": dict(bias=True, gated=True, residual=True)}
+             "residual": dict(residual=True), "bias+gated+residual": dict(bias=True, gated=True, residual=True),
+             "geglu": dict(activation="gelu_tanh", gated=True), "softcap": dict(softcap=30.0)}   # Gemma's
 WEIGHT_FORMATS = {"int8": (8, None), "q8_0": (8, 32), "int4-g32": (4, 32), "int4-g128": (4, 128)}  # bits, group
 # (heads, KV heads, head_dim): SmolLM2-135M's, and a head_dim padded to a power of two with masks
 HEAD_SHAPES = ((9, 3, 64), (6, 2, 80))
@@ -192,7 +193,8 @@ def _gemm(launcher: Callable, x: torch.Tensor, weight: tuple, epilogue: dict, **
     n_w, gated = weight[0].shape[0], epilogue.get("gated", False)
     bias = meta(n_w, dtype=x.dtype) if epilogue.get("bias") else None
     residual = meta(x.shape[0], n_w // 2 if gated else n_w, dtype=x.dtype) if epilogue.get("residual") else None
-    launcher(x, *weight, bias, residual, activation=epilogue.get("activation", "none"), gated=gated, **options)
+    launcher(x, *weight, bias, residual, activation=epilogue.get("activation", "none"), gated=gated,
+             softcap=epilogue.get("softcap", 0.0), **options)
 
 
 def _cache(heads: tuple[int, int, int], dtype: torch.dtype, int8: bool) -> torch.Tensor:
@@ -267,6 +269,7 @@ def template_cases(quick: bool) -> Iterator[Case]:
     if quick:
         dtypes = ("bf16", "fp16")
         yield from gemm_cases(dtypes, (1, 200), ("bias+gated+residual",))
+        yield from gemm_cases(dtypes, (1,), ("geglu", "softcap"))
         yield from qgemm_cases(dtypes, (1,), ("int8",), ("bias+gated+residual",))
         yield from qgemm_cases(dtypes, (200,), ("int4-g32",), ("silu",))
         yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES[1:])
