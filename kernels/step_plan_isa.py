@@ -10,18 +10,21 @@ instruction has no float arg. `InstructionSet.hash()` names the layout (names, r
 build of the C++ side for another description is refused at load (native.py).
 
 Roles: "value" a plan value id; "optional" a value id or -1 (none); "int" an integer; "column" an
-element offset within a row; "address" a C function's address; "values" a variadic list of value
-ids (the last arg only).
+element offset within a row; "address" a C function's address; "float" a finite double, travelling
+as its IEEE-754 bits in the int64 (`float_bits`; C++ reads it back with step_plan.h's float_arg);
+"values" a variadic list of value ids (the last arg only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import keyword
+import math
 import re
+import struct
 from dataclasses import dataclass
 
-ROLES = ("value", "optional", "int", "column", "address", "values")
+ROLES = ("value", "optional", "int", "column", "address", "float", "values")
 NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -114,8 +117,17 @@ class InstructionSet:
         return Encoded(self.opcodes[name], args, float(given[ins.f]) if ins.f else 0.0)
 
 
+def float_bits(x: float) -> int:
+    """A double as the int64 of its IEEE-754 bits: how a "float" arg travels."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
 def _check_arg(ins: Instruction, arg: Arg, value) -> list[int]:
     """`value` of `arg` as the ints it travels as, or ISAError naming it."""
+    if arg.role == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ISAError(f"arg {arg.name} (float) of {ins.name} is {value!r}, not a finite number")
+        return [float_bits(float(value))]
     if arg.role == "values" and not isinstance(value, (list, tuple)):
         raise ISAError(f"arg {arg.name} (values) of {ins.name} is {value!r}, not a list of value ids")
     values = list(value) if arg.role == "values" else [value]
@@ -133,22 +145,28 @@ def _args(spec: str, **docs: str) -> tuple[Arg, ...]:
     return tuple(Arg(name, role, docs.get(name, "")) for name, role in pairs)
 
 
+_ATTN_DOCS = {"window": "0 off; > 0: keys p - window < j <= p only",
+              "softcap": "0 off; > 0: scores softcap * tanh(score / softcap)"}
 STEP_PLAN_INSTRUCTIONS = [
     Instruction("embedding", _args("out table ids layout:int vocab:int width:int",
                                    layout="0: rows [V, W]; 1: float panels")),
     Instruction("linear", _args("out x panels bias:optional k:int n:int num_panels:int")),
     Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
                                        "cache slots layer:int heads:int kv_heads:int head_dim:int "
-                                       "q_norm:optional k_norm:optional norm_span:int",
+                                       "q_norm:optional k_norm:optional norm_span:int rotary_dim:int",
                                        row_width="the elements of a row of q, k and v",
+                                       rotary_dim="the values of a head that turn (head_dim but for a partial "
+                                                  "rotary); cos and sin hold rotary_dim / 2 a token",
                                        norm_span="q/k norms before the rotation: 0 none, 1 per head, 2 whole row"),
                 f="norm_eps"),
     Instruction("paged_decode_attention", _args("out q cache block_tables seq_lens layer:int heads:int "
-                                                "kv_heads:int head_dim:int"), f="scale"),
+                                                "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
+                f="scale"),
     Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "
                                  "bits:int group:int", mins="-1: int8 codes have none")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "
-                                         "kv_heads:int head_dim:int"), f="scale",
+                                         "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
+                f="scale",
                 doc="prompt chunks and decodes mixed; a decode is one query"),
     Instruction("index_select", _args("out x indices width:int"), doc="out row s = x row indices[s]"),
     Instruction("generated", _args("fn:address num_inputs:int values:values",

@@ -47,6 +47,7 @@ from llmc.compiler.codegen.units import KernelUnit
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
+from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
@@ -283,11 +284,14 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
         lo.rope[key] = (RopeTables.for_attrs(a), lo.plan.input(first, like), lo.plan.input(first + 1, like))
     _, cos, sin = lo.rope[key]
     cache_id = _cache(lo, node, cache, d, 32)
+    rotary = a.get("rotary_dim", d)
+    if rotary % 32:
+        raise NotPlannable(f"{node.name} (rope_kv_write) turns {rotary} values a head, not a multiple of 32")
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
     return encode("rope_kv_write", q_out=lo.result(node), q=source, k=source, v=source, q_col=0, k_col=heads * d,
                   v_col=(heads + kv_heads) * d, row_width=width, cos=cos, sin=sin, cache=cache_id,
                   slots=lo.graph_input(slots, node), layer=a["layer"], heads=heads, kv_heads=kv_heads, head_dim=d,
-                  **_qk_norms(lo, node, named))
+                  rotary_dim=rotary, **_qk_norms(lo, node, named))
 
 
 NORM_SPANS = {"": 0, "head": 1, "all": 2}          # rope_kv_write's qk_norm -> the instruction's norm_span
@@ -316,7 +320,7 @@ def _lower_attention(lo: _Lowering, node: Node) -> Encoded:
     chunks = {"query_start_loc": lo.graph_input(x.query_start_loc, node)} if "query_start_loc" in x else {}
     return encode(node.op, out=out, q=q_id, cache=cache_id, block_tables=tables_id, seq_lens=lens_id, **chunks,
                   layer=a["layer"], heads=a["num_heads"], kv_heads=a["num_kv_heads"], head_dim=a["head_dim"],
-                  scale=a["scale"])
+                  scale=a["scale"], **attention_options(a))
 
 
 def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:

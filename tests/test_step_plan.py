@@ -154,6 +154,32 @@ def test_prefill_plan_equals_op_by_op_native_bit_for_bit(artifact, family, varia
     assert torch.equal(plan.kv_cache, ops.kv_cache)
 
 
+def windowed(art, window: int, softcap: float):
+    """`art` with a sliding window and a softcap on every paged attention (the optional attrs a
+    Gemma-style model's graphs carry), written into the printed IR, which parses back."""
+    options = f"window={window}, softcap={softcap!r}"
+    graphs = {entry: parse_graph(re.sub(r"(= paged_(?:decode_)?attention\(.*?)\)( :)", rf"\1, {options})\2", str(g)))
+              for entry, g in art.graphs.items()}
+    return dataclasses.replace(art, graphs=graphs)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("variant", ["f32", "bf16_kv8"])
+def test_plan_takes_window_and_softcap_bit_for_bit(artifact, variant, threads):
+    """A window of one block and a softcap that bites: the plan equals the op-by-op native run
+    (held to the refs by the kernel tests), and both differ from the run without them."""
+    art = artifact("qwen2_bias", variant)
+    options = windowed(art, 16, 0.5)
+    assert str(options.graphs["decode"]).count("window=16, softcap=0.5") == 2        # both layers
+    for steps in (lambda runs: decode_steps(runs, [1, 15, 16, 17, 40]), mixed_steps):
+        plan, ops, plain = executor(options), executor(options, step_plans=False), executor(art)
+        assert isinstance(plan.programs["prefill"], StepPlanProgram)
+        got, want, without = steps([plan, ops, plain])
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert torch.equal(plan.kv_cache, ops.kv_cache)
+        assert not torch.equal(got[-1], without[-1])
+
+
 def widened(art):
     """`art` with every bf16 in its graphs and weights made f32: the same math on the same
     (bf16-valued) weights in fp32, the "exact" a bf16 run's error is measured against. The

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import re
 import shutil
+import struct
 import subprocess
 
 import pytest
 import torch
 
 from llmc.kernels.native import NativeBuildError, check_isa_hash, load_native_kernels, loaded_isa_hash, write_isa_header
-from llmc.kernels.step_plan_isa import STEP_PLAN_ISA, STEP_PLAN_INSTRUCTIONS, ISAError, InstructionSet, encode
+from llmc.kernels.step_plan_isa import (STEP_PLAN_ISA, STEP_PLAN_INSTRUCTIONS, ISAError, InstructionSet, encode,
+                                        float_bits)
 from llmc.kernels.step_plan_isa_header import HEADER_NAME, enum_name, render_header
 
 GXX = shutil.which("g++") or shutil.which("c++")
@@ -26,14 +28,18 @@ def linear_args(**changes) -> dict:
 
 
 def attention_args() -> dict:
-    return dict(out=3, q=1, cache=2, block_tables=4, seq_lens=5, layer=0, heads=4, kv_heads=2, head_dim=32)
+    return dict(out=3, q=1, cache=2, block_tables=4, seq_lens=5, layer=0, heads=4, kv_heads=2, head_dim=32, window=0,
+                softcap=0.0)
 
 
 def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     got = encode("linear", **dict(reversed(linear_args().items())))       # the order given does not matter
     assert got.opcode == STEP_PLAN_ISA.opcodes["linear"] and got.args == [5, 1, 2, -1, 64, 32, 1] and got.f == 0.0
     attention = encode("paged_decode_attention", **attention_args(), scale=0.125)   # the float arg by its meaning
-    assert attention.args == [3, 1, 2, 4, 5, 0, 4, 2, 32] and attention.f == 0.125
+    assert attention.args == [3, 1, 2, 4, 5, 0, 4, 2, 32, 0, 0] and attention.f == 0.125
+    capped = encode("paged_decode_attention", **dict(attention_args(), window=4096, softcap=50.0), scale=0.125)
+    assert capped.args[-2:] == [4096, float_bits(50.0)]            # a float arg travels as its IEEE-754 bits
+    assert struct.unpack("<d", struct.pack("<q", capped.args[-1]))[0] == 50.0
     unit = encode("generated", fn=4096, num_inputs=2, values=[1, 2, 3])
     assert unit.args == [4096, 2, 1, 2, 3]
 
@@ -45,6 +51,9 @@ def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     ("linear", linear_args(x=-1), r"arg x \(value\) of linear is -1, not an int >= 0"),
     ("linear", linear_args(k=True), r"arg k \(int\) of linear is True, not an int"),
     ("paged_decode_attention", attention_args(), r"missing \['scale'\]"),
+    ("paged_decode_attention", dict(attention_args(), softcap=float("inf"), scale=1.0),
+     r"arg softcap \(float\) of paged_decode_attention is inf, not a finite number"),
+    ("paged_decode_attention", dict(attention_args(), softcap="50", scale=1.0), r"arg softcap \(float\)"),
     ("index_select", dict(out=1, x=0, indices=2, width=16, col=-4), r"unknown \['col'\]"),
     ("rope_kv_write", dict(q_out=1, q=0, k=0, v=0, q_col=-4, k_col=8, v_col=16, row_width=24, cos=2, sin=3, cache=4,
                            slots=5, layer=0, heads=1, kv_heads=1, head_dim=8, q_norm=-1, k_norm=-1, norm_span=0,

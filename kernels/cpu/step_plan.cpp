@@ -192,6 +192,8 @@ void StepPlan::note(const Instr& in) {
     const std::vector<int64_t> meta{in.op, x.block_tables, x.seq_lens, x.query_start_loc};
     TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
                 "every attention of a plan must be of one kind and read the same block tables and lengths");
+    TORCH_CHECK(x.window >= 0 && x.window <= INT32_MAX && x.softcap >= 0 && std::isfinite(x.softcap),
+                "attention window ", x.window, " and softcap ", x.softcap, " must be 0 (off) or positive");
     attention_meta_ = meta;
   }
   if (in.op == kGenerated) check_generated(in);
@@ -237,7 +239,9 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     const at::Tensor& cache = *b.tensor_at[a[A::cache]];
     check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
     const at::Tensor& slots = *b.tensor_at[a[A::slots]];
-    TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::head_dim] / 2,
+    TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 32 == 0 && a[A::rotary_dim] <= a[A::head_dim],
+                "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not a multiple of 32 within head_dim");
+    TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::rotary_dim] / 2,
                 "slot_mapping and the RoPE tables need one row per token");
     const int64_t span = a[A::norm_span], d = a[A::head_dim];
     TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");

@@ -38,21 +38,29 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
   return {count * tid / team, count * (tid + 1) / team};
 }
 
+// A "float" arg (kernels/step_plan_isa.py): a double that travels as its IEEE-754 bits.
+inline double float_arg(int64_t bits) {
+  double x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 // The args the two attention instructions share, read by name (a decode has no query_start_loc: -1).
 struct AttentionArgs {
-  int64_t out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv_heads, head_dim;
+  int64_t out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv_heads, head_dim, window;
+  double softcap;
 };
 
 inline AttentionArgs attention_args(const Instr& in) {
   const auto& a = in.a;
   if (in.op == kPagedAttention) {
     namespace A = arg::paged_attention;
-    return {a[A::out], a[A::q], a[A::cache], a[A::block_tables], a[A::seq_lens], a[A::query_start_loc],
-            a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim]};
+    return {a[A::out],   a[A::q],     a[A::cache],    a[A::block_tables], a[A::seq_lens], a[A::query_start_loc],
+            a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim],     a[A::window],   float_arg(a[A::softcap])};
   }
   namespace A = arg::paged_decode_attention;
-  return {a[A::out], a[A::q],      a[A::cache], a[A::block_tables], a[A::seq_lens],
-          -1,        a[A::layer], a[A::heads], a[A::kv_heads],     a[A::head_dim]};
+  return {a[A::out],   a[A::q],     a[A::cache],    a[A::block_tables], a[A::seq_lens], -1,
+          a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim],     a[A::window],   float_arg(a[A::softcap])};
 }
 
 // A generated kernel's values: the first of them, how many inputs, and how many in all.
@@ -115,7 +123,8 @@ void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& s
   const llmc_cpu::Inputs<X, C> inputs{reinterpret_cast<const X*>(b.at[a.q]), reinterpret_cast<X*>(b.at[a.out]),
                                       k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
                                       tables.size(1), reinterpret_cast<const int32_t*>(b.at[a.seq_lens]),
-                                      b.qsl.data(), g, static_cast<float>(in.f)};
+                                      b.qsl.data(), g, static_cast<float>(in.f), a.window,
+                                      static_cast<float>(a.softcap)};
   const int64_t count = b.items.size();
   for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) {
     if (b.items[i].num_queries == 1)
@@ -175,9 +184,10 @@ void rope_kv_write(const Instr& in, const Bound& b, int64_t first, int64_t last,
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const at::Tensor& cache = *b.tensor_at[a[A::cache]];
-  const llmc_rows::KvLayout s{a[A::heads], a[A::kv_heads], a[A::head_dim], llmc_cpu::kBlock, cache.size(2)};
+  const llmc_rows::KvLayout s{a[A::heads],     a[A::kv_heads], a[A::head_dim],
+                              llmc_cpu::kBlock, cache.size(2),  a[A::rotary_dim]};
   C* k_cache = reinterpret_cast<C*>(b.at[a[A::cache]]) + a[A::layer] * cache.stride(0);
-  const int64_t width = a[A::row_width], half = s.head_dim / 2;
+  const int64_t width = a[A::row_width], half = s.rotary_dim / 2;
   const float* cos = reinterpret_cast<const float*>(b.at[a[A::cos]]);
   const float* sin = reinterpret_cast<const float*>(b.at[a[A::sin]]);
   const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[A::slots]]);
