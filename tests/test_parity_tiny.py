@@ -15,7 +15,7 @@ from llmc.runtime.model_runner import ModelRunner, build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
-from tiny_models import FAMILIES, NATIVE_PLANS, build_hf_model
+from tiny_models import FAMILIES, NATIVE_PLANS, build_hf_model, write_hf_folder
 from tolerances import tolerance
 
 PROMPT_LENS = (7, 1, 13)
@@ -196,3 +196,29 @@ def test_gemmas_norm_offset_dropped_fails_parity(tiny_family, tmp_path, monkeypa
     monkeypatch.undo()
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         assert_matches_transformers(model, broken, "reference")
+
+
+def test_phi3_longrope_uses_the_long_factors_for_every_token_of_a_longer_serving_context(tmp_path):
+    """A Phi-3 served past original_max_position_embeddings (16 of 256) rotates every token with the
+    long factors (compiler/ops/rope.py longrope_choice): it equals transformers wherever transformers
+    uses them too, a sequence longer than 16 in one call, prefill and decode past the switch; on a
+    short prompt, where transformers switches back to the short factors, it differs, as stated."""
+    model = build_hf_model("phi3", original_max_position_embeddings=16)
+    artifact = compile_model(write_hf_folder(model, tmp_path / "hf"), tmp_path / "art")
+    runner, blocks = new_runner(artifact)
+    tol = tolerance(torch.float32, model.config.intermediate_size, scale=4.0)
+    seven, _, thirteen = make_prompts(7)
+    long, short = Sequence(0, thirteen * 2, SamplingParams(max_tokens=4)), Sequence(1, seven, SamplingParams())
+    for s in (long, short):
+        blocks.allocate(s.seq_id, s.prompt_ids)
+        blocks.append(s.seq_id, s.num_tokens + 4)
+    got = run_all_positions(runner, blocks, [(long, 0, long.num_tokens)])
+    torch.testing.assert_close(got, hf_logits(model, long.prompt_ids), **tol)
+    long.num_computed = long.num_tokens
+    for token in (5, 6, 7):
+        long.output_ids.append(token)
+        step = build_step_inputs([Chunk(long, long.num_computed, long.num_tokens)], blocks)
+        torch.testing.assert_close(runner.run("decode", step)[0], hf_logits(model, long.all_ids)[-1], **tol)
+        long.num_computed = long.num_tokens
+    got = run_all_positions(runner, blocks, [(short, 0, short.num_tokens)])
+    assert (got - hf_logits(model, short.prompt_ids)).abs().max() > 10 * tol["atol"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmc.compiler.ops.rope import longrope_choice
+
 from ..blocks import CausalLM
 from ..config import ModelConfig
 from .family import LLAMA_GGUF_LAYER_NAMES, LLAMA_HF_LAYER_NAMES, Family
@@ -32,7 +34,6 @@ def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
     if partial != 1.0:
         fields["rotary_dim"] = int(fields["head_dim"] * partial)
     if fields["rope_scaling"] and fields["rope_scaling"].get("rope_type", fields["rope_scaling"].get("type")) == "longrope":
-        from llmc.compiler.ops.rope import longrope_choice
         original = fields["rope_scaling"].get("original_max_position_embeddings",
                                               raw.get("original_max_position_embeddings"))
         fields["rope_scaling"] = longrope_choice(fields["rope_scaling"], fields["max_position_embeddings"], original)
