@@ -64,19 +64,31 @@ def assert_attention_close(got, want, exact, dtype, context: int):
     assert err_got <= 2 * err_ref + 2.0**-8 * exact.abs().max().item(), (err_got, err_ref)
 
 
-def decode_case(lens, heads, kv_heads, head_dim, dtype, block_size=16, seed=0):
+def poison_before_windows(cache, tables, lens, chunks, window: int) -> None:
+    """NaN in the K/V rows (layer LAYER) before the window of each sequence's first query: keys
+    no query of the step may see, so a kernel must not read them."""
+    block_size = cache.shape[4]
+    for s, (n, chunk) in enumerate(zip(lens, chunks)):
+        for p in range(max(0, n - chunk - window + 1)):
+            cache[LAYER, :, tables[s, p // block_size], :, p % block_size] = float("nan")
+
+
+def decode_case(lens, heads, kv_heads, head_dim, dtype, block_size=16, seed=0, window=0, softcap=0.0):
     """Triton output, torch ref and float64 ref of one decode step (padding rows left out of the refs)."""
     cache, tables = poisoned_cache(lens, kv_heads, head_dim, dtype, block_size, seed)
+    if window:
+        poison_before_windows(cache, tables, lens, [1] * len(lens), window)
     q = random_queries(len(lens), heads * head_dim, dtype, seed + 1)
     seq_lens, scale = torch.tensor(lens, dtype=torch.int32, device=DEVICE), head_dim ** -0.5
+    options = dict(window=window, softcap=softcap)
     out = nan_like(q)
-    got = paged_decode_attention_triton(q, cache, tables, seq_lens, LAYER, scale, out=out)
+    got = paged_decode_attention_triton(q, cache, tables, seq_lens, LAYER, scale, out=out, **options)
     assert got is out
     live = seq_lens > 0
     clean = cache.nan_to_num(0.0)
-    want = paged_decode_attention_ref(q[live], clean, tables[live], seq_lens[live], LAYER, head_dim, scale)
+    want = paged_decode_attention_ref(q[live], clean, tables[live], seq_lens[live], LAYER, head_dim, scale, **options)
     exact = paged_decode_attention_ref(q[live].double(), clean.double(), tables[live], seq_lens[live], LAYER,
-                                       head_dim, scale)
+                                       head_dim, scale, **options)
     return got, want, exact
 
 
@@ -112,20 +124,24 @@ def test_decode_splits_come_from_shapes_and_cover_the_context():
     assert decode_splits(1, 8, 4096)[0] > 1
 
 
-def prefill_case(lens, chunks, heads, kv_heads, head_dim, dtype, block_size=16, seed=0, q_stride=0):
+def prefill_case(lens, chunks, heads, kv_heads, head_dim, dtype, block_size=16, seed=0, q_stride=0, window=0,
+                 softcap=0.0):
     """Triton output, torch ref and float64 ref of one mixed step; q_stride > H * D makes q a
     slice of a wider tensor (as of a fused QKV projection's output)."""
     cache, tables = poisoned_cache(lens, kv_heads, head_dim, dtype, block_size, seed)
+    if window:
+        poison_before_windows(cache, tables, lens, chunks, window)
+    options = dict(window=window, softcap=softcap)
     width = heads * head_dim
     q = random_queries(sum(chunks), max(q_stride, width), dtype, seed + 1)[:, :width]  # [T, H * D]
     seq_lens, scale = torch.tensor(lens, dtype=torch.int32, device=DEVICE), head_dim ** -0.5
     qsl = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
     out = nan_like(q)
-    got = paged_prefill_attention_triton(q, cache, tables, seq_lens, qsl, LAYER, scale, out=out)
+    got = paged_prefill_attention_triton(q, cache, tables, seq_lens, qsl, LAYER, scale, out=out, **options)
     assert got is out
     clean = cache.nan_to_num(0.0)
-    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, LAYER, head_dim, scale)
-    exact = paged_attention_ref(q.double(), clean.double(), tables, seq_lens, qsl, LAYER, head_dim, scale)
+    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, LAYER, head_dim, scale, **options)
+    exact = paged_attention_ref(q.double(), clean.double(), tables, seq_lens, qsl, LAYER, head_dim, scale, **options)
     return got, want, exact
 
 
@@ -149,6 +165,41 @@ def test_mixed_step_matches_ref(dtype, heads, kv_heads, head_dim):
 def test_prefill_shapes_match_ref(dtype, lens, chunks, block_size):
     got, want, exact = prefill_case(lens, chunks, 4, 2, 64, dtype, block_size, seed=sum(lens))
     assert_attention_close(got, want, exact, dtype, max(lens))
+
+
+# window 1 (itself), 16 (a block), 32 (a key tile), 50 (mid-block); a softcap that bites (scores
+# here are about N(0, 1)); keys before each first query's window are NaN (poison_before_windows)
+OPTIONS = [dict(window=1), dict(window=16), dict(window=32), dict(window=50), dict(softcap=0.8),
+           dict(window=50, softcap=0.8)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_decode_window_and_softcap_match_ref(dtype, options):
+    """Windows inside one split and across several (300 keys), and a padding row (seq_len 0)."""
+    lens = [1, 32, 37, 0, 300]
+    got, want, exact = decode_case(lens, 6, 2, 80, dtype, seed=31, **options)
+    assert got[3].eq(0).all()
+    assert_attention_close(got[[0, 1, 2, 4]], want, exact, dtype, max(lens))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+def test_prefill_window_and_softcap_match_ref(dtype, options):
+    """A 70-query prompt (two query blocks, windows ending mid-tile), a chunk over cached context,
+    decodes."""
+    lens, chunks = [70, 60, 9, 40], [70, 21, 1, 1]
+    got, want, exact = prefill_case(lens, chunks, 6, 2, 80, dtype, seed=32, **options)
+    assert_attention_close(got, want, exact, dtype, max(lens))
+
+
+@pytest.mark.parametrize("options", [{}, dict(window=40, softcap=0.8)], ids=str)
+def test_head_dim_256(options):
+    """Gemma's head_dim (D_PAD 256: half the query rows per prefill program)."""
+    got, want, exact = decode_case([1, 45, 130], 4, 2, 256, torch.float32, seed=33, **options)
+    assert_attention_close(got, want, exact, torch.float32, 130)
+    got, want, exact = prefill_case([45, 70, 3], [45, 33, 1], 4, 2, 256, torch.float32, seed=34, **options)
+    assert_attention_close(got, want, exact, torch.float32, 70)
 
 
 def test_strided_queries_and_outputs():
@@ -284,3 +335,46 @@ def test_decode_replays_in_a_cuda_graph():
     captured.replay()
     want = paged_decode_attention_ref(q, cache.nan_to_num(0.0), tables, seq_lens, LAYER, 64, 0.125)
     torch.testing.assert_close(out, want, **tolerance(torch.float16, 300))
+
+
+TEMPLATE_GRAPH = """graph g {{
+  %q = input() : f32[T,480]
+  %kv_cache = input() : f32[2,2,NB,2,16,80]
+  %block_tables = input() : i32[S,MB]
+  %seq_lens = input() : i32[S]
+{qsl}  %0 = {op}(%q, %kv_cache, %block_tables, %seq_lens{qsl_arg}, layer=1, num_heads=6, num_kv_heads=2, \
+head_dim=80, scale=0.1118, window=16, softcap=0.8) : f32[T,480]
+  return %0
+}}
+"""
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "paged_decode_attention"])
+def test_the_template_passes_window_and_softcap(op, tmp_path):
+    """compiler/codegen/templates.py writes a node's window and softcap into its launcher call."""
+    import importlib.util
+
+    from llmc.compiler.codegen import lower
+    from llmc.compiler.ir import parse_graph
+    from llmc.compiler.ops import OPS, Operands, verify
+    decode = op == "paged_decode_attention"
+    graph = parse_graph(TEMPLATE_GRAPH.format(op=op, qsl="" if decode else "  %qsl = input() : i32[S1]\n",
+                                              qsl_arg="" if decode else ", %qsl"))
+    verify(graph)
+    (name, source), = lower({"g": graph}).modules.items()
+    assert "window=16, softcap=0.8)" in source
+    (tmp_path / f"{name}.py").write_text(source)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lens, chunks = [40, 9, 70], [1, 1, 1] if decode else [3, 1, 70]
+    cache, tables = poisoned_cache(lens, 2, 80, torch.float32, 16, seed=35)
+    clean = cache.nan_to_num(0.0)
+    x = Operands(q=random_queries(sum(chunks), 480, torch.float32, 36), kv_cache=clean, block_tables=tables,
+                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+    if not decode:
+        x["query_start_loc"] = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32,
+                                            device=DEVICE)
+    got, = module.build(torch.device(DEVICE))(*x.values())
+    want = OPS[op].reference(x, graph.nodes[-1].attrs)               # the record's ref, with the node's attrs
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, 70))

@@ -173,6 +173,25 @@ def test_mixed_step_over_an_int8_cache_matches_ref(dtype, block_size):
     assert_attention_close(got, want, exact, dtype, max(lens))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_window_and_softcap_over_an_int8_cache_match_ref(dtype):
+    """A window of 16 (a block) and a softcap that bites, decode and a mixed step, int8 rows."""
+    lens, chunks, options = [9, 48, 1, 130], [1, 13, 1, 30], dict(window=16, softcap=0.8)
+    cache, tables = attention_cache(lens, 2, 80, 16, seed=3)
+    seq_lens, scale, clean = torch.tensor(lens, dtype=torch.int32, device=DEVICE), 80 ** -0.5, cleaned(cache)
+    q = queries(len(lens), 6 * 80, dtype, seed=4)
+    got = paged_decode_attention_triton(q, cache, tables, seq_lens, LAYER, scale, **options)
+    want = paged_decode_attention_ref(q, clean, tables, seq_lens, LAYER, 80, scale, **options)
+    exact = paged_decode_attention_ref(q.double(), clean, tables, seq_lens, LAYER, 80, scale, **options)
+    assert_attention_close(got, want, exact, dtype, 16)
+    q = queries(sum(chunks), 6 * 80, dtype, seed=5)
+    qsl = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    got = paged_prefill_attention_triton(q, cache, tables, seq_lens, qsl, LAYER, scale, **options)
+    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, LAYER, 80, scale, **options)
+    exact = paged_attention_ref(q.double(), clean, tables, seq_lens, qsl, LAYER, 80, scale, **options)
+    assert_attention_close(got, want, exact, dtype, 16)
+
+
 def test_attention_refuses_an_int8_cache_with_rows_not_four_aligned():
     cache = torch.zeros(2, 2, 4, 2, 16, 6 + KV_SCALE_BYTES, dtype=torch.int8, device=DEVICE)
     q = torch.zeros(2, 4 * 6, device=DEVICE)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node, TensorType, Value
 from llmc.compiler.ops import Operands, operands_of
+from llmc.compiler.ops.attention import ATTN_OPTIONS
 from llmc.compiler.ops.rope import rope_attention_factor
 
 from .errors import CodegenError
@@ -163,7 +164,8 @@ def _attention(unit: KernelUnit, node: Node) -> str:
     a, args = node.attrs, ", ".join(_named(unit, node).values())   # q, kv_cache, block_tables, seq_lens[, qsl]
     kind = "decode" if node.op == "paged_decode_attention" else "prefill"
     function = f"paged_{kind}_attention_triton"
-    call = f"{function}({args}, {a['layer']}, {a['scale']!r})"
+    options = "".join(f", {k}={a[k]!r}" for k in ATTN_OPTIONS if k in a)        # window, softcap: where set
+    call = f"{function}({args}, {a['layer']}, {a['scale']!r}{options})"
     return _module(unit, [f"from llmc.kernels.triton.paged_{kind}_attention import {function}"], [], call, ["result"])
 
 

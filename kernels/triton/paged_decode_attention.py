@@ -3,15 +3,17 @@
 
 Contract: kernels/triton/paged_kv.py (layouts, dtypes, limits); the meaning is
 `paged_decode_attention_ref`: sequence s's query (row s of q) attends to the seq_lens[s] keys of
-its blocks. A sequence with seq_len 0 (a padding row) reads no block and gets zeros.
+its blocks (with a window, the last `window` of them; softcap: paged_kv.py). A sequence with
+seq_len 0 (a padding row) reads no block and gets zeros.
 
 Tiling:
   stage 1  grid (S, KVH, splits). The G = H / KVH query heads sharing a KV head are the rows of
            one [BLOCK_G, D_PAD] tile (BLOCK_G = max(16, next_pow2(G)), padded rows masked), so one
            K/V tile load feeds a single tl.dot for the whole group. Split j covers key positions
-           [j * split_len, (j + 1) * split_len) of the sequence, in TILE-key steps, and writes its
-           unnormalised fp32 output, running max and exp-sum to a workspace (an empty split
-           writes acc 0, max -inf, sum 0).
+           [j * split_len, (j + 1) * split_len) of the sequence, in TILE-key steps from the
+           window's start where that lies inside it, and writes its unnormalised fp32 output,
+           running max and exp-sum to a workspace (an empty split, or one wholly before the
+           window, reads nothing and writes acc 0, max -inf, sum 0).
   stage 2  grid (S, H): rescales each split by exp2(max_j - max), sums, divides by the total
            exp-sum (0 for an empty sequence: divides by 1 instead and writes zeros).
 Split rule (`decode_splits`), from shapes only so nothing syncs with the device and the launch
@@ -28,7 +30,8 @@ import triton
 import triton.language as tl
 
 from llmc.kernels.attention import paged_decode_attention_ref
-from llmc.kernels.triton.paged_kv import check_paged_inputs, load_kv_tile, online_softmax_step, qk_scale
+from llmc.kernels.triton.paged_kv import (check_options, check_paged_inputs, load_kv_tile, online_softmax_step,
+                                          qk_scale, window_start)
 
 __all__ = ["paged_decode_attention_ref", "paged_decode_attention_triton", "decode_splits"]
 
@@ -58,9 +61,9 @@ def _decode_split_kernel(
     part_acc_ptr,     # [S, H, splits, D_PAD] fp32 out: unnormalised sum of p * v per split
     part_max_ptr,     # [S, H, splits] fp32 out: the split's max score (log2 domain)
     part_sum_ptr,     # [S, H, splits] fp32 out: sum of exp2(score - max) over the split
-    qk_scale, split_len, stride_q, stride_table, stride_block, stride_head, stride_offset,
+    qk_scale, window, softcap_log2, split_len, stride_q, stride_table, stride_block, stride_head, stride_offset,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr,
+    D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = GROUP * tl.num_programs(1), tl.num_programs(2)
@@ -71,8 +74,8 @@ def _decode_split_kernel(
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)                 # [BLOCK_G, D_PAD]
 
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)                               # int32 or int64 in memory
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    start = tl.maximum(split * split_len, window_start(seq_len - 1, window))      # keys before: not read
+    end = tl.minimum(split * split_len + split_len, seq_len)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     k_head, v_head = k_cache_ptr + kv_head * stride_head, v_cache_ptr + kv_head * stride_head
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -84,7 +87,7 @@ def _decode_split_kernel(
         k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
                             stride_offset, BLOCK_SIZE, HEAD_DIM, KV_INT8)
         k, v = k.to(q.dtype), v.to(q.dtype)                                           # no-op for a float cache
-        m, l, acc = online_softmax_step(q, k, v, key_mask[None, :], m, l, acc, qk_scale)
+        m, l, acc = online_softmax_step(q, k, v, key_mask[None, :], m, l, acc, qk_scale, softcap_log2, SOFTCAP)
 
     part = (seq * num_heads + heads) * num_splits + split                            # [BLOCK_G]
     tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
@@ -118,9 +121,11 @@ def _decode_merge_kernel(
 
 def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                   seq_lens: torch.Tensor, layer: int, scale: float,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, *, window: int = 0,
+                                  softcap: float = 0.0) -> torch.Tensor:
     """paged_decode_attention_ref's result [S, H * D] in q's dtype, written into `out` if given."""
     shape = check_paged_inputs(q, kv_cache, block_tables, seq_lens, layer, out)
+    window, softcap_log2 = check_options(window, softcap)
     if q.shape[0] != shape.num_seqs:
         raise ValueError(f"decode takes one query per sequence: q has {q.shape[0]} rows, block_tables "
                          f"{shape.num_seqs}")
@@ -135,11 +140,11 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]                       # [NB, KVH, BS, D]
     _decode_split_kernel[(shape.num_seqs, shape.kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
-        qk_scale(scale), split_len, q.stride(0), block_tables.stride(0),
+        qk_scale(scale), window, softcap_log2, split_len, q.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
         BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad, TILE=TILE,
-        KV_INT8=kv_cache.dtype == torch.int8)
+        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0)
     _decode_merge_kernel[(shape.num_seqs, shape.heads)](
         part_acc, part_max, part_sum, out, num_splits, out.stride(0),
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))

@@ -19,6 +19,11 @@ its own (block_tables[s, pos // BS], slot pos % BS), so TILE is independent of B
 masks. Scores live in the log2 domain (scaled by scale * log2(e)) and are softmaxed in fp32.
 Both tl.dots take input_precision="ieee": exact for an fp32 cache (no tf32 rounding; on a GPU that
 means FMA rather than tensor cores), no effect on fp16/bf16.
+Window and softcap (the refs' meaning, compiler/ops/attention.py): `window` 0 or a query at
+position p sees keys p - window < j <= p only (the launchers skip the tiles before it);
+`softcap` 0 or the scores become softcap * tanh(score / softcap) before the mask, computed in the
+log2 domain as C * tanh(s / C) with C = softcap * log2(e) (`softcap_log2`). head_dim up to 256
+(any D; D_PAD a power of two).
 """
 
 from __future__ import annotations
@@ -85,13 +90,41 @@ def load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stri
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m, l, acc, qk_scale):
+def tanh(x):
+    """tanh in fp32, relative error ~3e-7 everywhere (Eigen's rational approximation; tl has no
+    tanh in every Triton version, and 2 * sigmoid(2x) - 1 loses all relative accuracy near 0)."""
+    x = tl.minimum(tl.maximum(x, -7.90531110763549805), 7.90531110763549805)
+    x2 = x * x
+    p = x2 * -2.76076847742355e-16 + 2.00018790482477e-13
+    p = p * x2 + -8.60467152213735e-11
+    p = p * x2 + 5.12229709037114e-08
+    p = p * x2 + 1.48572235717979e-05
+    p = p * x2 + 6.37261928875436e-04
+    p = p * x2 + 4.89352455891786e-03
+    q = x2 * 1.19825839466702e-06 + 1.18534705686654e-04
+    q = q * x2 + 2.26843463243900e-03
+    q = q * x2 + 4.89352518554385e-03
+    return p * x / q
+
+
+@triton.jit
+def window_start(position, window):
+    """The first key a query at `position` sees: position - window + 1 (not below 0), or 0 where
+    window is 0 (off)."""
+    return tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
     """Fold one K/V tile into the running max `m` [M], sum `l` [M] and output `acc` [M, D_PAD].
 
-    q [M, D_PAD], k/v [TILE, D_PAD] in the cache dtype; visible [M, TILE] (False = masked out).
+    q [M, D_PAD], k/v [TILE, D_PAD] in the cache dtype; visible [M, TILE] (False = masked out);
+    SOFTCAP: the scores (log2 domain) become softcap_log2 * tanh(scores / softcap_log2) first.
     A row that has seen no visible key keeps m = -inf, l = 0, acc = 0 (no NaN).
     """
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale    # [M, TILE] fp32, log2 domain
+    if SOFTCAP:
+        scores = softcap_log2 * tanh(scores / softcap_log2)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -155,3 +188,12 @@ def qk_scale(scale: float) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number; got {scale}")
     return float(scale) * LOG2E
+
+
+def check_options(window: int, softcap: float) -> tuple[int, float]:
+    """(window, softcap in the log2 domain) for a launch; ValueError names a bad one."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window < 2**31:
+        raise ValueError(f"window must be an int >= 0 (0 = off); got {window!r}")
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap!r}")
+    return window, float(softcap) * LOG2E

@@ -4,9 +4,10 @@ context already in the cache) and decode tokens of several sequences in one laun
 Contract: kernels/triton/paged_kv.py (layouts, dtypes, limits), plus
   query_start_loc [S + 1] int32/int64: sequence s owns query rows qsl[s] .. qsl[s+1]-1, its last
   n = qsl[s+1] - qsl[s] tokens, so query i sits at position seq_len - n + i and sees the keys at
-  positions <= its own. All K/V, this step's included, are already in the cache. qsl[S] = T and
-  n <= seq_len are the caller's to keep (checking them would need a host sync).
-The meaning is `paged_attention_ref`.
+  positions <= its own (and, with a window, > its own - window). All K/V, this step's included,
+  are already in the cache. qsl[S] = T and n <= seq_len are the caller's to keep (checking them
+  would need a host sync).
+The meaning is `paged_attention_ref` (window and softcap too: paged_kv.py).
 
 Tiling (vLLM's unified attention): grid (T // BLOCK_Q + S, KVH). A program takes BLOCK_Q
 queries of one sequence times the G = H / KVH heads sharing a KV head: row r of its
@@ -15,8 +16,9 @@ BLOCK_Q * G_PAD = max(ROWS, G_PAD)), so one K/V tile load feeds a tl.dot for the
 Sequence s's query blocks are numbered from qsl[s] // BLOCK_Q + s, which bounds the total by
 T // BLOCK_Q + S from shapes alone; a program finds its sequence by binary search over
 query_start_loc and returns if its block is past the sequence's queries. Keys are visited in
-TILE steps up to the block's last query position (causal tiles beyond it are skipped), with an
-online softmax in fp32.
+TILE steps from the tile holding the block's first query's window start (0 without a window) up
+to the block's last query position (causal tiles beyond it are skipped), with an online softmax
+in fp32. ROWS halves for D_PAD 256 (Gemma), so a program's fp32 accumulator stays [64, 128]-sized.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import triton
 import triton.language as tl
 
 from llmc.kernels.attention import paged_attention_ref
-from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, check_paged_inputs, load_kv_tile,
-                                          online_softmax_step, qk_scale)
+from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, check_options, check_paged_inputs,
+                                          load_kv_tile, online_softmax_step, qk_scale, window_start)
 
 __all__ = ["paged_attention_ref", "paged_prefill_attention_triton"]
 
@@ -59,9 +61,11 @@ def _prefill_kernel(
     seq_lens_ptr,     # [S] keys of each sequence, this step's included
     query_start_loc_ptr,  # [S + 1] first query row of each sequence
     out_ptr,          # [T, H * D] out, q's dtype (row stride stride_out)
-    num_seqs, qk_scale, stride_q, stride_out, stride_table, stride_block, stride_head, stride_offset,
+    num_seqs, qk_scale, window, softcap_log2, stride_q, stride_out, stride_table, stride_block, stride_head,
+    stride_offset,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     q_block, kv_head = tl.program_id(0), tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q)
@@ -84,28 +88,33 @@ def _prefill_kernel(
     end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len))
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     k_head, v_head = k_cache_ptr + kv_head * stride_head, v_cache_ptr + kv_head * stride_head
+    lowest = tl.where(window > 0, positions - window, -1)                          # [BLOCK_M] keys <= it: hidden
+    first_key = window_start(seq_len - q_len + local_block * BLOCK_Q, window)        # keys before: not read
+    start = first_key // TILE * TILE
     m = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
-    for tile_start in range(0, end, TILE):
+    for tile_start in range(start, end, TILE):
         keys = tile_start + tl.arange(0, TILE)                                        # [TILE]
-        key_mask = keys < end
+        key_mask = (keys < end) & (keys >= first_key)
         k, v = load_kv_tile(table_row, k_head, v_head, keys, key_mask, offs_d, d_mask, stride_block,  # [TILE, D_PAD]
                             stride_offset, BLOCK_SIZE, HEAD_DIM, KV_INT8)
         k, v = k.to(q.dtype), v.to(q.dtype)                                           # no-op for a float cache
-        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])           # [BLOCK_M, TILE]
-        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, qk_scale)
+        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None]) & (keys[None, :] > lowest[:, None])
+        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, qk_scale, softcap_log2, SOFTCAP)
 
-    o = acc / tl.where(l == 0.0, 1.0, l)[:, None]                                     # key 0 is seen by every row
+    o = acc / tl.where(l == 0.0, 1.0, l)[:, None]                                     # each row sees its own key
     tl.store(out_ptr + tokens[:, None] * stride_out + heads[:, None] * HEAD_DIM + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, layer: int,
-                                   scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                                   scale: float, out: torch.Tensor | None = None, *, window: int = 0,
+                                   softcap: float = 0.0) -> torch.Tensor:
     """paged_attention_ref's result [T, H * D] in q's dtype, written into `out` if given."""
     shape = check_paged_inputs(q, kv_cache, block_tables, seq_lens, layer, out)
+    window, softcap_log2 = check_options(window, softcap)
     if query_start_loc.shape != (shape.num_seqs + 1,) or query_start_loc.dtype not in INDEX_DTYPES:
         raise ValueError(f"query_start_loc must be [{shape.num_seqs + 1}] int32/int64; got "
                          f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
@@ -114,13 +123,14 @@ def paged_prefill_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, bloc
     if q.shape[0] == 0 or shape.num_seqs == 0:
         return out
     group_padded = triton.next_power_of_2(shape.group)
-    block_q = max(ROWS, group_padded) // group_padded
+    rows = ROWS if shape.head_dim_padded <= 128 else ROWS // 2
+    block_q = max(rows, group_padded) // group_padded
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]                       # [NB, KVH, BS, D]
     _prefill_kernel[(q.shape[0] // block_q + shape.num_seqs, shape.kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        shape.num_seqs, qk_scale(scale), q.stride(0), out.stride(0), block_tables.stride(0),
+        shape.num_seqs, qk_scale(scale), window, softcap_log2, q.stride(0), out.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size, G_PAD=group_padded,
         BLOCK_Q=block_q, D_PAD=shape.head_dim_padded, TILE=TILE,
-        KV_INT8=kv_cache.dtype == torch.int8)
+        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0)
     return out
