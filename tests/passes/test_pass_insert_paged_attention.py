@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from llmc.passes.insert_paged_attention import insert_paged_attention
@@ -34,3 +36,17 @@ def test_a_graph_without_attention_is_left_alone():
     graph = ir(NO_ATTENTION)
     after, ctx = run_pass(insert_paged_attention, graph)
     assert str(after) == str(graph) and hits(ctx) == 0
+
+
+@pytest.mark.parametrize("entry, paged", [("prefill", "paged_attention"), ("decode", "paged_decode_attention")])
+def test_window_and_softcap_are_carried(entry, paged):
+    """The optional attrs of a windowed, soft-capped attention (Gemma's) reach the paged op; the
+    numbers from an empty cache stay the cache-less attention's."""
+    graph, weights = traced_before("insert_paged_attention", entry)
+    options = "window=3, softcap=0.5"
+    graph = ir(re.sub(r"(= attention\(.*?)\)( :)", rf"\1, {options})\2", str(graph)))
+    assert str(graph).count(options) == TINY.num_layers
+    after, ctx = run_pass(insert_paged_attention, graph)
+    assert hits(ctx) == TINY.num_layers
+    assert len(re.findall(rf"= {paged}\(.*, {options}\) :", str(after))) == TINY.num_layers
+    assert_same_numbers(graph, after, weights, steps_for(graph))
