@@ -108,8 +108,10 @@ def _fn_head_rmsnorm(b, x, w, eps, head_dim):
     return b.op("head_rmsnorm", [x, w], eps=float(eps), head_dim=head_dim)
 
 
-def _fn_rope(b, x, pos, head_dim, theta, scaling):
-    return b.op("rope", [x, pos], head_dim=head_dim, theta=float(theta), scaling=scaling)
+def _fn_rope(b, x, pos, head_dim, theta, scaling, rotary_dim=None):
+    # rotary_dim is an optional attr (partial rotary): written only when it is not head_dim
+    partial = {"rotary_dim": int(rotary_dim)} if rotary_dim is not None and rotary_dim != head_dim else {}
+    return b.op("rope", [x, pos], head_dim=head_dim, theta=float(theta), scaling=scaling, **partial)
 
 
 def _fn_attention(b, q, k, v, qsl, num_heads, num_kv_heads, head_dim, scale, window=0, softcap=0.0):

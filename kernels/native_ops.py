@@ -62,7 +62,7 @@ def native_op_impls() -> dict[str, OpImpl]:
 
     def rope_kv_write(x, a):
         q, k, v = qkv_columns(x, a)
-        if not native_rope_kv_write_fits(x.kv_cache, q.dtype, a["head_dim"]):
+        if not native_rope_kv_write_fits(x.kv_cache, q.dtype, a["head_dim"], a.get("rotary_dim")):
             return OPS["rope_kv_write"].reference(x, a)
         norm = {"qk_norm": a["qk_norm"], "norm_eps": a["norm_eps"]} if a.get("qk_norm") else {}
         return run_rope_kv_write(q, k, v, x.positions, x.kv_cache, x.slot_mapping, a["layer"], tables_for(a),

@@ -29,11 +29,12 @@ class RopeTables:
     @staticmethod
     def key(attrs: dict[str, Any]) -> tuple:
         scaling = attrs["scaling"] and json.dumps(attrs["scaling"], sort_keys=True)   # a dict: keyed by its text
-        return attrs["head_dim"], attrs["theta"], scaling
+        return attrs.get("rotary_dim", attrs["head_dim"]), attrs["theta"], scaling
 
     @classmethod
     def for_attrs(cls, attrs: dict[str, Any]) -> "RopeTables":
-        return cls(attrs["head_dim"], attrs["theta"], attrs["scaling"])
+        """The tables of a rope_kv_write: [T, rotary_dim/2] (rotary_dim: head_dim unless partial)."""
+        return cls(attrs.get("rotary_dim", attrs["head_dim"]), attrs["theta"], attrs["scaling"])
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)

@@ -34,8 +34,8 @@ def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_head
 
 
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                      theta: float, scaling: dict[str, Any] | None, qk_norm: str = "",
-                      norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      theta: float, scaling: dict[str, Any] | None, qk_norm: str = "", norm_eps: float = 0.0,
+                      rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op record's reference (compiler/ops/rope.py) in the launchers' signature: `tensors` is
     (qkv, positions, cache, slots) or (q, k, v, positions, cache, slots), then q_norm, k_norm
     where `qk_norm` says."""
@@ -43,15 +43,18 @@ def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
                                                                        qk_norm)
     q_norm, k_norm = norms or (None, None)
     return _ref(q, k, v, positions, kv_cache, slot_mapping, layer=layer, head_dim=head_dim, theta=theta,
-                scaling=scaling, q_norm=q_norm, k_norm=k_norm, qk_norm=qk_norm, norm_eps=norm_eps)
+                scaling=scaling, q_norm=q_norm, k_norm=k_norm, qk_norm=qk_norm, norm_eps=norm_eps,
+                rotary_dim=rotary_dim)
 
 
-def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:
+def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_dim: int,
+                              rotary_dim: int | None = None) -> bool:
     """Whether kernels/cpu/rope_kv_write.cpp takes this cache with q, k, v of `dtype` and heads of
     `head_dim` (else use rope_kv_write_ref): f32 or bf16 inputs, a cache of their dtype or int8
-    whose rows hold head_dim, a multiple of 32."""
+    whose rows hold head_dim, a multiple of 32 (a partial rotary's rotary dim: any even one)."""
     return (kv_cache.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and kv_cache.dtype in (dtype, torch.int8) and head_dim % 32 == 0 and cache_head_dim(kv_cache) == head_dim)
+            and kv_cache.dtype in (dtype, torch.int8) and head_dim % 32 == 0 and cache_head_dim(kv_cache) == head_dim
+            and (rotary_dim or head_dim) % 2 == 0)
 
 
 def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -63,9 +66,10 @@ def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     a code can differ from the ref's by 1 where that rounding crosses a rounding boundary."""
     q, k, v, positions, kv_cache, slot_mapping, *norms = unpack_inputs(tensors, num_heads, num_kv_heads, head_dim,
                                                                        qk_norm)
-    if not native_rope_kv_write_fits(kv_cache, q.dtype, head_dim):
+    if not native_rope_kv_write_fits(kv_cache, q.dtype, head_dim, 2 * tables.inv_freq.numel()):
         raise ValueError(f"native rope_kv_write takes f32/bf16 q with a cache of its dtype or int8, head_dim a "
-                         f"multiple of 32; got q {q.dtype}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+                         f"multiple of 32 (an even rotary dim); got q {q.dtype}, cache {kv_cache.dtype} "
+                         f"{tuple(kv_cache.shape)}, rotary dim {2 * tables.inv_freq.numel()}")
     return run_rope_kv_write(q, k, v, positions, kv_cache, slot_mapping, layer, tables, *norms, qk_norm=qk_norm,
                              norm_eps=norm_eps)
 

@@ -9,7 +9,8 @@ Produces: `rope_kv_write(q, k, v, pos, cache, slots) -> (roped q, cache)`, or wi
   the split) are left for dce. Where q and k are each normed before their rope by a
   `head_rmsnorm` (Qwen3, Gemma 3) or an `rmsnorm` over the row (OLMo-2) of one kind and eps,
   whose result only that rope reads, the norms are absorbed too: attrs qk_norm="head"|"all" and
-  norm_eps, operands q_norm and k_norm (their weights); q and k are then the norms' inputs.
+  norm_eps, operands q_norm and k_norm (their weights); q and k are then the norms' inputs. A
+  partial rotary's rotary_dim (both ropes alike) is carried over.
 Requires: insert_paged_attention. Preserves: numerics exactly.
 """
 
@@ -21,7 +22,7 @@ from llmc.compiler.ops import operands_of
 from .rewrite import PassContext, RewriteState, rewrite
 
 PAGED = ("paged_attention", "paged_decode_attention")
-ROPE_ATTRS = ("head_dim", "theta", "scaling")
+ROPE_ATTRS = ("head_dim", "theta", "scaling", "rotary_dim")     # rotary_dim optional (partial rotary)
 QK_NORMS = {"head_rmsnorm": "head", "rmsnorm": "all"}
 
 
@@ -53,7 +54,7 @@ def _query_rope(kv_write: Node, k_rope: Node, state: RewriteState) -> tuple[Node
     q_rope = state.producer(readers[0].inputs[0])
     if q_rope.op != "rope" or q_rope.inputs[1] != k_rope.inputs[1]:
         return None
-    if any(q_rope.attrs[a] != k_rope.attrs[a] for a in ROPE_ATTRS) or not state.has(q_rope.inputs[0]):
+    if any(q_rope.attrs.get(a) != k_rope.attrs.get(a) for a in ROPE_ATTRS) or not state.has(q_rope.inputs[0]):
         return None
     return readers[0], q_rope
 
@@ -84,8 +85,9 @@ def fuse_rope_into_kv_write(node: Node, state: RewriteState):
     positions = k_rope.inputs[1]
     packed = _packed_qkv(q, k_in, v, state)
     tensors = [packed] if packed is not None else [q, k_in, v]
+    rope_attrs = {a: k_rope.attrs[a] for a in ROPE_ATTRS if a in k_rope.attrs}
     attrs = {"layer": node.attrs["layer"], "num_heads": attention.attrs["num_heads"],
-             "num_kv_heads": node.attrs["num_kv_heads"], **{a: k_rope.attrs[a] for a in ROPE_ATTRS}, **norm_attrs}
+             "num_kv_heads": node.attrs["num_kv_heads"], **rope_attrs, **norm_attrs}
     inputs = (*tensors, positions, cache, slots, *norm_weights)
     fused = state.emit("rope_kv_write", [state.get(x) for x in inputs], **attrs)
     state.replace(q_rope.value(), fused.value(0))

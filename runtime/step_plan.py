@@ -284,9 +284,7 @@ def _lower_rope_kv_write(lo: _Lowering, node: Node) -> Encoded:
         lo.rope[key] = (RopeTables.for_attrs(a), lo.plan.input(first, like), lo.plan.input(first + 1, like))
     _, cos, sin = lo.rope[key]
     cache_id = _cache(lo, node, cache, d, 32)
-    rotary = a.get("rotary_dim", d)
-    if rotary % 32:
-        raise NotPlannable(f"{node.name} (rope_kv_write) turns {rotary} values a head, not a multiple of 32")
+    rotary = a.get("rotary_dim", d)                       # even (the op's type rule)
     lo.ids[node.value(1)] = cache_id                       # the cache written in place
     return encode("rope_kv_write", q_out=lo.result(node), q=source, k=source, v=source, q_col=0, k_col=heads * d,
                   v_col=(heads + kv_heads) * d, row_width=width, cos=cos, sin=sin, cache=cache_id,

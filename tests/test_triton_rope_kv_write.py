@@ -58,7 +58,7 @@ def make_case(tokens_of: tuple, heads, kv_heads, head_dim, dtype, packed, seed=0
     index_dtype = torch.int64 if packed else torch.int32
     cache = torch.full((LAYERS, 2, num_blocks, kv_heads, BS, head_dim), float("nan"), dtype=dtype)
     ours = [*parts, positions.to(index_dtype), cache, slots.to(index_dtype)]
-    ref = [*(x.float() for x in parts), positions, cache.float(), slots]
+    ref = [*(x.float() for x in parts), positions, cache.clone().float(), slots]   # its own cache, f32 too
     return [t.to(DEVICE) for t in ours], ref
 
 

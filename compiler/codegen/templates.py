@@ -150,8 +150,10 @@ def _split_views(unit: KernelUnit, split: Node) -> list[str]:
 def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
     a = node.attrs
     args = ", ".join(_named(unit, node).values())    # (qkv | q, k, v), positions, kv_cache, slot_mapping[, norms]
-    prelude = [f"inv_freq = rope_inv_freq({a['head_dim']}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
+    rotary = a.get("rotary_dim", a["head_dim"])           # the values of a head that turn (partial rotary)
+    prelude = [f"inv_freq = rope_inv_freq({rotary}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
     norms = f", qk_norm={a['qk_norm']!r}, norm_eps={a['norm_eps']!r}" if a.get("qk_norm") else ""
+    norms += f", rotary_dim={rotary}" if "rotary_dim" in a else ""
     call = (f"rope_kv_write_triton({args}, layer={a['layer']}, num_heads={a['num_heads']}, "
             f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq, "
             f"attention_factor={rope_attention_factor(a['scaling'])!r}{norms})")

@@ -7,6 +7,9 @@ layout, not GPT-J's interleaved one). Frequencies come from `theta` and an optio
 `rope_scaling` dict: `linear` (positions divided by factor), `llama3` (long wavelengths scaled,
 short kept, a smooth band between) or `longrope` (Phi-3: each frequency divided by its own factor,
 cos and sin times an attention factor; see `longrope_choice`). cos/sin are computed in fp32.
+Partial rotary (Phi-4-mini's partial_rotary_factor; optional attr `rotary_dim`, absent = head_dim,
+even): only each head's first rotary_dim values turn (rotate-half over them, frequencies over
+rotary_dim), the rest pass through, as transformers' apply_rotary_pos_emb.
 
 rope_kv_write may norm q and k before the rotation (attr `qk_norm`, absent or "" for none): "head"
 normalizes each head over its head_dim values with weights q_norm, k_norm [head_dim] (Qwen3,
@@ -103,7 +106,11 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float,
-             scaling: dict[str, Any] | None) -> torch.Tensor:
+             scaling: dict[str, Any] | None, rotary_dim: int | None = None) -> torch.Tensor:
+    if rotary_dim is not None and rotary_dim != head_dim:
+        heads = x.view(x.shape[0], -1, head_dim)                      # [T, H, D]
+        turned = rope_ref(heads[..., :rotary_dim].reshape(x.shape[0], -1), positions, rotary_dim, theta, scaling)
+        return torch.cat((turned.view(x.shape[0], -1, rotary_dim), heads[..., rotary_dim:]), -1).reshape(x.shape)
     acc = torch.promote_types(x.dtype, torch.float32)                 # float64 stays float64
     inv_freq = rope_inv_freq(head_dim, theta, scaling).to(x.device, acc)
     freqs = positions.to(acc)[:, None] * inv_freq[None, :]            # [T, D/2]
@@ -129,14 +136,15 @@ def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: fl
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, layer: int, head_dim: int, theta: float,
                       scaling: dict[str, Any] | None, q_norm: torch.Tensor | None = None,
-                      k_norm: torch.Tensor | None = None, qk_norm: str = "",
-                      norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      k_norm: torch.Tensor | None = None, qk_norm: str = "", norm_eps: float = 0.0,
+                      rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q), the cache with rope(k) and v stored at the tokens' slots of `layer`); with
-    `qk_norm`, q and k are normed (weights q_norm, k_norm) before their rotation."""
+    `qk_norm`, q and k are normed (weights q_norm, k_norm) before their rotation; with
+    `rotary_dim`, only each head's first rotary_dim values turn."""
     q = qk_norm_ref(q, q_norm, qk_norm, norm_eps, head_dim)
     k = qk_norm_ref(k, k_norm, qk_norm, norm_eps, head_dim)
-    q = rope_ref(q, positions, head_dim, theta, scaling)
-    k = rope_ref(k, positions, head_dim, theta, scaling)
+    q = rope_ref(q, positions, head_dim, theta, scaling, rotary_dim)
+    k = rope_ref(k, positions, head_dim, theta, scaling, rotary_dim)
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
 
 
@@ -148,7 +156,18 @@ def qkv_columns(x: Operands, attrs: dict) -> tuple:
     return tuple(x.qkv.split([q_width, kv_width, kv_width], dim=-1))
 
 
+def rotary_dim(attrs: dict) -> int:
+    """The values of each head that turn: attr rotary_dim, or all head_dim of them."""
+    return attrs.get("rotary_dim", attrs["head_dim"])
+
+
+def _check_rotary_dim(attrs: dict) -> None:
+    r, d = rotary_dim(attrs), attrs["head_dim"]
+    expect(isinstance(r, int) and 0 < r <= d and r % 2 == 0, f"rotary_dim={r} is not even and within head_dim={d}")
+
+
 def _rope_types(ts: Operands, attrs: dict):
+    _check_rotary_dim(attrs)
     x, pos = ts.x, ts.positions
     float_(x, "rope input")
     index_tensor(pos, "rope positions")
@@ -173,6 +192,7 @@ def _rope_kv_write_types(ts: Operands, attrs: dict):
     expect(ts.positions.shape[0] == q.shape[0], f"rope positions {ts.positions} do not match tokens of {q}")
     check_cache(ts.kv_cache, attrs)
     _qk_norm_types(ts, attrs, q)
+    _check_rotary_dim(attrs)
     return (q, ts.kv_cache)
 
 
@@ -200,7 +220,7 @@ def _rope_kv_write(x: Operands, a: dict):
     return rope_kv_write_ref(q, k, v, x.positions, x.kv_cache, x.slot_mapping, layer=a["layer"],
                              head_dim=a["head_dim"], theta=a["theta"], scaling=a["scaling"],
                              q_norm=x.get("q_norm"), k_norm=x.get("k_norm"), qk_norm=a.get("qk_norm", ""),
-                             norm_eps=a.get("norm_eps", 0.0))
+                             norm_eps=a.get("norm_eps", 0.0), rotary_dim=a.get("rotary_dim"))
 
 
 # present when attr qk_norm is "head" or "all" (optional attrs qk_norm and norm_eps: old graphs have none)
@@ -210,7 +230,8 @@ _UNFUSED = "RoPE outside rope_kv_write; keep the fuse_rope_kv_write pass"
 RECORDS = [
     OpRecord("rope", (operands("x", "positions"),), ("head_dim", "theta", "scaling"), _rope_types, "rowwise",
              "rotary embedding (rotate-half layout) of every head of x at positions",
-             reference=lambda x, a: rope_ref(x.x, x.positions, a["head_dim"], a["theta"], a["scaling"]),
+             reference=lambda x, a: rope_ref(x.x, x.positions, a["head_dim"], a["theta"], a["scaling"],
+                                             a.get("rotary_dim")),
              backends={"native": Lowered("the torch reference"), "step_plan": Declined(_UNFUSED),
                        "triton": Declined(_UNFUSED)}),
     OpRecord("rope_kv_write", ((*operands("qkv", "positions", "kv_cache", "slot_mapping"), *_NORMS),

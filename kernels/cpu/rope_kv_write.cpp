@@ -3,7 +3,9 @@
 // Contract (the meaning of kernels/rope_kv_write.py's rope_kv_write_ref):
 //   q [T, H*D], k and v [T, KVH*D]  f32 or bf16, rows contiguous (any row stride: the q/k/v
 //                                   column ranges of a merged QKV GEMM's output are views)
-//   cos, sin      [T, D/2] f32, contiguous: the rotation angles of each token's position
+//   cos, sin      [T, R/2] f32, contiguous: the rotation angles of each token's position; R, the
+//                 rotary dim, is D but for a partial rotary (only each head's first R values
+//                 turn, the rest are copied), any even R
 //   kv_cache      [L, 2, NB, KVH, BS, D] of q's dtype, or int8 [L, 2, NB, KVH, BS, D + 4]
 //                 (each row D codes and its fp32 scale, kernels/quant.py), contiguous
 //   slot_mapping  [T] int64: block * BS + offset of each token; negative = padding, skipped
@@ -43,7 +45,7 @@ template <typename T, typename C>
 void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor& cache, const at::Tensor& slots, int64_t layer,
                  at::Tensor& q_out, const KvLayout& s, const NormArgs& n) {
-  const int64_t d = s.head_dim, half = d / 2;
+  const int64_t half = s.rotary_dim / 2, d = s.head_dim;
   C* k_cache = cache.data_ptr<C>() + layer * cache.stride(0);
   C* v_cache = k_cache + cache.stride(1);
   llmc_rows::QkNorm<T> norm;
@@ -79,7 +81,7 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   const int64_t d = kv_cache.size(5) - (int8 ? llmc_cpu::kScaleBytes : 0);
   TORCH_CHECK(d > 0 && d % 32 == 0, "head_dim ", d, " is not a positive multiple of 32");
-  const KvLayout s{q.size(1) / d, kv_cache.size(3), d, kv_cache.size(4), kv_cache.size(2)};
+  const KvLayout s{q.size(1) / d, kv_cache.size(3), d, kv_cache.size(4), kv_cache.size(2), 2 * cos.size(1)};
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be f32 or bf16, not ",
               q.scalar_type());
   TORCH_CHECK(int8 || kv_cache.scalar_type() == q.scalar_type(), "the cache must be int8 or q's dtype ",
@@ -90,8 +92,9 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(k.size(1) == s.kv_heads * s.head_dim && v.size(1) == k.size(1) && q.size(1) % s.head_dim == 0,
               "q, k, v widths do not match the cache's heads");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.sizes() == sin.sizes() && cos.size(0) == q.size(0) && cos.size(1) == s.head_dim / 2,
-              "cos and sin must be contiguous f32 [T, head_dim/2]");
+                  cos.sizes() == sin.sizes() && cos.size(0) == q.size(0) && s.rotary_dim <= s.head_dim &&
+                  cos.size(1) > 0,
+              "cos and sin must be contiguous f32 [T, R/2], R at most head_dim");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                   slot_mapping.numel() == q.size(0), "slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "layer ", layer, " is outside the cache");

@@ -239,8 +239,8 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     const at::Tensor& cache = *b.tensor_at[a[A::cache]];
     check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
     const at::Tensor& slots = *b.tensor_at[a[A::slots]];
-    TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 32 == 0 && a[A::rotary_dim] <= a[A::head_dim],
-                "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not a multiple of 32 within head_dim");
+    TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 2 == 0 && a[A::rotary_dim] <= a[A::head_dim],
+                "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not even and within head_dim");
     TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::rotary_dim] / 2,
                 "slot_mapping and the RoPE tables need one row per token");
     const int64_t span = a[A::norm_span], d = a[A::head_dim];

@@ -20,20 +20,29 @@ using llmc_cpu::load16;
 using llmc_cpu::store16;
 using llmc_cpu::Vec16;
 
-// Rotates `heads` heads of one token from `src` into `dst` (T or float).
+// Rotates `heads` heads of one token from `src` into `dst` (T or float): each head's first r
+// values turn (rotate-half over them; r = d but for a partial rotary), the rest are copied.
 template <typename T, typename O>
-void rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, const float* cos, const float* sin) {
-  const int64_t half = d / 2;
-  for (int64_t h = 0; h < heads; ++h, src += d, dst += d)
-    for (int64_t j = 0; j < half; j += 16) {
+void rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, int64_t r, const float* cos, const float* sin) {
+  const int64_t half = r / 2, vectors = half / 16 * 16;
+  for (int64_t h = 0; h < heads; ++h, src += d, dst += d) {
+    for (int64_t j = 0; j < vectors; j += 16) {
       const Vec16 x1 = load16(src + j), x2 = load16(src + half + j), c = load16(cos + j), s = load16(sin + j);
       store16(dst + j, x1 * c - x2 * s);
       store16(dst + half + j, x2 * c + x1 * s);
     }
+    for (int64_t j = vectors; j < half; ++j) {   // a partial rotary's last angles (fewer than 16)
+      const float x1 = static_cast<float>(src[j]), x2 = static_cast<float>(src[half + j]);
+      dst[j] = static_cast<O>(x1 * cos[j] - x2 * sin[j]);
+      dst[half + j] = static_cast<O>(x2 * cos[j] + x1 * sin[j]);
+    }
+    for (int64_t j = r; j < d; ++j) dst[j] = static_cast<O>(static_cast<float>(src[j]));
+  }
 }
 
+// rotary_dim: the values of a head that turn (cos and sin hold rotary_dim / 2 angles a token).
 struct KvLayout {
-  int64_t heads, kv_heads, head_dim, block_size, num_blocks;
+  int64_t heads, kv_heads, head_dim, block_size, num_blocks, rotary_dim;
 };
 
 // rope_kv_write's q/k norms before the rotation (compiler/ops/rope.py, qk_norm): span 0 none,
@@ -71,14 +80,14 @@ void norm_head(const T* head, const T* weight, float scale, int64_t d, float* ou
 // Rotates `heads` heads of one token from `src` into `dst`, each normed first as `span` says
 // (weight: the norm's; scratch: D floats).
 template <typename T, typename O>
-void norm_rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, const float* cos, const float* sin,
+void norm_rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, int64_t r, const float* cos, const float* sin,
                        const T* weight, int64_t span, float eps, float* scratch) {
-  if (span == 0) return rotate_heads(src, dst, heads, d, cos, sin);
+  if (span == 0) return rotate_heads(src, dst, heads, d, r, cos, sin);
   const float row_scale = span == 2 ? inv_rms(src, heads * d, eps) : 0.f;
   for (int64_t h = 0; h < heads; ++h) {
     const float scale = span == 2 ? row_scale : inv_rms(src + h * d, d, eps);
     norm_head(src + h * d, weight + (span == 2 ? h * d : 0), scale, d, scratch);
-    rotate_heads(static_cast<const float*>(scratch), dst + h * d, 1, d, cos, sin);
+    rotate_heads(static_cast<const float*>(scratch), dst + h * d, 1, d, r, cos, sin);
   }
 }
 
@@ -96,9 +105,9 @@ void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const 
                 norm.span == 2 ? row_scale : inv_rms(k + h * d, d, norm.eps), d, normed);
     const auto rotate_k = [&](auto* dst) {
       if (norm.span)
-        rotate_heads(static_cast<const float*>(normed), dst, 1, d, cos, sin);
+        rotate_heads(static_cast<const float*>(normed), dst, 1, d, s.rotary_dim, cos, sin);
       else
-        rotate_heads(k + h * d, dst, 1, d, cos, sin);
+        rotate_heads(k + h * d, dst, 1, d, s.rotary_dim, cos, sin);
     };
     if constexpr (std::is_same_v<C, int8_t>) {
       rotate_k(row);  // quantized from the fp32 rotation
@@ -118,7 +127,7 @@ void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const 
 template <typename T, typename C>
 void rope_token(const T* q, const T* k, const T* v, const float* cos, const float* sin, int64_t slot, C* k_cache,
                 C* v_cache, T* q_out, const KvLayout& s, const QkNorm<T>& norm, float* row) {
-  norm_rotate_heads(q, q_out, s.heads, s.head_dim, cos, sin, norm.q_weight, norm.span, norm.eps, row);
+  norm_rotate_heads(q, q_out, s.heads, s.head_dim, s.rotary_dim, cos, sin, norm.q_weight, norm.span, norm.eps, row);
   if (slot < 0) return;
   const int64_t block = slot / s.block_size, offset = slot % s.block_size;
   write_kv(k, v, k_cache, v_cache, (block * s.kv_heads * s.block_size + offset) * llmc_cpu::row_elems<C>(s.head_dim),

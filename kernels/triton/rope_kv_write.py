@@ -10,7 +10,9 @@ Contract (kernels/rope_kv_write.py's `rope_kv_write_ref`, same tensors):
                 alignment), each row quantized as `quantize_kv_rows` (k after rounding to k's dtype)
   slot_mapping  [T] int32/int64: block * BS + offset; negative = padding, no K/V written. A slot
                 must lie inside the cache: it is not checked (that would need a host sync)
-  inv_freq      [D / 2] fp32 from kernels/rope.py `rope_inv_freq`, so every scaling rule applies
+  inv_freq      [R / 2] fp32 from kernels/rope.py `rope_inv_freq` of the rotary dim R (`rotary_dim`:
+                D but for a partial rotary, whose heads turn their first R values and copy the
+                rest), so every scaling rule applies
   attention_factor  a float cos and sin are multiplied by (kernels/rope.py `rope_attention_factor`:
                 longrope's, else 1.0)
   q_norm, k_norm  with qk_norm "head" ([D] each) or "all" ([H*D], [KVH*D]), after the slots in
@@ -41,30 +43,41 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM_SPAN: tl.constexpr):
+def _normed(x, scale, w_ptrs, mask, dtype):
+    """rmsnorm_ref's rounding: x * scale rounded to dtype, times the weight, rounded again (fp32 out)."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return ((x * scale).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                  NORM_SPAN: tl.constexpr):
     """Token t's HEADS heads, normed (NORM_SPAN 1 per head, 2 the whole row; 0 not) and rotated:
-    the two halves [BLOCK_H, BLOCK_HALF] each, fp32."""
+    the rotated halves [BLOCK_H, BLOCK_HALF] each and the values past the rotary dim 2 * HALF
+    [BLOCK_H, BLOCK_PASS] (none but for a partial rotary), fp32, with their masks."""
     heads = tl.arange(0, BLOCK_H)[:, None]                                 # [BH, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]                               # [1, BHALF]
+    pass_dims = tl.arange(0, BLOCK_PASS)[None, :]                          # [1, BPASS]
     mask = (heads < HEADS) & (dims < HALF)
-    first = src_ptr + t * src_row_stride + heads * (2 * HALF) + dims       # [BH, BHALF]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    pass_mask = (heads < HEADS) & (pass_dims < HEAD_DIM - 2 * HALF)
+    row = src_ptr + t * src_row_stride + heads * HEAD_DIM                  # [BH, 1]
+    x1 = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + dims, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + 2 * HALF + pass_dims, mask=pass_mask, other=0.0).to(tl.float32)
     if NORM_SPAN != 0:
         dtype = src_ptr.dtype.element_ty
-        squares = tl.sum(x1 * x1 + x2 * x2, 1)                             # [BH]
+        squares = tl.sum(x1 * x1 + x2 * x2, 1) + tl.sum(xp * xp, 1)         # [BH]
         if NORM_SPAN == 1:
-            scale = tl.rsqrt(squares / (2 * HALF) + eps)[:, None]          # [BH, 1]
-            w = norm_ptr + dims                                            # [1, BHALF]: one weight [D]
+            scale = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]            # [BH, 1]
+            w = norm_ptr + heads * 0                                       # one weight [D]
         else:
-            scale = tl.rsqrt(tl.sum(squares, 0) / (HEADS * 2 * HALF) + eps)
-            w = norm_ptr + heads * (2 * HALF) + dims                       # [BH, BHALF]: weight [H*D]
-        w1 = tl.load(w, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w + HALF, mask=mask, other=0.0).to(tl.float32)
-        x1 = ((x1 * scale).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * scale).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, mask
+            scale = tl.rsqrt(tl.sum(squares, 0) / (HEADS * HEAD_DIM) + eps)
+            w = norm_ptr + heads * HEAD_DIM                                # weight [H*D]
+        x1 = _normed(x1, scale, w + dims, mask, dtype)
+        x2 = _normed(x2, scale, w + HALF + dims, mask, dtype)
+        xp = _normed(xp, scale, w + 2 * HALF + pass_dims, pass_mask, dtype)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, xp, mask, pass_mask
 
 
 @triton.jit
@@ -73,7 +86,7 @@ def _rope_kv_write_kernel(
     k_ptr,          # k [T, KVH*D], row stride stride_k: read
     v_ptr,          # v [T, KVH*D], row stride stride_v: read
     positions_ptr,  # positions [T] int
-    inv_freq_ptr,   # inv_freq [D/2] fp32
+    inv_freq_ptr,   # inv_freq [R/2] fp32 (R: the rotary dim, D but for a partial rotary)
     attention_factor,  # fp32 scalar: cos and sin are multiplied by it (longrope; else 1.0)
     slots_ptr,      # slot_mapping [T] int, negative = padding
     q_out_ptr,      # q_out [T, H*D], row stride stride_qo: the rotated q, written for every token
@@ -85,8 +98,9 @@ def _rope_kv_write_kernel(
     stride_q, stride_k, stride_v, stride_qo,
     stride_block, stride_head, stride_offset,       # the cache's strides (dim stride is 1)
     BLOCK_SIZE,                                     # BS: tokens per cache block
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_INT8: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,   # HALF = R/2
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    KV_INT8: tl.constexpr,
     NORM_SPAN: tl.constexpr,                        # q/k norms: 0 none, 1 per head, 2 the whole row
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -95,28 +109,31 @@ def _rope_kv_write_kernel(
     freqs = tl.load(positions_ptr + t).to(tl.float32) * inv_freq           # [BHALF]
     cos = (tl.cos(freqs) * attention_factor)[None, :]                      # [1, BHALF]
     sin = (tl.sin(freqs) * attention_factor)[None, :]
+    dims, pass_dims = dims[None, :], tl.arange(0, BLOCK_PASS)[None, :] + 2 * HALF
 
-    q1, q2, q_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, q_norm_ptr, norm_eps, HEADS, HALF, BLOCK_H,
-                                   BLOCK_HALF, NORM_SPAN)
+    q1, q2, qp, q_mask, qp_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, q_norm_ptr, norm_eps, HEADS, HEAD_DIM,
+                                                HALF, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM_SPAN)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    q_out = q_out_ptr + t * stride_qo + heads * (2 * HALF) + dims[None, :]  # [BH, BHALF]
-    tl.store(q_out, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_out + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    q_out = q_out_ptr + t * stride_qo + heads * HEAD_DIM                   # [BH, 1]
+    tl.store(q_out + dims, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_out + HALF + dims, q2.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_out + pass_dims, qp.to(q_out_ptr.dtype.element_ty), mask=qp_mask)
 
-    k1, k2, kv_mask = _rotate_heads(k_ptr, stride_k, t, cos, sin, k_norm_ptr, norm_eps, KV_HEADS, HALF, BLOCK_KVH,
-                                    BLOCK_HALF, NORM_SPAN)
+    k1, k2, kp, kv_mask, kp_mask = _rotate_heads(k_ptr, stride_k, t, cos, sin, k_norm_ptr, norm_eps, KV_HEADS,
+                                                 HEAD_DIM, HALF, BLOCK_KVH, BLOCK_HALF, BLOCK_PASS, NORM_SPAN)
     slot = tl.load(slots_ptr + t).to(tl.int64)
-    kv_mask = kv_mask & (slot >= 0)                                        # padding: no K/V write
+    kv_mask, kp_mask = kv_mask & (slot >= 0), kp_mask & (slot >= 0)        # padding: no K/V write
     kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
     at = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_offset
     rows = at + kv_heads * stride_head                                     # [BKVH, 1]: each head's cache row
     k_dtype = k_ptr.dtype.element_ty                                       # the ref ropes k in its own dtype
-    _store_rows(k_cache_ptr + rows, k1.to(k_dtype).to(tl.float32), k2.to(k_dtype).to(tl.float32), kv_mask,
-                dims[None, :], HALF, KV_INT8)
-    v_row = v_ptr + t * stride_v + kv_heads * (2 * HALF) + dims[None, :]   # [BKVH, BHALF]
-    v1 = tl.load(v_row, mask=kv_mask, other=0.0).to(tl.float32)
-    v2 = tl.load(v_row + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-    _store_rows(v_cache_ptr + rows, v1, v2, kv_mask, dims[None, :], HALF, KV_INT8)
+    _store_rows(k_cache_ptr + rows, k1.to(k_dtype).to(tl.float32), k2.to(k_dtype).to(tl.float32), kp, kv_mask,
+                kp_mask, dims, pass_dims, HALF, HEAD_DIM, KV_INT8)
+    v_row = v_ptr + t * stride_v + kv_heads * HEAD_DIM                     # [BKVH, 1]
+    v1 = tl.load(v_row + dims, mask=kv_mask, other=0.0).to(tl.float32)
+    v2 = tl.load(v_row + HALF + dims, mask=kv_mask, other=0.0).to(tl.float32)
+    vp = tl.load(v_row + pass_dims, mask=kp_mask, other=0.0).to(tl.float32)
+    _store_rows(v_cache_ptr + rows, v1, v2, vp, kv_mask, kp_mask, dims, pass_dims, HALF, HEAD_DIM, KV_INT8)
 
 
 @triton.jit
@@ -136,8 +153,10 @@ def _codes(x, scale):
 
 
 @triton.jit
-def _store_rows(row_ptrs, x1, x2, mask, dims, HALF: tl.constexpr, KV_INT8: tl.constexpr):
-    """Store rows [R, D] given as halves x1, x2 [R, BHALF] (fp32) at `row_ptrs` [R, 1], masked.
+def _store_rows(row_ptrs, x1, x2, xp, mask, pass_mask, dims, pass_dims, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+                KV_INT8: tl.constexpr):
+    """Store rows [R, D] given as the rotary halves x1, x2 [R, BHALF] at `dims` and `HALF + dims`
+    and the rest xp [R, BPASS] at `pass_dims` (fp32) at `row_ptrs` [R, 1], masked.
 
     Float cache: cast to its dtype. int8 cache (kernels/quant.py `quantize_kv_rows`): scale =
     amax(|row|) / 127, codes rint(x / scale) clamped to +-127 (0 for a zero row), both divisions
@@ -145,15 +164,18 @@ def _store_rows(row_ptrs, x1, x2, mask, dims, HALF: tl.constexpr, KV_INT8: tl.co
     """
     if KV_INT8:
         amax = tl.maximum(tl.max(tl.where(mask, tl.abs(x1), 0.0), 1), tl.max(tl.where(mask, tl.abs(x2), 0.0), 1))
+        amax = tl.maximum(amax, tl.max(tl.where(pass_mask, tl.abs(xp), 0.0), 1))
         scale = tl.math.div_rn(amax, 127.0)                                 # [R]
         safe = tl.where(scale > 0, scale, 1.0)[:, None]                    # [R, 1]
         tl.store(row_ptrs + dims, _codes(x1, safe), mask=mask)
         tl.store(row_ptrs + HALF + dims, _codes(x2, safe), mask=mask)
-        scale_ptrs = (row_ptrs + 2 * HALF).to(tl.pointer_type(tl.float32))  # [R, 1], 4-byte aligned
+        tl.store(row_ptrs + pass_dims, _codes(xp, safe), mask=pass_mask)
+        scale_ptrs = (row_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32))  # [R, 1], 4-byte aligned
         tl.store(scale_ptrs, scale[:, None], mask=tl.max(mask.to(tl.int32), 1)[:, None] > 0)
     else:
         tl.store(row_ptrs + dims, x1.to(row_ptrs.dtype.element_ty), mask=mask)
         tl.store(row_ptrs + HALF + dims, x2.to(row_ptrs.dtype.element_ty), mask=mask)
+        tl.store(row_ptrs + pass_dims, xp.to(row_ptrs.dtype.element_ty), mask=pass_mask)
 
 
 NORM_SPANS = {"": 0, "head": 1, "all": 2}
@@ -161,9 +183,12 @@ NORM_SPANS = {"": 0, "head": 1, "all": 2}
 
 def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          inv_freq: torch.Tensor, q_out: torch.Tensor | None = None, attention_factor: float = 1.0,
-                         qk_norm: str = "", norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                         qk_norm: str = "", norm_eps: float = 0.0,
+                         rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: checks the contract (ValueError naming the bad value) from shapes, dtypes and
-    devices only, then launches one program per token. `q_out` may be q itself."""
+    devices only, then launches one program per token. `q_out` may be q itself; `rotary_dim`
+    (even, at most head_dim; None: head_dim) the values of each head that turn."""
+    rotary = head_dim if rotary_dim is None else rotary_dim
     norms = 2 if qk_norm else 0
     if qk_norm not in NORM_SPANS or len(tensors) not in (4 + norms, 6 + norms):
         raise ValueError(f"rope_kv_write_triton takes (qkv, positions, cache, slots) or (q, k, v, positions, "
@@ -171,7 +196,8 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
                          f"tensors and qk_norm={qk_norm!r}")
     q, k, v, positions, kv_cache, slot_mapping, *norm_weights = unpack_inputs(tensors, num_heads, num_kv_heads,
                                                                               head_dim, qk_norm)
-    _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim, inv_freq)
+    _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim, inv_freq,
+                  rotary)
     _check_norms(norm_weights, qk_norm, q, num_heads, num_kv_heads, head_dim)
     q_norm, k_norm = norm_weights or (q, q)                                # unread without norms
     q_out = _checked_q_out(q_out, q)
@@ -183,16 +209,17 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
         q, k, v, positions, inv_freq, float(attention_factor), slot_mapping, q_out, k_cache, v_cache,
         q_norm, k_norm, float(norm_eps),
         q.stride(0), k.stride(0), v.stride(0), q_out.stride(0), *k_cache.stride()[:3], kv_cache.shape[4],
-        HEADS=num_heads, KV_HEADS=num_kv_heads, HALF=head_dim // 2,
+        HEADS=num_heads, KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=rotary // 2,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), KV_INT8=is_int8_cache(kv_cache),
+        BLOCK_HALF=triton.next_power_of_2(rotary // 2), BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary, 1)),
+        KV_INT8=is_int8_cache(kv_cache),
         NORM_SPAN=NORM_SPANS[qk_norm],
     )
     return q_out, kv_cache
 
 
 def _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim,
-                  inv_freq) -> None:
+                  inv_freq, rotary_dim) -> None:
     if head_dim <= 0 or head_dim % 2 or num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"rope_kv_write_triton takes an even head_dim and num_heads a multiple of num_kv_heads; "
                          f"got head_dim {head_dim}, num_heads {num_heads}, num_kv_heads {num_kv_heads}")
@@ -215,8 +242,10 @@ def _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, 
                          f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     if not 0 <= layer < kv_cache.shape[0]:
         raise ValueError(f"layer {layer} is outside the cache's {kv_cache.shape[0]} layers")
-    if tuple(inv_freq.shape) != (head_dim // 2,) or inv_freq.dtype != torch.float32:
-        raise ValueError(f"inv_freq must be [{head_dim // 2}] float32 (rope_inv_freq); got "
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} is not even and within head_dim {head_dim}")
+    if tuple(inv_freq.shape) != (rotary_dim // 2,) or inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be [{rotary_dim // 2}] float32 (rope_inv_freq of the rotary dim); got "
                          f"{tuple(inv_freq.shape)} {inv_freq.dtype}")
     devices = {t.device for t in (q, k, v, positions, kv_cache, slot_mapping, inv_freq)}
     if len(devices) != 1:

@@ -137,3 +137,18 @@ def test_a_norm_near_miss_is_left_alone(change):
     graph = ir(text)
     after, ctx = run_pass(fuse_rope_kv_write, graph)
     assert after.op_counts() == graph.op_counts() and hits(ctx) == 0   # copied (renumbered)
+
+
+def test_a_partial_rotary_is_carried_over():
+    """Phi-4-mini: both ropes turn rotary_dim values a head; the fused op does too."""
+    graph = ir(BEFORE.replace("scaling=None", "scaling=None, rotary_dim=6"))
+    after, ctx = run_pass(fuse_rope_kv_write, graph)
+    assert hits(ctx) == 1 and "rotary_dim=6" in str(after).split("rope_kv_write(")[1]
+    assert_same_numbers(graph, after, {}, PREFILL_STEPS, exact=True)
+
+
+def test_ropes_turning_different_widths_are_left_alone():
+    graph = ir(BEFORE.replace("%2 = rope(%0#1, %positions, head_dim=12, theta=10000.0, scaling=None)",
+                              "%2 = rope(%0#1, %positions, head_dim=12, theta=10000.0, scaling=None, rotary_dim=6)"))
+    after, ctx = run_pass(fuse_rope_kv_write, graph)
+    assert hits(ctx) == 0 and "rope_kv_write" not in str(after)
