@@ -122,3 +122,21 @@ def test_window_is_transformers_sliding_window():
         rule = masking.sliding_window_causal_mask_function(window)
         want = rule(torch.tensor(0), torch.tensor(0), torch.arange(10)[:, None], torch.arange(10)[None, :])
         assert torch.equal(visible_keys(torch.arange(10)[:, None], 10, window), want)
+
+
+@pytest.mark.parametrize("attrs, error", [({}, None), (dict(window=4096, softcap=50.0), None),
+                                          (dict(window=-1), "window must be an int >= 0"),
+                                          (dict(window=2.0), "window must be an int >= 0"),
+                                          (dict(softcap=50), "softcap must be a float >= 0.0")])
+def test_window_and_softcap_are_optional_checked_attrs(attrs, error):
+    """Absent (graphs written before them) means off; present, the type rule checks them."""
+    from llmc.compiler.ir import IRError, TensorType
+    from llmc.compiler.ops.verify import infer_types
+    types = [TensorType("f32", ("T", 96)), TensorType("f32", (2, 2, "NB", 2, "BS", 16)),
+             TensorType("i32", ("S", "MB")), TensorType("i32", ("S",))]
+    base = dict(layer=0, num_heads=6, num_kv_heads=2, head_dim=16, scale=0.25)
+    if error is None:
+        assert infer_types("paged_decode_attention", types, dict(base, **attrs)) == (types[0],)
+    else:
+        with pytest.raises(IRError, match=error):
+            infer_types("paged_decode_attention", types, dict(base, **attrs))

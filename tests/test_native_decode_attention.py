@@ -71,7 +71,9 @@ def test_decode_window_and_softcap_match_ref(cache_dtype, dtype, options, thread
 
 
 @pytest.mark.parametrize("cache_dtype,dtype", CACHES, ids=["f32", "bf16", "int8-f32", "int8-bf16"])
-def test_decode_head_dim_256(cache_dtype, dtype, threads):
-    """Gemma's head_dim (bf16 pairs: a multiple of 32), with its window and softcap and without."""
-    check_decode([300, 17, 1, 64], 2, 2, 256, cache_dtype, dtype, seed=22)
-    check_attention([300, 17, 1, 64], [1] * 4, 4, 2, 256, cache_dtype, dtype, seed=22, window=40, softcap=2.0)
+@pytest.mark.parametrize("head_dim", [256, 80])
+def test_decode_head_dim_256(cache_dtype, dtype, head_dim, threads):
+    """Gemma's head_dim (bf16 pairs: a multiple of 32) and 80 (not one), with a window and softcap
+    and without."""
+    check_decode([300, 17, 1, 64], 2, 2, head_dim, cache_dtype, dtype, seed=22)
+    check_attention([300, 17, 1, 64], [1] * 4, 4, 2, head_dim, cache_dtype, dtype, seed=22, window=40, softcap=2.0)
