@@ -109,10 +109,10 @@ def test_native_norm_into_an_int8_cache(kind, dtype):
         assert (scale > 0).all() and (err <= scale * (0.5 + 1e-4)).all()
 
 
-def plan_graph(kind: str, d: int, dtype: str) -> str:
+def plan_graph(kind: str, d: int, dtype: str, int8_cache: bool = False) -> str:
     width, q_width = (HEADS + 2 * KV_HEADS) * d, HEADS * d
     q_norm, k_norm = (d, d) if kind == "head" else (HEADS * d, KV_HEADS * d)
-    cache = f"{dtype}[2,2,4,{KV_HEADS},16,{d}]"
+    cache = f"i8[2,2,4,{KV_HEADS},16,{d + 4}]" if int8_cache else f"{dtype}[2,2,4,{KV_HEADS},16,{d}]"
     return f"""
 graph prefill {{
   %qkv = input() : {dtype}[T,{width}]
@@ -129,17 +129,18 @@ num_kv_heads={KV_HEADS}, head_dim={d}, theta=10000.0, scaling=None, qk_norm='{ki
 """
 
 
+@pytest.mark.parametrize("cache", ["float", "int8"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["head", "all"])
-def test_step_plan_equals_the_native_table_bit_for_bit(kind, dtype, d):
-    graph = parse_graph(plan_graph(kind, d, dtype))
+def test_step_plan_equals_the_native_table_bit_for_bit(kind, dtype, d, cache):
+    graph = parse_graph(plan_graph(kind, d, dtype, int8_cache=cache == "int8"))
     qkv, positions, slots, norms = inputs(kind, d, DTYPES[dtype], 11, seed=7)
     plan = lower_step_plan(graph, {"q_norm": norms[0], "k_norm": norms[1]}, BS)
-    plan_cache, table_cache = caches(d, DTYPES[dtype], 2)
+    plan_cache, table_cache = caches(d, torch.int8 if cache == "int8" else DTYPES[dtype], 2)
     (q_plan,) = plan({"qkv": qkv, "positions": positions, "kv_cache": plan_cache, "slot_mapping": slots})
     node = next(n for n in graph.nodes if n.op == "rope_kv_write")
     x = bind(OPS["rope_kv_write"], [qkv, positions, table_cache, slots, *norms], node.attrs)
     q_table, _ = native_op_impls()["rope_kv_write"](x, node.attrs)
     assert torch.equal(q_plan, q_table) and torch.equal(plan_cache, table_cache)
-    assert plan_cache.abs().sum() > 0
+    assert plan_cache.float().abs().sum() > 0
