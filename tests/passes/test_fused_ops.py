@@ -30,7 +30,7 @@ def test_result_types_of_multi_result_ops():
     ("split", [F("T", 144)], {"sizes": [72, 36]}, "do not add up"),
     ("silu_mul", [F("T", 121)], {}, "even last dim"),
     ("rope_kv_write", [F("T", 140), I64("T"), CACHE, I64("T")], ROPE_KV, "packed qkv"),
-    ("rope_kv_write", [F("T", 144), I64("T"), CACHE], ROPE_KV, r"takes \(qkv, positions, kv_cache, slot_mapping\) or \(q, k, v"),
+    ("rope_kv_write", [F("T", 144), I64("T"), CACHE], ROPE_KV, r"takes \(qkv, positions, kv_cache, slot_mapping, q_norm \(by attrs\), k_norm \(by attrs\)\) or \(q, k, v"),
     ("concat", [F("T", 72), F("T", 72)], {"dim": 0}, "symbolic dim"),
     ("add_rmsnorm", [F("T", 72), F("T", 36), F(72)], {"eps": 1e-5}, "operand types differ"),
 ])
