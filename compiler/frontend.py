@@ -28,6 +28,7 @@ from llmc.models.families import family_of
 from .dtypes import from_torch, to_torch
 from .ir import Graph, IRError, Node, TensorType, Value
 from .ops import OPS, infer_types, verify
+from .ops.norms import rounding_attr
 
 ENTRIES = ("prefill", "decode")
 
@@ -100,12 +101,13 @@ def _call_module(b: _Builder, node: torch.fx.Node) -> Value:
     raise IRError(f"the frontend cannot lower module {node.target} of type {type(sub).__name__}")
 
 
-def _fn_rmsnorm(b, x, w, eps):
-    return b.op("rmsnorm", [x, w], eps=float(eps))
+def _fn_rmsnorm(b, x, w, eps, rounding="normed"):
+    # rounding is an optional attr (compiler/ops/norms.py): written only when it is not "normed"
+    return b.op("rmsnorm", [x, w], eps=float(eps), **rounding_attr(rounding))
 
 
-def _fn_head_rmsnorm(b, x, w, eps, head_dim):
-    return b.op("head_rmsnorm", [x, w], eps=float(eps), head_dim=head_dim)
+def _fn_head_rmsnorm(b, x, w, eps, head_dim, rounding="normed"):
+    return b.op("head_rmsnorm", [x, w], eps=float(eps), head_dim=head_dim, **rounding_attr(rounding))
 
 
 def _fn_rope(b, x, pos, head_dim, theta, scaling, rotary_dim=None):

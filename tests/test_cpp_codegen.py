@@ -86,6 +86,16 @@ CASES = {
         %w.n = weight() : {dt}[{w}]
         %0 = add_rmsnorm(%x, %r, %w.n, eps=1e-06) : {dt}[T,{w}], {dt}[T,{w}]
         return %0, %0#1""",
+    # the norms that round once, after the weight (Gemma, OLMo-2): bf16 rows ~25% apart from the others'
+    "rmsnorm_product": """%x = input() : {dt}[T,{w}]
+        %w.n = weight() : {dt}[{w}]
+        %0 = rmsnorm(%x, %w.n, eps=1e-05, rounding='product') : {dt}[T,{w}]
+        return %0""",
+    "add_rmsnorm_product": """%x = input() : {dt}[T,{w}]
+        %r = input() : {dt}[T,{w}]
+        %w.n = weight() : {dt}[{w}]
+        %0 = add_rmsnorm(%x, %r, %w.n, eps=1e-06, rounding='product') : {dt}[T,{w}], {dt}[T,{w}]
+        return %0, %0#1""",
     # fused chains, one unit each: the add's sum only the norm reads (a stack row), silu then mul
     # (fusion_grouping groups both), and a norm's sum both returned and read by the op after it
     # (grouped by hand: fusion_grouping leaves a returned value's producer apart)

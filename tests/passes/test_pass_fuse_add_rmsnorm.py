@@ -73,3 +73,11 @@ def test_traced_model_keeps_its_numbers(entry):
     assert hits(ctx) == 2 * TINY.num_layers  # every residual add is read by a norm
     assert after.op_counts()["rmsnorm"] == 1   # only the first layer's norm of the embedding
     assert_same_numbers(graph, after, weights, steps_for(graph), exact=True)
+
+
+def test_a_norms_rounding_is_carried():
+    """rmsnorm's optional attr rounding (Gemma, OLMo-2: "product") reaches the fused op."""
+    with_rounding = BEFORE.replace("eps=1e-05)", "eps=1e-05, rounding='product')")
+    after, ctx = run_pass(fuse_add_rmsnorm, ir(with_rounding))
+    assert str(after) == printed(AFTER.replace("eps=1e-05)", "eps=1e-05, rounding='product')"))
+    assert hits(ctx) == 1
