@@ -24,7 +24,7 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph
 from llmc.compiler.ops import OPS, Operands, operands_of
 from llmc.compiler.ops.attention import attention_options
-from llmc.compiler.ops.rope import qkv_columns
+from llmc.compiler.ops.rope import norm_rounding, qkv_columns
 
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
 from .gemv import GemvWeight, gemv_fits, gemv_ref, prepare_linear_weight, prepare_qlinear_weight, run_gemv
@@ -64,7 +64,8 @@ def native_op_impls() -> dict[str, OpImpl]:
         q, k, v = qkv_columns(x, a)
         if not native_rope_kv_write_fits(x.kv_cache, q.dtype, a["head_dim"], a.get("rotary_dim")):
             return OPS["rope_kv_write"].reference(x, a)
-        norm = {"qk_norm": a["qk_norm"], "norm_eps": a["norm_eps"]} if a.get("qk_norm") else {}
+        norm = ({"qk_norm": a["qk_norm"], "norm_eps": a["norm_eps"], "norm_rounding": norm_rounding(a)}
+                if a.get("qk_norm") else {})
         return run_rope_kv_write(q, k, v, x.positions, x.kv_cache, x.slot_mapping, a["layer"], tables_for(a),
                                  x.get("q_norm"), x.get("k_norm"), **norm)
 

@@ -5,7 +5,8 @@ output of a merged QKV GEMM, q then k then v); positions [T] int; kv_cache and s
 in kernels/attention.py. Rotates q and k (rotate-half layout, as kernels/rope.py), stores the
 rotated k and v of every token at its slot of `layer`, in place, and returns (rotated q, cache).
 With `qk_norm` ("head" or "all", compiler/ops/rope.py) q and k are first normed with the weights
-q_norm and k_norm (after the slots in `tensors`) and eps `norm_eps`.
+q_norm and k_norm (after the slots in `tensors`), eps `norm_eps` and rounding `norm_rounding`
+("normed" or "product", compiler/ops/norms.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def unpack_inputs(tensors: tuple[torch.Tensor, ...], num_heads: int, num_kv_head
 
 def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       theta: float, scaling: dict[str, Any] | None, qk_norm: str = "", norm_eps: float = 0.0,
-                      rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rotary_dim: int | None = None, norm_rounding: str = "normed") -> tuple[torch.Tensor, torch.Tensor]:
     """The op record's reference (compiler/ops/rope.py) in the launchers' signature: `tensors` is
     (qkv, positions, cache, slots) or (q, k, v, positions, cache, slots), then q_norm, k_norm
     where `qk_norm` says."""
@@ -44,7 +45,7 @@ def rope_kv_write_ref(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
     q_norm, k_norm = norms or (None, None)
     return _ref(q, k, v, positions, kv_cache, slot_mapping, layer=layer, head_dim=head_dim, theta=theta,
                 scaling=scaling, q_norm=q_norm, k_norm=k_norm, qk_norm=qk_norm, norm_eps=norm_eps,
-                rotary_dim=rotary_dim)
+                rotary_dim=rotary_dim, norm_rounding=norm_rounding)
 
 
 def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_dim: int,
@@ -58,8 +59,8 @@ def native_rope_kv_write_fits(kv_cache: torch.Tensor, dtype: torch.dtype, head_d
 
 
 def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                      tables: RopeTables, qk_norm: str = "",
-                      norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      tables: RopeTables, qk_norm: str = "", norm_eps: float = 0.0,
+                      norm_rounding: str = "normed") -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher of the native kernel (kernels/cpu/rope_kv_write.cpp): rope_kv_write_ref's meaning,
     the rotation in fp32; `tables` gives the cos/sin of the step's positions. An int8 cache's k is
     quantized from the fp32 rotation, where the ref rounds it to q's dtype first: for bf16 inputs
@@ -71,7 +72,7 @@ def rope_kv_write_cpu(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv
                          f"multiple of 32 (an even rotary dim); got q {q.dtype}, cache {kv_cache.dtype} "
                          f"{tuple(kv_cache.shape)}, rotary dim {2 * tables.inv_freq.numel()}")
     return run_rope_kv_write(q, k, v, positions, kv_cache, slot_mapping, layer, tables, *norms, qk_norm=qk_norm,
-                             norm_eps=norm_eps)
+                             norm_eps=norm_eps, norm_rounding=norm_rounding)
 
 
 NORM_SPANS = {"": 0, "head": 1, "all": 2}      # qk_norm -> the kernel's norm_span
@@ -80,10 +81,10 @@ NORM_SPANS = {"": 0, "head": 1, "all": 2}      # qk_norm -> the kernel's norm_sp
 def run_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, layer: int, tables: RopeTables,
                       q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, *, qk_norm: str = "",
-                      norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      norm_eps: float = 0.0, norm_rounding: str = "normed") -> tuple[torch.Tensor, torch.Tensor]:
     """`rope_kv_write_cpu` for unpacked inputs that `native_rope_kv_write_fits` has passed (the op
     table checks once, then runs this)."""
     cos, sin = tables(positions)
     q_rot = torch.ops.llmc.rope_kv_write(q, k, v, cos, sin, kv_cache, slot_mapping.long().contiguous(), layer,
-                                         q_norm, k_norm, NORM_SPANS[qk_norm], norm_eps)
+                                         q_norm, k_norm, NORM_SPANS[qk_norm], norm_eps, norm_rounding == "product")
     return q_rot, kv_cache

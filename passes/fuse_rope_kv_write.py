@@ -7,9 +7,10 @@ Produces: `rope_kv_write(q, k, v, pos, cache, slots) -> (roped q, cache)`, or wi
   `rope_kv_write(qkv, pos, cache, slots)` when q, k, v are the three results of one `split(qkv)`
   (after merge_qkv). Readers of the roped q and of the cache read its results; the ropes (and
   the split) are left for dce. Where q and k are each normed before their rope by a
-  `head_rmsnorm` (Qwen3, Gemma 3) or an `rmsnorm` over the row (OLMo-2) of one kind and eps,
-  whose result only that rope reads, the norms are absorbed too: attrs qk_norm="head"|"all" and
-  norm_eps, operands q_norm and k_norm (their weights); q and k are then the norms' inputs. A
+  `head_rmsnorm` (Qwen3, Gemma 3) or an `rmsnorm` over the row (OLMo-2) of one kind, eps and
+  rounding, whose result only that rope reads, the norms are absorbed too: attrs
+  qk_norm="head"|"all", norm_eps and (where the norms have one) norm_rounding, operands q_norm and
+  k_norm (their weights); q and k are then the norms' inputs. A
   partial rotary's rotary_dim (both ropes alike) is carried over.
 Requires: insert_paged_attention. Preserves: numerics exactly.
 """
@@ -33,7 +34,7 @@ def _qk_norms(q_rope: Node, k_rope: Node, state: RewriteState) -> tuple[Value, V
     q_norm, k_norm = state.producer(q), state.producer(k)
     if q_norm.op not in QK_NORMS and k_norm.op not in QK_NORMS:
         return q, k, {}, []
-    if q_norm.op != k_norm.op or q_norm.attrs["eps"] != k_norm.attrs["eps"]:
+    if q_norm.op != k_norm.op or any(q_norm.attrs.get(a) != k_norm.attrs.get(a) for a in ("eps", "rounding")):
         return None
     head_dims = {q_norm.attrs.get("head_dim"), k_norm.attrs.get("head_dim")}
     if q_norm.op == "head_rmsnorm" and head_dims != {q_rope.attrs["head_dim"]}:
@@ -42,6 +43,8 @@ def _qk_norms(q_rope: Node, k_rope: Node, state: RewriteState) -> tuple[Value, V
         return None
     qx, kx = operands_of(q_norm), operands_of(k_norm)
     attrs = {"qk_norm": QK_NORMS[q_norm.op], "norm_eps": q_norm.attrs["eps"]}
+    if "rounding" in q_norm.attrs:                      # optional, absent = "normed" (compiler/ops/norms.py)
+        attrs["norm_rounding"] = q_norm.attrs["rounding"]
     return qx.x, kx.x, attrs, [qx.weight, kx.weight]
 
 

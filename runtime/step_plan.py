@@ -299,14 +299,14 @@ def _qk_norms(lo: _Lowering, node: Node, named) -> dict:
     """The rope_kv_write instruction's norm args: its q/k norm weights as plan constants."""
     a, span = node.attrs, NORM_SPANS[node.attrs.get("qk_norm", "")]
     if not span:
-        return {"q_norm": -1, "k_norm": -1, "norm_span": 0, "norm_eps": 0.0}
+        return {"q_norm": -1, "k_norm": -1, "norm_span": 0, "norm_product": 0, "norm_eps": 0.0}
     ids = {}
     for name in ("q_norm", "k_norm"):
         w = lo.weight(named[name])
         if not isinstance(w, torch.Tensor) or w.dtype != lo.dtype:
             raise NotPlannable(f"{node.name} (rope_kv_write) has a {name} that is not a {lo.dtype} weight")
         ids[name] = lo.constant(w.contiguous())
-    return {**ids, "norm_span": span, "norm_eps": a["norm_eps"]}
+    return {**ids, "norm_span": span, "norm_eps": a["norm_eps"], "norm_product": int(a.get("norm_rounding") == "product")}
 
 
 def _lower_attention(lo: _Lowering, node: Node) -> Encoded:

@@ -57,7 +57,7 @@ def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     ("index_select", dict(out=1, x=0, indices=2, width=16, col=-4), r"unknown \['col'\]"),
     ("rope_kv_write", dict(q_out=1, q=0, k=0, v=0, q_col=-4, k_col=8, v_col=16, row_width=24, cos=2, sin=3, cache=4,
                            slots=5, layer=0, heads=1, kv_heads=1, head_dim=8, q_norm=-1, k_norm=-1, norm_span=0,
-                           rotary_dim=8, norm_eps=0.0), r"q_col \(column\)"),
+                           norm_product=0, rotary_dim=8, norm_eps=0.0), r"q_col \(column\)"),
     ("generated", dict(fn=0, num_inputs=1, values=[1, 2]), r"arg fn \(address\) of generated is 0"),
     ("generated", dict(fn=8, num_inputs=1, values=3), r"not a list of value ids"),
     ("gemm", {}, r"no instruction 'gemm'"),

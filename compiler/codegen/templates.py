@@ -154,6 +154,7 @@ def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
     prelude = [f"inv_freq = rope_inv_freq({rotary}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
     norms = f", qk_norm={a['qk_norm']!r}, norm_eps={a['norm_eps']!r}" if a.get("qk_norm") else ""
     norms += f", rotary_dim={rotary}" if "rotary_dim" in a else ""
+    norms += f", norm_rounding={a['norm_rounding']!r}" if "norm_rounding" in a else ""
     call = (f"rope_kv_write_triton({args}, layer={a['layer']}, num_heads={a['num_heads']}, "
             f"num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, inv_freq=inv_freq, "
             f"attention_factor={rope_attention_factor(a['scaling'])!r}{norms})")

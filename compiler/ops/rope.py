@@ -14,7 +14,8 @@ rotary_dim), the rest pass through, as transformers' apply_rotary_pos_emb.
 rope_kv_write may norm q and k before the rotation (attr `qk_norm`, absent or "" for none): "head"
 normalizes each head over its head_dim values with weights q_norm, k_norm [head_dim] (Qwen3,
 Gemma 3: head_rmsnorm), "all" each token's whole q row [H*D] and k row [KVH*D] with weights of
-those widths (OLMo-2: rmsnorm); both exactly as norms.py's references, eps from attr `norm_eps`.
+those widths (OLMo-2: rmsnorm); both exactly as norms.py's references, eps from attr `norm_eps`,
+rounding from the optional attr `norm_rounding` (norms.py's ROUNDINGS; absent = "normed").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from .attention import check_cache, kv_write_ref, kv_write_types
 from .checks import expect, float_, heads_width, index_tensor
-from .norms import head_rmsnorm_ref, rmsnorm_ref
+from .norms import ROUNDINGS, head_rmsnorm_ref, rmsnorm_ref
 from .record import Declined, Lowered, Operand, Operands, OpRecord, operands
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")
@@ -126,23 +127,25 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: flo
 QK_NORMS = ("", "head", "all")
 
 
-def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, head_dim: int) -> torch.Tensor:
-    """x normed as rope_kv_write's `qk_norm` says: "" not at all, "head" per head, "all" per row."""
+def qk_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, kind: str, eps: float, head_dim: int,
+                rounding: str = "normed") -> torch.Tensor:
+    """x normed as rope_kv_write's `qk_norm` says: "" not at all, "head" per head, "all" per row;
+    rounded as `rounding` says (norms.py)."""
     if kind == "head":
-        return head_rmsnorm_ref(x, weight, eps, head_dim)
-    return rmsnorm_ref(x, weight, eps) if kind == "all" else x
+        return head_rmsnorm_ref(x, weight, eps, head_dim, rounding)
+    return rmsnorm_ref(x, weight, eps, rounding) if kind == "all" else x
 
 
 def rope_kv_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, layer: int, head_dim: int, theta: float,
                       scaling: dict[str, Any] | None, q_norm: torch.Tensor | None = None,
                       k_norm: torch.Tensor | None = None, qk_norm: str = "", norm_eps: float = 0.0,
-                      rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rotary_dim: int | None = None, norm_rounding: str = "normed") -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q), the cache with rope(k) and v stored at the tokens' slots of `layer`); with
-    `qk_norm`, q and k are normed (weights q_norm, k_norm) before their rotation; with
-    `rotary_dim`, only each head's first rotary_dim values turn."""
-    q = qk_norm_ref(q, q_norm, qk_norm, norm_eps, head_dim)
-    k = qk_norm_ref(k, k_norm, qk_norm, norm_eps, head_dim)
+    `qk_norm`, q and k are normed (weights q_norm, k_norm; rounding `norm_rounding`) before their
+    rotation; with `rotary_dim`, only each head's first rotary_dim values turn."""
+    q = qk_norm_ref(q, q_norm, qk_norm, norm_eps, head_dim, norm_rounding)
+    k = qk_norm_ref(k, k_norm, qk_norm, norm_eps, head_dim, norm_rounding)
     q = rope_ref(q, positions, head_dim, theta, scaling, rotary_dim)
     k = rope_ref(k, positions, head_dim, theta, scaling, rotary_dim)
     return q, kv_write_ref(kv_cache, k, v, slot_mapping, layer)
@@ -196,6 +199,11 @@ def _rope_kv_write_types(ts: Operands, attrs: dict):
     return (q, ts.kv_cache)
 
 
+def norm_rounding(attrs: dict) -> str:
+    """A rope_kv_write's q/k norm rounding: attr norm_rounding, "normed" where absent."""
+    return attrs.get("norm_rounding", "normed")
+
+
 def has_qk_norm(attrs: dict) -> bool:
     """Whether a rope_kv_write norms q and k (then it takes operands q_norm and k_norm)."""
     return attrs.get("qk_norm", "") != ""
@@ -207,6 +215,8 @@ def _qk_norm_types(ts: Operands, attrs: dict, q) -> None:
     if not kind:
         return
     expect(isinstance(attrs.get("norm_eps"), float), "rope_kv_write with qk_norm needs a float attr norm_eps")
+    expect(norm_rounding(attrs) in ROUNDINGS,
+           f"rope_kv_write norm_rounding={norm_rounding(attrs)!r} is not one of {ROUNDINGS}")
     heads, kv_heads, d = attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"]
     for name, width in (("q_norm", heads * d), ("k_norm", kv_heads * d)):
         want = (d,) if kind == "head" else (width,)
@@ -220,7 +230,8 @@ def _rope_kv_write(x: Operands, a: dict):
     return rope_kv_write_ref(q, k, v, x.positions, x.kv_cache, x.slot_mapping, layer=a["layer"],
                              head_dim=a["head_dim"], theta=a["theta"], scaling=a["scaling"],
                              q_norm=x.get("q_norm"), k_norm=x.get("k_norm"), qk_norm=a.get("qk_norm", ""),
-                             norm_eps=a.get("norm_eps", 0.0), rotary_dim=a.get("rotary_dim"))
+                             norm_eps=a.get("norm_eps", 0.0), rotary_dim=a.get("rotary_dim"),
+                             norm_rounding=norm_rounding(a))
 
 
 # present when attr qk_norm is "head" or "all" (optional attrs qk_norm and norm_eps: old graphs have none)

@@ -12,9 +12,11 @@
 //   q_norm, k_norm  optional norm weights of q's dtype, contiguous, used when norm_span is not 0:
 //                 1 per head, each [D] (q and k normed head by head), 2 the whole row, [H*D] and
 //                 [KVH*D]; norm_eps inside the rsqrt (compiler/ops/rope.py's qk_norm)
+//   norm_product  the norms' rounding: false "normed", true "product" (compiler/ops/norms.py)
 //   returns the rotated q [T, H*D] (contiguous); rotated k and v are stored at their slots of
 //   `layer` in place. q and k are first normed where norm_span says, as rmsnorm_ref (fp32 mean
-//   and rsqrt, the normed value rounded to q's dtype, then the weight's product rounded).
+//   and rsqrt; the normed value rounded to q's dtype, then the weight's product rounded, or with
+//   norm_product the fp32 product with the weight rounded once).
 //   Rotate-half layout (Hugging Face's): each head's first half turns against its second half.
 //   The rotation is computed in fp32 and rounded once: q and a float cache's k to q's dtype; an
 //   int8 cache's k is quantized from the fp32 rotation (v from its input values), by
@@ -39,6 +41,7 @@ struct NormArgs {
   const at::Tensor *q_weight, *k_weight;
   int64_t span;
   double eps;
+  bool product;
 };
 
 template <typename T, typename C>
@@ -50,7 +53,8 @@ void rope_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   C* v_cache = k_cache + cache.stride(1);
   llmc_rows::QkNorm<T> norm;
   if (n.span)
-    norm = {n.q_weight->const_data_ptr<T>(), n.k_weight->const_data_ptr<T>(), n.span, static_cast<float>(n.eps)};
+    norm = {n.q_weight->const_data_ptr<T>(), n.k_weight->const_data_ptr<T>(), n.span, static_cast<float>(n.eps),
+            n.product};
   at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * d);
     for (int64_t t = begin; t < end; ++t)
@@ -76,7 +80,7 @@ void check_norms(const at::Tensor& q, const KvLayout& s, const NormArgs& n) {
 at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                          const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping, int64_t layer,
                          const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
-                         int64_t norm_span, double norm_eps) {
+                         int64_t norm_span, double norm_eps, bool norm_product) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be a contiguous [L,2,NB,KVH,BS,D] tensor");
   const bool int8 = kv_cache.scalar_type() == at::kChar;
   const int64_t d = kv_cache.size(5) - (int8 ? llmc_cpu::kScaleBytes : 0);
@@ -102,7 +106,7 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
   for (int64_t t = 0; t < q.size(0); ++t)
     TORCH_CHECK(slots[t] < s.num_blocks * s.block_size, "slot ", slots[t], " is outside the cache's ",
                 s.num_blocks * s.block_size, " slots");
-  const NormArgs n{q_norm ? &*q_norm : nullptr, k_norm ? &*k_norm : nullptr, norm_span, norm_eps};
+  const NormArgs n{q_norm ? &*q_norm : nullptr, k_norm ? &*k_norm : nullptr, norm_span, norm_eps, norm_product};
   check_norms(q, s, n);
   at::Tensor q_out = at::empty({q.size(0), q.size(1)}, q.options());
   const bool f32 = q.scalar_type() == at::kFloat;
@@ -122,7 +126,7 @@ at::Tensor rope_kv_write(const at::Tensor& q, const at::Tensor& k, const at::Ten
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, int layer, Tensor? q_norm=None, Tensor? k_norm=None, int norm_span=0, "
-        "float norm_eps=0.0) -> Tensor");
+        "float norm_eps=0.0, bool norm_product=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("rope_kv_write", &rope_kv_write); }

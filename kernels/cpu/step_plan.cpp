@@ -245,6 +245,8 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
                 "slot_mapping and the RoPE tables need one row per token");
     const int64_t span = a[A::norm_span], d = a[A::head_dim];
     TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");
+    TORCH_CHECK(a[A::norm_product] == 0 || a[A::norm_product] == 1, "rope_kv_write's norm_product ",
+                a[A::norm_product], " is not 0 or 1");
     const auto elems = [&](int64_t id) {   // a norm weight: a plan constant
       return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].numel() : -1;
     };

@@ -47,14 +47,16 @@ struct KvLayout {
 
 // rope_kv_write's q/k norms before the rotation (compiler/ops/rope.py, qk_norm): span 0 none,
 // 1 each head over its D values with one weight [D] (head_rmsnorm), 2 the token's whole row with
-// a weight of its width (rmsnorm). As rmsnorm_ref: mean of squares and rsqrt in fp32, the normed
-// value rounded to T, times the weight rounded to T.
+// a weight of its width (rmsnorm). As rmsnorm_ref: mean of squares and rsqrt in fp32, then
+// (product false, "normed") the normed value rounded to T, times the weight rounded to T, or
+// (product true, "product": Gemma, OLMo-2) the fp32 product with the weight rounded once.
 template <typename T>
 struct QkNorm {
   const T* q_weight = nullptr;
   const T* k_weight = nullptr;
   int64_t span = 0;
   float eps = 0.f;
+  bool product = false;
 };
 
 // 1 / sqrt(mean(x^2) + eps) of n values (a multiple of 16), fp32.
@@ -68,25 +70,28 @@ float inv_rms(const T* x, int64_t n, float eps) {
   return 1.f / std::sqrt(llmc_cpu::hsum(acc) / static_cast<float>(n) + eps);
 }
 
-// One head normed: out[j] = T(T(head[j] * scale) * weight[j]), as floats.
+// One head normed: out[j] = T(T(head[j] * scale) * weight[j]), or with `product`
+// T(head[j] * scale * weight[j]), as floats.
 template <typename T>
-void norm_head(const T* head, const T* weight, float scale, int64_t d, float* out) {
+void norm_head(const T* head, const T* weight, float scale, int64_t d, bool product, float* out) {
   for (int64_t j = 0; j < d; ++j) {
-    const float n = static_cast<float>(static_cast<T>(static_cast<float>(head[j]) * scale));
+    const float scaled = static_cast<float>(head[j]) * scale;
+    const float n = product ? scaled : static_cast<float>(static_cast<T>(scaled));
     out[j] = static_cast<float>(static_cast<T>(n * static_cast<float>(weight[j])));
   }
 }
 
-// Rotates `heads` heads of one token from `src` into `dst`, each normed first as `span` says
-// (weight: the norm's; scratch: D floats).
+// Rotates `heads` heads of one token from `src` into `dst`, each normed first as `norm` says
+// (`weight`: its q or k weight; scratch: D floats).
 template <typename T, typename O>
 void norm_rotate_heads(const T* src, O* dst, int64_t heads, int64_t d, int64_t r, const float* cos, const float* sin,
-                       const T* weight, int64_t span, float eps, float* scratch) {
+                       const T* weight, const QkNorm<T>& norm, float* scratch) {
+  const int64_t span = norm.span;
   if (span == 0) return rotate_heads(src, dst, heads, d, r, cos, sin);
-  const float row_scale = span == 2 ? inv_rms(src, heads * d, eps) : 0.f;
+  const float row_scale = span == 2 ? inv_rms(src, heads * d, norm.eps) : 0.f;
   for (int64_t h = 0; h < heads; ++h) {
-    const float scale = span == 2 ? row_scale : inv_rms(src + h * d, d, eps);
-    norm_head(src + h * d, weight + (span == 2 ? h * d : 0), scale, d, scratch);
+    const float scale = span == 2 ? row_scale : inv_rms(src + h * d, d, norm.eps);
+    norm_head(src + h * d, weight + (span == 2 ? h * d : 0), scale, d, norm.product, scratch);
     rotate_heads(static_cast<const float*>(scratch), dst + h * d, 1, d, r, cos, sin);
   }
 }
@@ -102,7 +107,7 @@ void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const 
   for (int64_t h = 0; h < s.kv_heads; ++h, at += head_stride) {
     if (norm.span)
       norm_head(k + h * d, norm.k_weight + (norm.span == 2 ? h * d : 0),
-                norm.span == 2 ? row_scale : inv_rms(k + h * d, d, norm.eps), d, normed);
+                norm.span == 2 ? row_scale : inv_rms(k + h * d, d, norm.eps), d, norm.product, normed);
     const auto rotate_k = [&](auto* dst) {
       if (norm.span)
         rotate_heads(static_cast<const float*>(normed), dst, 1, d, s.rotary_dim, cos, sin);
@@ -127,7 +132,7 @@ void write_kv(const T* k, const T* v, C* k_cache, C* v_cache, int64_t at, const 
 template <typename T, typename C>
 void rope_token(const T* q, const T* k, const T* v, const float* cos, const float* sin, int64_t slot, C* k_cache,
                 C* v_cache, T* q_out, const KvLayout& s, const QkNorm<T>& norm, float* row) {
-  norm_rotate_heads(q, q_out, s.heads, s.head_dim, s.rotary_dim, cos, sin, norm.q_weight, norm.span, norm.eps, row);
+  norm_rotate_heads(q, q_out, s.heads, s.head_dim, s.rotary_dim, cos, sin, norm.q_weight, norm, row);
   if (slot < 0) return;
   const int64_t block = slot / s.block_size, offset = slot % s.block_size;
   write_kv(k, v, k_cache, v_cache, (block * s.kv_heads * s.block_size + offset) * llmc_cpu::row_elems<C>(s.head_dim),

@@ -17,8 +17,9 @@ Contract (kernels/rope_kv_write.py's `rope_kv_write_ref`, same tensors):
                 longrope's, else 1.0)
   q_norm, k_norm  with qk_norm "head" ([D] each) or "all" ([H*D], [KVH*D]), after the slots in
                 `tensors`, q's dtype: q and k are RMS-normed before the rotation as rmsnorm_ref
-                (fp32 mean of squares and rsqrt, the normed value rounded to q's dtype, then the
-                weight's product rounded), eps `norm_eps`
+                (fp32 mean of squares and rsqrt; with norm_rounding "normed" the normed value
+                rounded to q's dtype, then the weight's product rounded; with "product" the fp32
+                product with the weight rounded once), eps `norm_eps`
 Rotates q and k (rotate-half: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin on each head's halves),
 cos/sin and the rotation in fp32, from positions * inv_freq computed in the kernel. Stores the
 rotated k and v of each token at its slot of `layer` (cast to the cache's dtype), in place, and
@@ -43,17 +44,22 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
-def _normed(x, scale, w_ptrs, mask, dtype):
-    """rmsnorm_ref's rounding: x * scale rounded to dtype, times the weight, rounded again (fp32 out)."""
+def _normed(x, scale, w_ptrs, mask, dtype, NORM_PRODUCT: tl.constexpr):
+    """rmsnorm_ref's rounding: x * scale rounded to dtype, times the weight, rounded again; with
+    NORM_PRODUCT the fp32 product x * scale * weight rounded once (fp32 out)."""
     w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return ((x * scale).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    scaled = x * scale
+    if not NORM_PRODUCT:
+        scaled = scaled.to(dtype).to(tl.float32)
+    return (scaled * w).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-                  NORM_SPAN: tl.constexpr):
-    """Token t's HEADS heads, normed (NORM_SPAN 1 per head, 2 the whole row; 0 not) and rotated:
+                  NORM_SPAN: tl.constexpr, NORM_PRODUCT: tl.constexpr):
+    """Token t's HEADS heads, normed (NORM_SPAN 1 per head, 2 the whole row; 0 not; rounded as
+    NORM_PRODUCT says) and rotated:
     the rotated halves [BLOCK_H, BLOCK_HALF] each and the values past the rotary dim 2 * HALF
     [BLOCK_H, BLOCK_PASS] (none but for a partial rotary), fp32, with their masks."""
     heads = tl.arange(0, BLOCK_H)[:, None]                                 # [BH, 1]
@@ -74,9 +80,9 @@ def _rotate_heads(src_ptr, src_row_stride, t, cos, sin, norm_ptr, eps, HEADS: tl
         else:
             scale = tl.rsqrt(tl.sum(squares, 0) / (HEADS * HEAD_DIM) + eps)
             w = norm_ptr + heads * HEAD_DIM                                # weight [H*D]
-        x1 = _normed(x1, scale, w + dims, mask, dtype)
-        x2 = _normed(x2, scale, w + HALF + dims, mask, dtype)
-        xp = _normed(xp, scale, w + 2 * HALF + pass_dims, pass_mask, dtype)
+        x1 = _normed(x1, scale, w + dims, mask, dtype, NORM_PRODUCT)
+        x2 = _normed(x2, scale, w + HALF + dims, mask, dtype, NORM_PRODUCT)
+        xp = _normed(xp, scale, w + 2 * HALF + pass_dims, pass_mask, dtype, NORM_PRODUCT)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin, xp, mask, pass_mask
 
 
@@ -102,6 +108,7 @@ def _rope_kv_write_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     KV_INT8: tl.constexpr,
     NORM_SPAN: tl.constexpr,                        # q/k norms: 0 none, 1 per head, 2 the whole row
+    NORM_PRODUCT: tl.constexpr,                     # their rounding: False "normed", True "product"
 ):
     t = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -112,7 +119,7 @@ def _rope_kv_write_kernel(
     dims, pass_dims = dims[None, :], tl.arange(0, BLOCK_PASS)[None, :] + 2 * HALF
 
     q1, q2, qp, q_mask, qp_mask = _rotate_heads(q_ptr, stride_q, t, cos, sin, q_norm_ptr, norm_eps, HEADS, HEAD_DIM,
-                                                HALF, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM_SPAN)
+                                                HALF, BLOCK_H, BLOCK_HALF, BLOCK_PASS, NORM_SPAN, NORM_PRODUCT)
     heads = tl.arange(0, BLOCK_H)[:, None]
     q_out = q_out_ptr + t * stride_qo + heads * HEAD_DIM                   # [BH, 1]
     tl.store(q_out + dims, q1.to(q_out_ptr.dtype.element_ty), mask=q_mask)
@@ -120,7 +127,8 @@ def _rope_kv_write_kernel(
     tl.store(q_out + pass_dims, qp.to(q_out_ptr.dtype.element_ty), mask=qp_mask)
 
     k1, k2, kp, kv_mask, kp_mask = _rotate_heads(k_ptr, stride_k, t, cos, sin, k_norm_ptr, norm_eps, KV_HEADS,
-                                                 HEAD_DIM, HALF, BLOCK_KVH, BLOCK_HALF, BLOCK_PASS, NORM_SPAN)
+                                                 HEAD_DIM, HALF, BLOCK_KVH, BLOCK_HALF, BLOCK_PASS, NORM_SPAN,
+                                                 NORM_PRODUCT)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     kv_mask, kp_mask = kv_mask & (slot >= 0), kp_mask & (slot >= 0)        # padding: no K/V write
     kv_heads = tl.arange(0, BLOCK_KVH)[:, None]
@@ -183,17 +191,20 @@ NORM_SPANS = {"": 0, "head": 1, "all": 2}
 
 def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          inv_freq: torch.Tensor, q_out: torch.Tensor | None = None, attention_factor: float = 1.0,
-                         qk_norm: str = "", norm_eps: float = 0.0,
-                         rotary_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         qk_norm: str = "", norm_eps: float = 0.0, rotary_dim: int | None = None,
+                         norm_rounding: str = "normed") -> tuple[torch.Tensor, torch.Tensor]:
     """Launcher: checks the contract (ValueError naming the bad value) from shapes, dtypes and
     devices only, then launches one program per token. `q_out` may be q itself; `rotary_dim`
-    (even, at most head_dim; None: head_dim) the values of each head that turn."""
+    (even, at most head_dim; None: head_dim) the values of each head that turn; `norm_rounding`
+    "normed" or "product" (compiler/ops/norms.py)."""
     rotary = head_dim if rotary_dim is None else rotary_dim
     norms = 2 if qk_norm else 0
     if qk_norm not in NORM_SPANS or len(tensors) not in (4 + norms, 6 + norms):
         raise ValueError(f"rope_kv_write_triton takes (qkv, positions, cache, slots) or (q, k, v, positions, "
                          f"cache, slots), then q_norm, k_norm with qk_norm 'head' or 'all'; got {len(tensors)} "
                          f"tensors and qk_norm={qk_norm!r}")
+    if norm_rounding not in ("normed", "product"):
+        raise ValueError(f"norm_rounding must be 'normed' or 'product'; got {norm_rounding!r}")
     q, k, v, positions, kv_cache, slot_mapping, *norm_weights = unpack_inputs(tensors, num_heads, num_kv_heads,
                                                                               head_dim, qk_norm)
     _check_inputs(q, k, v, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim, inv_freq,
@@ -213,7 +224,7 @@ def rope_kv_write_triton(*tensors: torch.Tensor, layer: int, num_heads: int, num
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(rotary // 2), BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary, 1)),
         KV_INT8=is_int8_cache(kv_cache),
-        NORM_SPAN=NORM_SPANS[qk_norm],
+        NORM_SPAN=NORM_SPANS[qk_norm], NORM_PRODUCT=norm_rounding == "product",
     )
     return q_out, kv_cache
 

@@ -152,3 +152,20 @@ def test_ropes_turning_different_widths_are_left_alone():
                               "%2 = rope(%0#1, %positions, head_dim=12, theta=10000.0, scaling=None, rotary_dim=6)"))
     after, ctx = run_pass(fuse_rope_kv_write, graph)
     assert hits(ctx) == 0 and "rope_kv_write" not in str(after)
+
+
+@pytest.mark.parametrize("kind", ["head", "all"])
+def test_the_norms_rounding_is_carried(kind):
+    """Norms that round once after the weight (Gemma, OLMo-2) fuse with norm_rounding='product';
+    q and k norms that round differently are left alone."""
+    text = normed(kind).replace("eps=1e-06", "eps=1e-06, rounding='product'")
+    after, ctx = run_pass(fuse_rope_kv_write, ir(text))
+    assert hits(ctx) == 1
+    (fused,) = [n for n in after.nodes if n.op == "rope_kv_write"]
+    assert fused.attrs["norm_rounding"] == "product" and format_node(fused).endswith(
+        f"norm_eps=1e-06, norm_rounding='product') : f32[T,72], {CACHE}")
+    mixed = text.replace(f"%6 = {NORM_OPS[kind][0]}(%0#1, %w.k_norm, eps=1e-06, rounding='product'",
+                         f"%6 = {NORM_OPS[kind][0]}(%0#1, %w.k_norm, eps=1e-06")
+    assert mixed != text
+    after, ctx = run_pass(fuse_rope_kv_write, ir(mixed))
+    assert hits(ctx) == 0
