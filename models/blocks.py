@@ -28,13 +28,14 @@ from llmc.compiler.ops.rope import rope_ref
 from .config import ModelConfig
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rmsnorm_ref(x, weight, eps)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str = "normed") -> torch.Tensor:
+    return rmsnorm_ref(x, weight, eps, rounding)
 
 
-def head_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int) -> torch.Tensor:
+def head_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int,
+                 rounding: str = "normed") -> torch.Tensor:
     from llmc.compiler.ops.norms import head_rmsnorm_ref
-    return head_rmsnorm_ref(x, weight, eps, head_dim)
+    return head_rmsnorm_ref(x, weight, eps, head_dim, rounding)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float, scaling,
@@ -64,13 +65,18 @@ torch.fx.wrap("softcap")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """rmsnorm of x with this weight; `rounding` as ModelConfig.norm_rounding (passed to the leaf
+    only when not the default, so graphs without the choice trace as before)."""
+
+    def __init__(self, dim: int, eps: float, rounding: str = "normed"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.rounding = eps, rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.eps)
+        if self.rounding == "normed":
+            return rmsnorm(x, self.weight, self.eps)
+        return rmsnorm(x, self.weight, self.eps, rounding=self.rounding)
 
 
 class DecoderLayer(nn.Module):
@@ -85,16 +91,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.cfg, self.index = cfg, index
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
         self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             per_head = cfg.qk_norm == "head"
-            self.q_norm = RMSNorm(cfg.head_dim if per_head else q_width, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim if per_head else kv_width, cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else q_width, cfg.rms_norm_eps, cfg.norm_rounding)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else kv_width, cfg.rms_norm_eps, cfg.norm_rounding)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -104,8 +110,9 @@ class DecoderLayer(nn.Module):
         cfg, q, k = self.cfg, self.q_proj(x), self.k_proj(x)
         if cfg.qk_norm == "head":
             eps = cfg.rms_norm_eps
-            return (head_rmsnorm(q, self.q_norm.weight, eps, cfg.head_dim),
-                    head_rmsnorm(k, self.k_norm.weight, eps, cfg.head_dim))
+            rounding = {"rounding": cfg.norm_rounding} if cfg.norm_rounding != "normed" else {}
+            return (head_rmsnorm(q, self.q_norm.weight, eps, cfg.head_dim, **rounding),
+                    head_rmsnorm(k, self.k_norm.weight, eps, cfg.head_dim, **rounding))
         if cfg.qk_norm == "all":
             return self.q_norm(q), self.k_norm(k)
         return q, k
@@ -156,7 +163,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

@@ -35,6 +35,7 @@ import torch
 
 HIDDEN_ACTS = ("silu", "gelu_tanh")
 QK_NORMS = ("", "head", "all")
+NORM_ROUNDINGS = ("normed", "product")   # compiler/ops/norms.py: where an RMSNorm rounds to x's dtype
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -74,6 +75,9 @@ class ModelConfig:
     final_softcap: float | None = None     # logits likewise
     embed_scale: bool = False              # embeddings times sqrt(hidden_size), rounded to their dtype
     rotary_dim: int | None = None          # the dims of each head RoPE turns (partial rotary); None: head_dim
+    norm_rounding: str = "normed"          # RMSNorms round the normed row, then times the weight ("normed",
+                                           # Llama, Qwen3) or round once after the fp32 product ("product",
+                                           # Gemma 2/3, OLMo-2)
 
     def __post_init__(self) -> None:
         from .families import family_of  # the families import this module: ask at call time
@@ -97,6 +101,8 @@ class ModelConfig:
             raise ModelError(f"hidden activation {self.hidden_act!r} is not supported; llmc has {HIDDEN_ACTS}")
         if self.qk_norm not in QK_NORMS:
             raise ModelError(f"qk_norm {self.qk_norm!r} is not one of {QK_NORMS}")
+        if self.norm_rounding not in NORM_ROUNDINGS:
+            raise ModelError(f"norm_rounding {self.norm_rounding!r} is not one of {NORM_ROUNDINGS}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ModelError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))

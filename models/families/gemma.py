@@ -9,6 +9,13 @@ Gemma 2 soft-caps attention scores and final logits; Gemma 3 norms q and k per h
 gives its sliding layers their own RoPE base (`rope_local_base_freq`, unscaled).
 GGUF: llama.cpp does not store `query_pre_attn_scalar` or the layer pattern; it derives both, and
 so does `config_from_gguf` (the 27B models scale by hidden / heads, the others by head_dim).
+Norms round once, after the fp32 product with the weight (norm_rounding "product"), as
+transformers' Gemma2RMSNorm/Gemma3RMSNorm do. Known difference in a bf16 (or f16) artifact: the
+stored multiplier 1 + w is rounded to the artifact's dtype, while transformers forms 1 + w in
+fp32 from its bf16 w and never rounds it; for bf16 the two multipliers differ on about half the
+weights and a quarter of a norm's outputs land an ulp apart. Keeping norm weights in fp32 would
+close it, but every norm kernel (generated, native rope_kv_write, step plan, Triton) takes
+weights of x's dtype today. fp32 artifacts are exact.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ class GemmaLayer(DecoderLayer):
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__(cfg, index)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         h = h + self.post_attn_norm(self.attention(self.attn_norm(h), positions, query_start_loc))
@@ -73,6 +80,7 @@ def _gemma_fields(raw: dict[str, Any], sliding_pattern: int) -> dict[str, Any]:
     """What Gemma 2 and 3 share, read from config.json."""
     fields = decoder_fields(raw, cap_at_window=False) | dict(
         hidden_act="gelu_tanh", embed_scale=True, attn_scale=float(raw["query_pre_attn_scalar"]) ** -0.5,
+        norm_rounding="product",
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         max_position_embeddings=raw.get("max_position_embeddings", 8192))
     layers = fields["num_layers"]
@@ -123,7 +131,7 @@ def _gguf_layer_types(layers: int, value, default_pattern: int) -> tuple[str, ..
 def gemma2_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     window = value("attention.sliding_window")
     return ModelConfig(architecture="Gemma2ForCausalLM", **fields | dict(
-        hidden_act="gelu_tanh", embed_scale=True, attn_scale=_gguf_scale(fields),
+        hidden_act="gelu_tanh", embed_scale=True, attn_scale=_gguf_scale(fields), norm_rounding="product",
         attn_softcap=value("attn_logit_softcapping"), final_softcap=value("final_logit_softcapping"),
         layer_types=_gguf_layer_types(fields["num_layers"], value, 2) if window else (),
         sliding_window=int(window) if window else None))
@@ -133,6 +141,7 @@ def gemma3_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     window = value("attention.sliding_window")
     return ModelConfig(architecture="Gemma3ForCausalLM", **fields | dict(
         hidden_act="gelu_tanh", embed_scale=True, attn_scale=_gguf_scale(fields), qk_norm="head",
+        norm_rounding="product",
         layer_types=_gguf_layer_types(fields["num_layers"], value, 6) if window else (),
         sliding_window=int(window) if window else None, local_rope_theta=10000.0))
 

@@ -30,8 +30,8 @@ class Olmo2Layer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__(cfg, index)
         del self.attn_norm, self.mlp_norm                       # OLMo-2 norms outputs, not inputs
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
+        self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_rounding)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
         h = h + self.post_attn_norm(self.attention(h, positions, query_start_loc))
@@ -42,12 +42,15 @@ def causal_lm(cfg: ModelConfig) -> CausalLM:
     return CausalLM(cfg, Olmo2Layer)
 
 
+OLMO2_FIELDS = {"qk_norm": "all", "norm_rounding": "product"}   # norms round once, after the weight
+
+
 def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
-    return ModelConfig(architecture=architecture, **(decoder_fields(raw) | {"qk_norm": "all"}))
+    return ModelConfig(architecture=architecture, **(decoder_fields(raw) | OLMO2_FIELDS))
 
 
 def config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
-    return ModelConfig(architecture="Olmo2ForCausalLM", **(fields | {"qk_norm": "all"}))
+    return ModelConfig(architecture="Olmo2ForCausalLM", **(fields | OLMO2_FIELDS))
 
 
 FAMILY = Family(
