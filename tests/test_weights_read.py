@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from llmc.compiler.frontend import ENTRIES, trace
+from llmc.models.config import expected_weights
+from llmc.models.families import family_of
 from llmc.models.hf_loader import canonical_name
 from llmc.models.loader import load_model
 from llmc.passes.pipeline import run_pipeline
@@ -25,14 +27,30 @@ STEPS = {"prefill": Step.prefill("prefill", [[5, 17, 3, 99, 42], [8, 1, 120]]),
          "decode": Step.after_context("decode", [list(range(3, 13)), [9, 8, 7, 6, 5, 4, 3]], [1, 1])}
 
 
+def as_loaded(hf_name: str, p: torch.Tensor, family, shapes: dict) -> dict[str, torch.Tensor]:
+    """What the loader must make of transformers parameter `hf_name`: its llmc name(s) and values
+    (a fused weight's parts cut along rows at the heights `shapes` gives, a Gemma norm as 1 + w)."""
+    name = canonical_name(hf_name, family.hf_layer_names)
+    prefix, module, suffix = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
+    if module in family.fused_weights:
+        parts = [f"{prefix}.{part}.{suffix}" for part in family.fused_weights[module]]
+        return dict(zip(parts, p.detach().split([shapes[part][0] for part in parts])))
+    if name.endswith("norm.weight") and family.hf_norm_offset:
+        return {name: p.detach().float() + family.hf_norm_offset}
+    return {name: p.detach()}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_transformers_parameter_is_loaded_with_its_values(tiny_family, family):
     model, folder, _ = tiny_family(family)
-    loaded = load_model(folder).weights
-    params = dict(model.named_parameters())            # a tied LM head is listed once, as the embedding
-    assert sorted(loaded) == sorted(canonical_name(name) for name in params)
-    for name, p in params.items():
-        assert torch.equal(loaded[canonical_name(name)], p.detach()), name
+    loaded = load_model(folder)
+    fam, shapes = family_of(loaded.config.architecture), expected_weights(loaded.config)
+    expected = {}
+    for name, p in model.named_parameters():            # a tied LM head is listed once, as the embedding
+        expected |= as_loaded(name, p, fam, shapes)
+    assert sorted(loaded.weights) == sorted(expected)
+    for name, w in expected.items():
+        assert torch.equal(loaded.weights[name], w), name
 
 
 def compiled_logits(traced: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
