@@ -34,11 +34,16 @@ def model_on_dequantized_weights(model, weights: dict[str, torch.Tensor]):
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = dequantized(weights, f"layers.{i}.qkv_proj.weight").split(widths)
-            gate, up = dequantized(weights, f"layers.{i}.gate_up_proj.weight").chunk(2)
-            for module, w in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v), (mlp.gate_proj, gate),
-                              (mlp.up_proj, up), (attn.o_proj, dequantized(weights, f"layers.{i}.o_proj.weight")),
-                              (mlp.down_proj, dequantized(weights, f"layers.{i}.down_proj.weight"))):
+            qkv = dequantized(weights, f"layers.{i}.qkv_proj.weight")
+            gate_up = dequantized(weights, f"layers.{i}.gate_up_proj.weight")
+            if hasattr(attn, "qkv_proj"):                   # Phi-3 keeps them fused, as llmc's merge does
+                pairs = [(attn.qkv_proj, qkv), (mlp.gate_up_proj, gate_up)]
+            else:
+                pairs = [*zip((attn.q_proj, attn.k_proj, attn.v_proj), qkv.split(widths)),
+                         *zip((mlp.gate_proj, mlp.up_proj), gate_up.chunk(2))]
+            pairs += [(attn.o_proj, dequantized(weights, f"layers.{i}.o_proj.weight")),
+                      (mlp.down_proj, dequantized(weights, f"layers.{i}.down_proj.weight"))]
+            for module, w in pairs:
                 module.weight.copy_(w)
     return model
 
