@@ -222,3 +222,10 @@ def test_phi3_longrope_uses_the_long_factors_for_every_token_of_a_longer_serving
         long.num_computed = long.num_tokens
     got = run_all_positions(runner, blocks, [(short, 0, short.num_tokens)])
     assert (got - hf_logits(model, short.prompt_ids)).abs().max() > 10 * tol["atol"]
+
+
+def test_gemma3_at_its_real_head_dim_256_matches_transformers_as_whole_step_plans(tmp_path):
+    """Gemma's head_dim (256) through the native kernels' attention and RoPE + norms, as plans."""
+    model = build_hf_model("gemma3", head_dim=256, query_pre_attn_scalar=256)
+    artifact = compile_model(write_hf_folder(model, tmp_path / "hf"), tmp_path / "art")
+    assert_matches_transformers(model, artifact, "native", "gemma3")
