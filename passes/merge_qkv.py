@@ -1,8 +1,9 @@
 """Merge the Q, K and V projections of every attention into one GEMM.
 
 Matches: `attention(q, k, v, qsl)` where q and k are `rope(linear(x, w))` (or plain linears;
-  a q/k norm, `head_rmsnorm` or `rmsnorm`, may sit between linear and rope) and v is `linear(x, w)`, all three over the same x, with weight (and, for Qwen2, bias)
-  operands that are weight nodes.
+  a q/k norm, `head_rmsnorm` or `rmsnorm`, may sit between linear and rope) and v is
+  `linear(x, w)`, all three over the same x, with weight (and, for Qwen2, bias) operands that
+  are weight nodes.
 Produces: `linear(x, concat(wq, wk, wv, dim=0) [, concat(bq, bk, bv, dim=0)])` and a `split`
   into q, k, v widths, whose results replace the three projections.
 Requires: runs before insert_paged_attention (it matches the traced `attention`).
