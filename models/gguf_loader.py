@@ -42,6 +42,7 @@ GLOBAL_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
 def load_gguf(path: str | Path) -> LoadedModel:
@@ -153,6 +154,8 @@ def _f32(value: float) -> float:
 def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any] | None:
     """`{arch}.rope.scaling.*` in Hugging Face form ({"rope_type", "factor", ...}), or None."""
     kind = gguf_value(reader, f"{arch}.rope.scaling.type")
+    if set(LONGROPE_FACTORS.values()) <= tensor_names:
+        return _longrope_scaling(reader, arch)
     if kind in (None, "none"):
         if ROPE_FREQS in tensor_names:
             raise ModelError(
@@ -167,6 +170,23 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict
     original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _longrope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any]:
+    """LongRoPE (Phi-3) as llama.cpp writes it: the two factor lists as tensors, the original context
+    and the attention factor as metadata; in Hugging Face form (the family picks one list)."""
+    tensors = {t.name: t for t in reader.tensors}
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for key, name in LONGROPE_FACTORS.items():
+        scaling[key] = [_f32(v) for v in np.asarray(tensors[name].data, dtype=np.float32).ravel()]
+    original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelError(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length, which its LongRoPE "
+                         "factors need; the file is incomplete")
+    scaling["original_max_position_embeddings"] = int(original)
+    if (attn := gguf_value(reader, f"{arch}.rope.scaling.attn_factor")) is not None:
+        scaling["attention_factor"] = _f32(attn)
     return scaling
 
 
@@ -209,7 +229,7 @@ def _unpermute_attention(weights: dict[str, torch.Tensor], config: ModelConfig) 
 
 def _canonical_name(gguf_name: str, family: Family) -> str | None:
     """llmc's name for GGUF tensor `gguf_name` of `family`; None for tensors llmc ignores (rope_freqs)."""
-    if gguf_name == ROPE_FREQS:
+    if gguf_name == ROPE_FREQS or gguf_name in LONGROPE_FACTORS.values():
         return None  # the scaling it encodes is read from metadata (checked in _rope_scaling)
     if m := LAYER_TENSOR.fullmatch(gguf_name):
         layer, part, suffix = m.groups()

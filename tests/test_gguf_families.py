@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmc.compiler.ops.rope import rope_attention_factor, rope_inv_freq
 from llmc.models.families import FAMILIES
 from llmc.models.gguf_loader import load_gguf
 from llmc.models.hf_loader import load_hf_folder
@@ -65,6 +66,11 @@ def write_family_gguf(path, arch: str, cfg, tensors: dict[str, np.ndarray], raw:
     if cfg.attn_softcap:
         w.add_attn_logit_softcapping(cfg.attn_softcap)
         w.add_final_logit_softcapping(cfg.final_softcap)
+    if (cfg.rope_scaling or {}).get("rope_type") == "longrope":        # as llama.cpp's phi3 converter
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_scaling["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(rope_attention_factor(cfg.rope_scaling))
+        for which in ("long", "short"):
+            w.add_tensor(f"rope_factors_{which}.weight", np.array(cfg.rope_scaling[f"{which}_factor"], np.float32))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(tokens)
@@ -107,3 +113,19 @@ def test_a_gguf_of_each_family_loads_as_its_hf_folder(tmp_path, family, override
             assert loaded.quantized[name].shape == tuple(w.shape)
         else:
             assert torch.equal(loaded.weights[name], w.float()), name
+
+
+@pytest.mark.parametrize("original", [16, 256])
+def test_a_phi3_gguf_with_longrope_factor_tensors_rotates_as_its_hf_folder(tmp_path, original):
+    """llama.cpp writes LongRoPE's factors as tensors and the original context and attention factor
+    as metadata: read back, they choose the same set (long past 16 of 256, short at 256) and give
+    the same frequencies and attention factor as the Hugging Face config."""
+    hf = load_hf_folder(write_hf_folder(build_hf_model("phi3", original_max_position_embeddings=original),
+                                        tmp_path / "hf"))
+    tensors = gguf_tensors(hf.weights, FAMILIES["phi3"])
+    loaded = load_gguf(write_family_gguf(tmp_path / "m.gguf", "phi3", hf.config, tensors)).config
+    want, got = hf.config.rope_scaling, loaded.rope_scaling
+    assert got["factors"] == want["factors"] == ("long" if original == 16 else "short")
+    rotary = hf.config.rotary_dim
+    assert torch.equal(rope_inv_freq(rotary, loaded.rope_theta, got), rope_inv_freq(rotary, hf.config.rope_theta, want))
+    assert rope_attention_factor(got) == pytest.approx(rope_attention_factor(want), rel=1e-6)

@@ -44,7 +44,8 @@ def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
 
 def config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     """llama.cpp's `phi3` metadata: `rope.dimension_count` is the rotary part of a head (head_dim is
-    hidden / heads), `attention.sliding_window` the window of every layer."""
+    hidden / heads), `attention.sliding_window` the window of every layer; LongRoPE factors (read
+    from the file's factor tensors) chosen as for a Hugging Face config."""
     head_dim = fields["hidden_size"] // fields["num_heads"]
     rotary, window = value("rope.dimension_count"), value("attention.sliding_window")
     fields = fields | {"head_dim": head_dim}
@@ -52,6 +53,10 @@ def config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
         fields["rotary_dim"] = int(rotary)
     if window:
         fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=int(window))
+    scaling = fields["rope_scaling"]
+    if scaling and scaling["rope_type"] == "longrope":
+        fields["rope_scaling"] = longrope_choice(scaling, fields["max_position_embeddings"],
+                                                 scaling["original_max_position_embeddings"])
     return ModelConfig(architecture="Phi3ForCausalLM", **fields)
 
 
