@@ -161,3 +161,10 @@ def test_register_refuses_a_taken_name_or_architecture(monkeypatch):
             register(clash)
     with pytest.raises(ValueError, match="names no GGUF architecture"):
         dataclasses.replace(VARIANT, gguf_permuted_qk=True)
+
+
+def test_a_malformed_longrope_config_is_one_sentence():
+    raw = RAW | {"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}
+    with pytest.raises(ModelError) as info:
+        config_from_hf(raw)
+    assert_one_sentence(str(info.value), "LongRoPE", "long_factor")

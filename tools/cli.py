@@ -40,7 +40,7 @@ QUALITY_WINDOW = 512          # tokens per sequence when measuring quality (each
 USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError, QuantRecipeError)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="llmc: compile a Llama-family model into an artifact, then run it.")
+                  help="llmc: compile a decoder model (models/families) into an artifact, then run it.")
 
 
 @app.callback()

@@ -16,7 +16,7 @@ from typing import Any
 from llmc.compiler.ops.rope import longrope_choice
 
 from ..blocks import CausalLM
-from ..config import ModelConfig
+from ..config import ModelConfig, ModelError
 from .family import LLAMA_GGUF_LAYER_NAMES, LLAMA_HF_LAYER_NAMES, Family
 from .hf_fields import decoder_fields
 
@@ -25,6 +25,14 @@ PHI3_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system'
                  "{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'assistant' %}"
                  "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor %}"
                  "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def _longrope(scaling: dict[str, Any], max_positions: int, original: int | None) -> dict[str, Any]:
+    """longrope_choice, a malformed LongRoPE config as one ModelError."""
+    try:
+        return longrope_choice(scaling, max_positions, original)
+    except ValueError as exc:
+        raise ModelError(f"the Phi-3 config's LongRoPE scaling is malformed: {exc}") from None
 
 
 def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
@@ -36,7 +44,7 @@ def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
     if fields["rope_scaling"] and fields["rope_scaling"].get("rope_type", fields["rope_scaling"].get("type")) == "longrope":
         original = fields["rope_scaling"].get("original_max_position_embeddings",
                                               raw.get("original_max_position_embeddings"))
-        fields["rope_scaling"] = longrope_choice(fields["rope_scaling"], fields["max_position_embeddings"], original)
+        fields["rope_scaling"] = _longrope(fields["rope_scaling"], fields["max_position_embeddings"], original)
     if raw.get("sliding_window"):
         fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=raw["sliding_window"])
     return ModelConfig(architecture=architecture, **fields)
@@ -55,8 +63,8 @@ def config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
         fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=int(window))
     scaling = fields["rope_scaling"]
     if scaling and scaling["rope_type"] == "longrope":
-        fields["rope_scaling"] = longrope_choice(scaling, fields["max_position_embeddings"],
-                                                 scaling["original_max_position_embeddings"])
+        fields["rope_scaling"] = _longrope(scaling, fields["max_position_embeddings"],
+                                           scaling["original_max_position_embeddings"])
     return ModelConfig(architecture="Phi3ForCausalLM", **fields)
 
 
