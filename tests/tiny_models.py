@@ -6,6 +6,7 @@ tokenizer_config.json with a ChatML template), the same input `llmc compile` rea
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -91,7 +92,9 @@ def build_hf_model(family: str, seed: int = 0, **config):
     settings = dict(vocab_size=300, hidden_size=72, intermediate_size=120, num_hidden_layers=2,
                     max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = getattr(transformers, config_cls)(**{**settings, **overrides, **config})
+    # a deep copy: transformers' configs change nested dicts (rope_parameters) in place, which would
+    # reach back into FAMILIES and into every model built from them before
+    config = getattr(transformers, config_cls)(**copy.deepcopy({**settings, **overrides, **config}))
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # norms start at 1.0; make them random so a wrong norm would show
