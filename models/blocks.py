@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.compiler.ops.attention import attention_ref
-from llmc.compiler.ops.norms import rmsnorm_ref
+from llmc.compiler.ops.elementwise import softcap_ref
+from llmc.compiler.ops.norms import head_rmsnorm_ref, rmsnorm_ref
 from llmc.compiler.ops.rope import rope_ref
 
 from .config import ModelConfig
@@ -34,7 +35,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, rounding: str = "
 
 def head_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, head_dim: int,
                  rounding: str = "normed") -> torch.Tensor:
-    from llmc.compiler.ops.norms import head_rmsnorm_ref
     return head_rmsnorm_ref(x, weight, eps, head_dim, rounding)
 
 
@@ -53,7 +53,6 @@ def causal_attention(q, k, v, query_start_loc, num_heads: int, num_kv_heads: int
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    from llmc.compiler.ops.elementwise import softcap_ref
     return softcap_ref(x, cap)
 
 
