@@ -17,7 +17,7 @@ from llmc.kernels.quant import dequantize_kv_rows
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
 from llmc.runtime.step_plan import lower_step_plan
-from tolerances import EPS, assert_as_close_as_ref, tolerance
+from tolerances import assert_as_close_as_ref, tolerance
 
 HEADS, KV_HEADS, BS, EPS_NORM = 4, 2, 16, 0.05
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
