@@ -23,7 +23,7 @@ from torch import nn
 
 from llmc.compiler.ops.attention import attention_ref
 from llmc.compiler.ops.elementwise import softcap_ref
-from llmc.compiler.ops.norms import head_rmsnorm_ref, rmsnorm_ref
+from llmc.compiler.ops.norms import head_rmsnorm_ref, rmsnorm_ref, rounding_attr
 from llmc.compiler.ops.rope import rope_ref
 
 from .config import ModelConfig
@@ -73,9 +73,7 @@ class RMSNorm(nn.Module):
         self.eps, self.rounding = eps, rounding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rounding == "normed":
-            return rmsnorm(x, self.weight, self.eps)
-        return rmsnorm(x, self.weight, self.eps, rounding=self.rounding)
+        return rmsnorm(x, self.weight, self.eps, **rounding_attr(self.rounding))
 
 
 class DecoderLayer(nn.Module):
@@ -109,7 +107,7 @@ class DecoderLayer(nn.Module):
         cfg, q, k = self.cfg, self.q_proj(x), self.k_proj(x)
         if cfg.qk_norm == "head":
             eps = cfg.rms_norm_eps
-            rounding = {"rounding": cfg.norm_rounding} if cfg.norm_rounding != "normed" else {}
+            rounding = rounding_attr(cfg.norm_rounding)
             return (head_rmsnorm(q, self.q_norm.weight, eps, cfg.head_dim, **rounding),
                     head_rmsnorm(k, self.k_norm.weight, eps, cfg.head_dim, **rounding))
         if cfg.qk_norm == "all":

@@ -39,6 +39,16 @@ NORM_ROUNDINGS = ("normed", "product")   # compiler/ops/norms.py: where an RMSNo
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+def periodic_layers(num_layers: int, period: int) -> tuple[str, ...]:
+    """Layer types with every `period`-th layer full and the others sliding (Gemma's pattern)."""
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers))
+
+
+def sliding_everywhere(num_layers: int, window: int) -> dict[str, Any]:
+    """The ModelConfig keywords of a model whose every layer attends within `window` (Mistral, Phi-3)."""
+    return dict(layer_types=("sliding_attention",) * num_layers, sliding_window=int(window))
+
+
 class ModelError(Exception):
     """A model that llmc cannot load; the message names the problem and the fix."""
 
@@ -188,9 +198,11 @@ def expected_weights(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Raise ModelError for a missing, unexpected or wrongly shaped weight."""
-    expected = expected_weights(cfg)
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str,
+                  expected: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Raise ModelError for a missing, unexpected or wrongly shaped weight (`expected`: the
+    caller's `expected_weights(cfg)`, where it has them already)."""
+    expected = expected if expected is not None else expected_weights(cfg)
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing:

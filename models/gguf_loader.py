@@ -55,7 +55,7 @@ def load_gguf(path: str | Path) -> LoadedModel:
     weights = _read_weights(reader, family)
     expected = expected_weights(config)
     family.split_fused(weights, expected)
-    check_weights(config, weights, path.name)
+    check_weights(config, weights, path.name, expected)
     quantized = _read_quantized(reader, family)
     family.split_fused(quantized, expected, lambda qw, start, stop: qw.rows(torch.arange(start, stop)))
     if family.gguf_permuted_qk:

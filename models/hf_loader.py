@@ -74,8 +74,9 @@ def _load_safetensors(folder: Path, cfg: ModelConfig) -> tuple[dict[str, torch.T
                 weights[name] = tensor
     if cfg.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    family.split_fused(weights, expected_weights(cfg))
-    check_weights(cfg, weights, str(folder))
+    expected = expected_weights(cfg)
+    family.split_fused(weights, expected)
+    check_weights(cfg, weights, str(folder), expected)
     return weights, files
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..blocks import CausalLM, DecoderLayer, RMSNorm
-from ..config import ModelConfig
+from ..config import ModelConfig, periodic_layers
 from .family import LLAMA_GGUF_LAYER_NAMES, LLAMA_HF_LAYER_NAMES, Family
 from .hf_fields import decoder_fields, rope_fields
 
@@ -84,8 +84,7 @@ def _gemma_fields(raw: dict[str, Any], sliding_pattern: int) -> dict[str, Any]:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         max_position_embeddings=raw.get("max_position_embeddings", 8192))
     layers = fields["num_layers"]
-    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % sliding_pattern else "full_attention"
-                                       for i in range(layers)]
+    types = raw.get("layer_types") or periodic_layers(layers, sliding_pattern)
     if raw.get("sliding_window") and "sliding_attention" in types:
         fields |= dict(layer_types=tuple(types), sliding_window=int(raw["sliding_window"]))
     return fields
@@ -124,8 +123,7 @@ def _gguf_layer_types(layers: int, value, default_pattern: int) -> tuple[str, ..
     pattern = value("attention.sliding_window_pattern")
     if isinstance(pattern, (list, tuple)):
         return tuple("sliding_attention" if flag else "full_attention" for flag in pattern)
-    period = int(pattern or default_pattern)
-    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers))
+    return periodic_layers(layers, int(pattern or default_pattern))
 
 
 def gemma2_config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:

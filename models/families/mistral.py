@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..blocks import CausalLM
-from ..config import ModelConfig
+from ..config import ModelConfig, sliding_everywhere
 from .family import Family
 from .hf_fields import decoder_fields
 
@@ -18,7 +18,7 @@ from .hf_fields import decoder_fields
 def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
     fields = decoder_fields(raw, cap_at_window=False)
     if raw.get("sliding_window"):
-        fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=raw["sliding_window"])
+        fields |= sliding_everywhere(fields["num_layers"], raw["sliding_window"])
     return ModelConfig(architecture=architecture, **fields)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from llmc.compiler.ops.rope import longrope_choice
 
 from ..blocks import CausalLM
-from ..config import ModelConfig, ModelError
+from ..config import ModelConfig, ModelError, sliding_everywhere
 from .family import LLAMA_GGUF_LAYER_NAMES, LLAMA_HF_LAYER_NAMES, Family
 from .hf_fields import decoder_fields
 
@@ -46,7 +46,7 @@ def config_from_hf(raw: dict[str, Any], architecture: str) -> ModelConfig:
                                               raw.get("original_max_position_embeddings"))
         fields["rope_scaling"] = _longrope(fields["rope_scaling"], fields["max_position_embeddings"], original)
     if raw.get("sliding_window"):
-        fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=raw["sliding_window"])
+        fields |= sliding_everywhere(fields["num_layers"], raw["sliding_window"])
     return ModelConfig(architecture=architecture, **fields)
 
 
@@ -60,7 +60,7 @@ def config_from_gguf(fields: dict[str, Any], value) -> ModelConfig:
     if rotary and int(rotary) != head_dim:
         fields["rotary_dim"] = int(rotary)
     if window:
-        fields |= dict(layer_types=("sliding_attention",) * fields["num_layers"], sliding_window=int(window))
+        fields |= sliding_everywhere(fields["num_layers"], window)
     scaling = fields["rope_scaling"]
     if scaling and scaling["rope_type"] == "longrope":
         fields["rope_scaling"] = _longrope(scaling, fields["max_position_embeddings"],
