@@ -10,6 +10,11 @@ A block whose count drops to zero keeps its contents and hash on an LRU free lis
 request can still hit it; allocation takes the least recently freed block and forgets its hash.
 A shared block that must be written (the last token of a fully cached prompt is recomputed to
 get its logits) is copied first: copy-on-write, reported through `take_copies()`.
+
+Speculative decoding grows a table for draft tokens, then `trim`s it back to the accepted length.
+Hashes are registered only for accepted tokens (`register_full_blocks` after verification), so a
+trim never cuts into a hashed block; the blank blocks it frees return to the front of the free
+list, as if they had never been taken.
 """
 
 from __future__ import annotations
@@ -164,6 +169,42 @@ class BlockManager:
             block.hash = parent
             self._cached.setdefault(parent, block.block_id)
         self._hashed_upto[seq_id] = full
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the sequence's table to the slots of its first `num_tokens` tokens (rollback).
+
+        After speculative verification `num_tokens` is the sequence's computed length: the tokens
+        before the drafts plus the accepted drafts (the correction or bonus token is not computed
+        yet; the next step's `append` makes room for it, as for any sampled token). A table that
+        holds no more blocks than that is left as it is (trim never grows a table).
+        Requires: no registered hash covers a token at or after `num_tokens` (hashes are entered
+        only for accepted tokens), asserted. Frees the blocks past the new length as `free` does
+        (reference counts), but a freed blank block (no hash) goes to the *front* of the LRU free
+        list: it caches nothing, so it is reused before any cached block is evicted, and trims that
+        undo appends in reverse order leave the free list exactly as if the drafts never existed.
+        A cached block that a draft's block evicted stays evicted (its slots were overwritten).
+        The kept last block's slots past `num_tokens` hold stale K/V that later writes overwrite.
+        Pending copy-on-write copies into freed blocks are dropped.
+        """
+        assert num_tokens >= 0, f"cannot trim sequence {seq_id} to {num_tokens} tokens"
+        table = self._tables[seq_id]
+        hashed = self._hashed_upto[seq_id]
+        assert num_tokens >= hashed * self.block_size, (
+            f"trimming sequence {seq_id} to {num_tokens} tokens cuts into its {hashed} hashed blocks "
+            f"of {self.block_size}: a rejected token was registered")
+        keep = self.blocks_needed(num_tokens)
+        dropped = table[keep:]
+        del table[keep:]
+        for block_id in reversed(dropped):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)
+        if dropped and self._copies:
+            gone = set(dropped)
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in gone]
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks; unreferenced ones stay cached until evicted (LRU)."""
