@@ -137,7 +137,8 @@ def test_no_drafts_is_one_ordinary_token():
     params = SamplingParams(seed=9)
     rows = torch.randn(1, 10, generator=torch.Generator().manual_seed(2))
     expected = sample_row(rows[0], params, make_generator(params), [], []).token_id
-    assert verify_sampled(filter_logits(rows[0], params)[None], [], make_generator(params)).tokens == (expected,)
+    verdict = verify_sampled(filter_logits(rows[0], params)[None], [], make_generator(params))
+    assert verdict.tokens == (expected,)
 
 
 def test_rows_that_do_not_fit_the_drafts_are_refused():

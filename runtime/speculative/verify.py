@@ -79,7 +79,8 @@ def verify_sampled(target_logits: torch.Tensor, draft_ids: Sequence[int], genera
     (temperature, top-k, top-p, min-p; masked tokens are -inf), so p_i = softmax(row i); the K
     drafted ids; the request's generator; and `draft_logits` [K, V], the draft's own processed
     logits that the drafts were sampled from (q_i = softmax), or None for deterministic drafts
-    (n-gram lookup, greedy draft models: q is one-hot on the draft).
+    (n-gram lookup, greedy draft models: q is one-hot on the draft). Requires: each draft x_i was
+    drawn from q_i (so q_i(x_i) > 0); otherwise the output is not distributed as the target.
 
     With q (rejection sampling, Leviathan et al. 2023 / Chen et al. 2023): draft x_i is accepted
     when u < p_i(x_i) / q_i(x_i) (one uniform u); at the first rejection the token is drawn from
