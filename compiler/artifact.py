@@ -27,7 +27,7 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel
 
-from .artifact_format import (CPU_KERNELS_FILE, ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,
+from .artifact_format import (ALL_ENTRY_FILES, CPU_KERNELS_FILE, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,
                               REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError,
                               check_file_list, file_entries, is_artifact_manifest)
 
@@ -150,7 +150,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
         (staging / CPU_KERNELS_FILE).parent.mkdir(parents=True, exist_ok=True)
         (staging / CPU_KERNELS_FILE).write_text(cpu_kernels)
     for entry, graph in graphs.items():
-        (staging / ENTRY_FILES[entry]).write_text(print_graph(graph))
+        (staging / ALL_ENTRY_FILES[entry]).write_text(print_graph(graph))
     save_file(graph_weights(graphs, model.weights if weights is None else weights),
               str(staging / WEIGHTS_FILE))
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
@@ -167,7 +167,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
         "source": {"format": model.source_format, "files": model.source_files, "path": model.source_path},
         "compile": compile_info,
         "backends": ["torch", "triton"] if kernels else ["torch"],
-        "entries": ENTRY_FILES,
+        "entries": {entry: ALL_ENTRY_FILES[entry] for entry in graphs},
         "files": files,
     }
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -4,6 +4,9 @@
                            llmc / torch / triton versions, backends, and `files`: the size and
                            sha256 of every other file in the folder, by its path relative to it
     prefill.ir, decode.ir  the entry graphs in IR text
+    draft.ir               (compiled with --draft-skip N only) the self-speculative draft: prefill's
+                           inputs and output, N layers skipped, the same weights; listed in the
+                           manifest's `entries` when present
     weights.safetensors    every weight the graphs reference, by canonical name
     tokenizer.json         Hugging Face fast-tokenizer file
     tokenizer_config.json  chat template, bos/eos tokens, add_bos_token
@@ -34,7 +37,9 @@ from llmc.models.provenance import file_sha256
 FORMAT = "llmc-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-ENTRY_FILES = {"prefill": "prefill.ir", "decode": "decode.ir"}
+ENTRY_FILES = {"prefill": "prefill.ir", "decode": "decode.ir"}       # every artifact has these
+OPTIONAL_ENTRY_FILES = {"draft": "draft.ir"}                           # those compiled with one
+ALL_ENTRY_FILES = ENTRY_FILES | OPTIONAL_ENTRY_FILES
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -102,6 +107,24 @@ def read_manifest(path: Path) -> dict[str, Any]:
         if not isinstance(manifest.get(key), kind):
             raise ArtifactError(f"{MANIFEST} has no valid {key!r} section (a JSON {kind.__name__} is expected); {FIX}")
     return manifest
+
+
+def artifact_entries(manifest: dict[str, Any]) -> dict[str, str]:
+    """The entry graphs an artifact holds, by name: prefill and decode, and each optional one its
+    manifest lists (`entries`)."""
+    listed = manifest.get("entries") if isinstance(manifest.get("entries"), dict) else {}
+    return ENTRY_FILES | {e: f for e, f in OPTIONAL_ENTRY_FILES.items() if listed.get(e) == f}
+
+
+def require_entry(path: Path, manifest: dict[str, Any], entry: str) -> str:
+    """The file of entry graph `entry`, or an ArtifactError saying how to get one."""
+    entries = artifact_entries(manifest)
+    if entry in entries:
+        return entries[entry]
+    if entry == "draft":
+        raise ArtifactError(f"{path} was compiled without a draft graph; compile it again with "
+                            f"--draft-skip N to have one")
+    raise ArtifactError(f"entry graph {entry!r} is unknown; an artifact has {', '.join(entries)}")
 
 
 def _check_entry(name: Any, entry: Any) -> None:

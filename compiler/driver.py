@@ -2,13 +2,18 @@
 
 IR dumps (`dump_ir`): the IR of each entry graph after tracing and after every pass, as
 `DIR/prefill/00_traced.ir`, `DIR/prefill/01_canonicalize.ir`, ... and the same under
-`DIR/decode/`. The number is the pass's place in the pipeline (`llmc passes`), so a disabled
+`DIR/decode/` (and `DIR/draft/`, whose 00_traced.ir is the traced prefill with the layers skipped). The number is the pass's place in the pipeline (`llmc passes`), so a disabled
 pass leaves a gap and a pass has the same file name in every dump, ready for `llmc debug diff`.
 
 Stopping early (`stop_after`): the pipeline ends after that pass. A stop before a pass the
 runtime needs (insert_paged_attention) leaves graphs that no runtime can run, so it writes the
 IR dumps and no artifact, as inspecting a phase in TVM / MLC builds nothing; without `dump_ir`
 such a stop is refused with a sentence saying so.
+
+A self-speculative draft (`draft_skip` N > 0): compiler/draft.py chooses N layers against the
+calibration text, passes/skip_layers.py bypasses them in the traced prefill, and the result goes
+through the same pipeline as the other entries, as a third entry graph `draft` over the same
+weights; the choice and its measured acceptance go into report.json as "draft".
 """
 
 from __future__ import annotations
@@ -20,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from llmc.compiler.dtypes import USER_DTYPES
+from llmc.compiler.draft import CALIBRATION_TOKENS, DraftChoice, calibration_tokens, check_draft_skip, choose_draft_skip
+from llmc.compiler.dtypes import USER_DTYPES, to_torch
 from llmc.compiler.frontend import ENTRIES, trace
 from llmc.compiler.ir import Graph, print_graph
 from llmc.models.config import LoadedModel, ModelError
 from llmc.models.loader import load_model
 from llmc.passes.pipeline import Pass, PassError, check_pass_options, pass_names, required_after, run_pipeline
 from llmc.passes.rewrite import PassContext
+from llmc.passes.skip_layers import skip_layers
 
 from .artifact import check_target, write_artifact
 from .quant_recipe import QuantRecipe
@@ -36,7 +43,7 @@ from .codegen.cpu_lowering import CpuLowering, lower_cpu
 Progress = Callable[[str, int, int], None]     # (stage, stages done before it, total stages)
 Assess = Callable[[LoadedModel, dict[str, Graph], dict], dict]
 STAGES = ["loading model", *(f"{what} {entry}" for entry in ENTRIES for what in ("tracing", "running passes on")),
-          "generating kernels", "writing artifact"]
+          "choosing draft layers", "running passes on draft", "generating kernels", "writing artifact"]
 TARGETS = ("cpu", "cuda")      # cpu: IR and the C++ CPU kernels for the torch backend; cuda: also the Triton kernels
 
 
@@ -50,8 +57,11 @@ class CompileConfig:
     dump_ir: Path | None = None
     target: str = "cpu"
     quant: QuantRecipe = QuantRecipe()
+    draft_skip: int = 0         # N > 0: also a self-speculative `draft` graph skipping N layers
 
     def __post_init__(self) -> None:
+        if self.draft_skip < 0:
+            raise ModelError(f"--draft-skip {self.draft_skip} is negative; give the number of layers the draft skips")
         if self.target not in TARGETS:
             raise ModelError(f"target {self.target!r} is unknown; choose one of {', '.join(TARGETS)}")
         if self.dtype not in USER_DTYPES:
@@ -137,14 +147,23 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     stage = lambda name: progress(name, STAGES.index(name), len(STAGES))  # noqa: E731
     stage("loading model")
     model = load_model(source)
+    if config.draft_skip:
+        check_draft_skip(config.draft_skip, model.config.num_layers)     # before minutes of work
     seconds["load"], start = time.perf_counter() - start, time.perf_counter()
     ir_dtype = USER_DTYPES[config.dtype]
     weights = dict(model.weights)  # fold_weights adds the merged tensors here, quantize_weights the codes
     quantized = dict(model.quantized)
-    graphs, records, seconds["trace"], pass_records = {}, [], 0.0, {}
+    graphs, records, seconds["trace"], pass_records, draft = {}, [], 0.0, {}, None
     for entry in ENTRIES:
         stage(f"tracing {entry}")
         traced = trace(model.config, entry, ir_dtype)
+        if entry == "prefill" and config.draft_skip:
+            stage("choosing draft layers")
+            draft = _choose_draft(model, traced, config.draft_skip, seconds)
+            stage("running passes on draft")
+            graphs["draft"], draft_records = _draft_graph(traced, draft, config, weights, quantized)
+            records += draft_records
+            start = time.perf_counter()
         seconds["trace"] += time.perf_counter() - start
         dumper = IRDumper(config.dump_ir, entry) if config.dump_ir else None
         if dumper:
@@ -159,11 +178,14 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     seconds["passes"] = sum(r.seconds for r in records)
     if not config.writes_artifact:
         return None
+    graphs = {entry: graphs[entry] for entry in (*ENTRIES, "draft") if entry in graphs}     # the file order
     stage("generating kernels")
     kernels = _generate_kernels(graphs, seconds) if config.target == "cuda" else None
     cpu_kernels = _generate_cpu_kernels(graphs, seconds)
     stage("writing artifact")
     report = _report(graphs, records, model.config.num_layers, seconds) | pass_records
+    if draft is not None:
+        report["draft"] = draft.to_dict()
     if assess is not None:
         report["quality"] = assess(model, graphs, weights)
     if kernels is not None:
@@ -174,9 +196,29 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     compile_info = {"dtype": config.dtype, "target": config.target,
                     "passes": [r.name for r in records if r.graph == "prefill"],
                     "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after,
-                    "quant": config.quant.to_dict()}
+                    "quant": config.quant.to_dict(), "draft_skip": config.draft_skip}
     return write_artifact(Path(out), model, graphs, compile_info, report, weights,
                           kernels.modules if kernels is not None else None, cpu_kernels.source())
+
+
+def _choose_draft(model: LoadedModel, traced_prefill: Graph, n: int, seconds: dict[str, float]) -> DraftChoice:
+    """The N layers to skip, measured on the calibration text (compiler/draft.py)."""
+    weights = {n.name[2:]: model.weights[n.name[2:]].to(to_torch(n.type.dtype)) for n in traced_prefill.weights()}
+    tokens = calibration_tokens(model.tokenizer, min(CALIBRATION_TOKENS, model.config.max_position_embeddings))
+    choice = choose_draft_skip(traced_prefill, weights, tokens, n)
+    seconds["draft_search"] = choice.seconds
+    return choice
+
+
+def _draft_graph(traced_prefill: Graph, draft: DraftChoice, config: CompileConfig, weights: dict,
+                 quantized: dict) -> tuple[Graph, list]:
+    """The draft entry: the traced prefill without the chosen layers, through the same pipeline."""
+    ctx = PassContext(options={"quant": config.quant, "draft_skip": draft.skip}, weights=weights, quantized=quantized)
+    traced = skip_layers(traced_prefill, ctx)
+    dumper = IRDumper(config.dump_ir, "draft") if config.dump_ir else None
+    if dumper:
+        dumper.traced(traced)
+    return run_pipeline(traced, ctx, config.disabled_passes, config.stop_after, on_pass=dumper)
 
 
 def _generate_kernels(graphs: dict[str, Graph], seconds: dict[str, float]) -> Lowering:

@@ -1,7 +1,9 @@
 """Replace the traced, cache-less attention with paged-KV-cache attention.
 
 Matches: every `attention(q, k, v, query_start_loc)` node; the i-th one (in graph order) is
-  layer i.
+  layer i, or, where ctx.options["kv_layers"] lists them (the draft graph: passes/skip_layers.py),
+  layer kv_layers[i] of a cache with ctx.options["kv_cache_layers"] layers (the target's), so a
+  graph without some layers still writes and reads each kept layer's own part of the cache.
 Produces: `kv_write(cache, k, v, slot_mapping, layer=i)`, which stores this step's K/V into
   the paged block pool and returns the cache (threaded from layer to layer so the order of
   writes and reads is explicit), then, reading that cache through block tables,
@@ -32,6 +34,7 @@ class _CacheThread:
     """Per-invocation state: the metadata inputs and the cache value the next layer reads."""
 
     layers: int
+    kv_layers: tuple[int, ...]      # the cache layer of the i-th attention
     next_layer: int = 0
     cache: Value | None = None
     slot_mapping: Value | None = None
@@ -55,7 +58,7 @@ def _make_rule(thread: _CacheThread):
         options = {a: node.attrs[a] for a in ATTN_OPTIONS if a in node.attrs}     # optional: as given
         if thread.cache is None:
             thread.declare_inputs(state, state.types[q], attrs)
-        layer, thread.next_layer = thread.next_layer, thread.next_layer + 1
+        layer, thread.next_layer = thread.kv_layers[thread.next_layer], thread.next_layer + 1
         thread.cache = state.emit("kv_write", [thread.cache, k, v, thread.slot_mapping], layer=layer,
                                   num_kv_heads=attrs["num_kv_heads"], head_dim=attrs["head_dim"]).value()
         context = [thread.cache, thread.block_tables, thread.seq_lens]
@@ -70,5 +73,8 @@ def _make_rule(thread: _CacheThread):
 
 def insert_paged_attention(graph: Graph, ctx: PassContext) -> Graph:
     """Route every attention through the paged KV cache (see module docstring)."""
-    thread = _CacheThread(layers=graph.op_counts().get("attention", 0))
+    count = graph.op_counts().get("attention", 0)
+    kv_layers = tuple(ctx.options.get("kv_layers", range(count)))
+    assert len(kv_layers) == count, f"kv_layers {kv_layers} name {len(kv_layers)} layers, the graph has {count}"
+    thread = _CacheThread(layers=ctx.options.get("kv_cache_layers", count), kv_layers=kv_layers)
     return rewrite(graph, [_make_rule(thread)], "insert_paged_attention", ctx)

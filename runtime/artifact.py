@@ -17,9 +17,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from llmc.compiler.artifact_format import (ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,  # noqa: F401
+from llmc.compiler.artifact_format import (ALL_ENTRY_FILES, ENTRY_FILES, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,  # noqa: F401
                                            REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE,
-                                           ArtifactError, read_manifest, verify_files)
+                                           ArtifactError, artifact_entries, read_manifest, require_entry,
+                                           verify_files)
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, IRError, parse_graph
 from llmc.compiler.ops import verify
@@ -41,10 +42,10 @@ class Artifact:
 def load_graph(path: Path, entry: str) -> Graph:
     """One entry graph of an artifact, parsed and verified (ArtifactError if it is not valid)."""
     try:
-        graph = parse_graph((path / ENTRY_FILES[entry]).read_text())
+        graph = parse_graph((path / ALL_ENTRY_FILES[entry]).read_text())
         verify(graph)
     except IRError as exc:
-        raise ArtifactError(f"{ENTRY_FILES[entry]} is not a valid llmc IR graph ({exc}); recompile") from None
+        raise ArtifactError(f"{ALL_ENTRY_FILES[entry]} is not a valid llmc IR graph ({exc}); recompile") from None
     return graph
 
 
@@ -73,11 +74,12 @@ def _load_tokenizer(path: Path) -> TokenizerFiles:
 
 
 def verify_artifact(path: str | Path) -> tuple[dict[str, Any], dict[str, Graph]]:
-    """Verify manifest, file hashes and both graphs; return the manifest and the graphs."""
+    """Verify manifest, file hashes and every entry graph (prefill, decode and a draft if it has one);
+    return the manifest and the graphs."""
     path = Path(path)
     manifest = read_manifest(path)
     verify_files(path, manifest)
-    return manifest, {entry: load_graph(path, entry) for entry in ENTRY_FILES}
+    return manifest, {entry: load_graph(path, entry) for entry in artifact_entries(manifest)}
 
 
 def load_artifact(path: str | Path) -> Artifact:
@@ -89,6 +91,6 @@ def load_artifact(path: str | Path) -> Artifact:
         config = ModelConfig.from_dict(manifest["model"])
     except (ModelError, TypeError, KeyError) as exc:
         raise ArtifactError(f"{MANIFEST} has an unreadable model config ({exc}); recompile") from None
-    graphs = {entry: load_graph(path, entry) for entry in ENTRY_FILES}
+    graphs = {entry: load_graph(path, entry) for entry in artifact_entries(manifest)}
     weights = _load_weights(path, graphs)
     return Artifact(path, manifest, config, graphs, weights, _load_tokenizer(path))

@@ -91,6 +91,9 @@ def compile_cmd(
     quality: bool = typer.Option(False, "--quality", help="measure perplexity, KL and top-1 agreement against the "
                                  "unquantized compile on a held text; stored in report.json, shown by inspect"),
     quality_tokens: int = typer.Option(1024, help="tokens of held text --quality reads"),
+    draft_skip: int = typer.Option(0, "--draft-skip", help="also build a self-speculative `draft` graph: the "
+                                   "model without the N layers whose skipping keeps its next-token choices "
+                                   "closest on a calibration text (measured and recorded in report.json)"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
@@ -98,7 +101,7 @@ def compile_cmd(
 
     recipe = QuantRecipe.parse(quant, kv_dtype, quant_embeddings, requantize)
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
-                           target=target, quant=recipe)
+                           target=target, quant=recipe, draft_skip=draft_skip)
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),

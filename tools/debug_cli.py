@@ -17,6 +17,7 @@ from llmc.compiler.ir import Graph
 class Entry(str, enum.Enum):
     prefill = "prefill"
     decode = "decode"
+    draft = "draft"
 
 
 class Format(str, enum.Enum):
@@ -47,9 +48,9 @@ def _is_artifact(path: Path) -> bool:
 
 
 def _artifact_graph(path: Path, entry: str) -> Graph:
-    from llmc.runtime.artifact import load_graph, read_manifest
+    from llmc.runtime.artifact import load_graph, read_manifest, require_entry
 
-    read_manifest(path)
+    require_entry(path, read_manifest(path), entry)
     return load_graph(path, entry)
 
 
@@ -64,6 +65,9 @@ def _model_graph(source: str | None, entry: str, after: str | None, dtype: str,
 
     if dtype not in USER_DTYPES:
         raise ModelError(f"dtype {dtype!r} is not supported; choose one of {', '.join(USER_DTYPES)}")
+    if entry == "draft":
+        raise ModelError("the draft graph's layers are chosen at compile time; compile the model with "
+                         "--draft-skip N and give `llmc ir` the artifact")
     graph = trace(load_config(source), entry, USER_DTYPES[dtype])
     if after == "traced":
         return graph
@@ -75,7 +79,8 @@ def ir_cmd(
         None, help="artifact directory, HF folder or .gguf; omit for the embedded SmolLM2-135M-Instruct"),
     after: Optional[str] = typer.Option(None, "--after", help="a pass name (or 'traced'): the IR after it; "
                                         "default: after the whole pipeline (models only)"),
-    graph: Entry = typer.Option(Entry.prefill, "--graph", help="entry graph: prefill or decode"),
+    graph: Entry = typer.Option(Entry.prefill, "--graph", help="entry graph: prefill, decode or draft (an artifact "
+                                 "compiled with --draft-skip)"),
     fmt: Format = typer.Option(Format.text, "--format", help="text (IR), dot (Graphviz) or onnx (for Netron)"),
     out: Optional[Path] = typer.Option(None, "-o", "--out", help="write to this file (required for onnx)"),
     dtype: str = typer.Option("float32", help="compute dtype the model is traced in"),

@@ -49,6 +49,8 @@ def artifact_summary(path: str | Path) -> str:
     lines.append(f"torch      on this CPU, native kernels: {torch_plans(path)}")
     report = json.loads((path / REPORT_FILE).read_text())
     lines += quant_lines(compile_info.get("quant"), graphs, report)
+    if draft := report.get("draft"):
+        lines.append(draft_line(draft))
     for name, entry in manifest["files"].items():
         lines.append(f"file       {name:<24} {human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
     return "\n".join(lines)
@@ -131,6 +133,13 @@ def weights_by_way(records: dict[str, str]) -> dict[str, str]:
         if pattern not in names:
             names.append(pattern)
     return {way: ", ".join(names) for way, names in sorted(ways.items())}
+
+
+def draft_line(d: dict) -> str:
+    """The self-speculative draft: which layers it skips and its measured acceptance."""
+    return (f"draft      skips layers {', '.join(map(str, d['skip']))} of {d['num_layers']} "
+            f"({d['search']}); top-1 agreement {d['agreement']:.3f}, mean KL {d['mean_kl']:.4f}, "
+            f"expected accepted of 4 {d['expected_accepted_k4']:.2f}, on {d['calibration_tokens']} calibration tokens")
 
 
 def quality_line(q: dict) -> str:
