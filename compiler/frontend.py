@@ -3,10 +3,12 @@
 The model (its family's `causal_lm`, models/families, built from models/blocks.py) is built on
 the `meta` device, so tracing touches no weight data, and traced with torch.fx once per entry graph:
 
-  prefill  input_ids i64[T], positions i64[T], query_start_loc i32[S+1], logits_indices i64[S]
-           -> logits [S, vocab] (the rows named by logits_indices, usually each sequence's last)
+  prefill  input_ids i64[T], positions i64[T], query_start_loc i32[S+1], logits_indices i64[R]
+           -> logits [R, vocab] (the token rows logits_indices names: R logit rows, a dim of their
+              own, since a chunk may ask for logits at several positions, its last K+1 tokens for
+              speculative verification or every prompt token for prompt logprobs)
   decode   input_ids i64[S], positions i64[S], query_start_loc i32[S+1]
-           -> logits [S, vocab] (one token per sequence, so no gather)
+           -> logits [S, vocab] (one token per sequence, so no gather: R is S, and no R is declared)
 
 Each fx node becomes one IR node; its result type comes from the op's type rule, never from the
 frontend, so a mistrace fails `verify` at the node that caused it.
@@ -42,7 +44,7 @@ def entry_inputs(entry: str) -> dict[str, TensorType]:
         "query_start_loc": TensorType("i32", ("S+1",)),
     }
     if entry == "prefill":
-        inputs["logits_indices"] = TensorType("i64", ("S",))
+        inputs["logits_indices"] = TensorType("i64", ("R",))      # logit rows, not sequences
     return inputs
 
 

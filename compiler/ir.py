@@ -3,7 +3,7 @@
 A graph is a topologically ordered list of nodes. Graph inputs are `input` nodes, model
 parameters are `weight` nodes (named `w.<canonical weight name>`), and every other node is an
 op from `compiler.ops`. A node may have several results; `%7` refers to result 0 and `%7#1`
-to result 1. Dims are ints or symbols (`T` tokens, `S` sequences, `NB` KV blocks, ...).
+to result 1. Dims are ints or symbols (`T` tokens, `S` sequences, `R` logit rows, `NB` KV blocks, ...).
 
 Text form, one node a line:
 

@@ -173,9 +173,9 @@ class CausalLM(nn.Module):
             h = layer(h, positions, query_start_loc)
         h = self.norm(h)
         if logits_indices is not None:
-            h = torch.index_select(h, 0, logits_indices)                          # [S, hidden]
+            h = torch.index_select(h, 0, logits_indices)                          # [R, hidden]
         if self.cfg.tie_word_embeddings:
-            logits = F.linear(h, self.embed_tokens.weight)                        # [S, vocab]
+            logits = F.linear(h, self.embed_tokens.weight)                        # [R, vocab]
         else:
             logits = self.lm_head(h)
         return softcap(logits, float(self.cfg.final_softcap)) if self.cfg.final_softcap else logits

@@ -24,7 +24,11 @@ nano-vllm and vLLM do, the executor captures the decode graph once per batch siz
             next replay can overwrite them.
 
 A step the graphs cannot take (more sequences than the largest size, a wider block table, a
-prefill) runs eagerly. `DecodeGraphs(..., cuda=False)` replays by running the step again on the
+prefill) runs eagerly. The graphs are keyed by batch size alone: their verify width is 1, one
+logit row per sequence (the decode graph has no gather), so a step that asks for logits at
+several positions of a sequence (a speculative verify step, prompt logprobs) is a prefill step
+and runs the prefill graph eagerly, uncaptured; padding refuses a step whose logit rows are not
+its sequences. `DecodeGraphs(..., cuda=False)` replays by running the step again on the
 same buffers: the stand-in that lets CPU tests check the padding and buffer logic.
 """
 
@@ -55,9 +59,11 @@ def pad_decode_step(step: StepInputs, batch: int, width: int, scratch_block: int
     """A pure-decode step of S <= batch sequences padded to `batch` rows and `width` table columns
     (see module docstring): live rows unchanged, padding rows on the scratch block only."""
     live, pad = step.seq_lens.numel(), batch - step.seq_lens.numel()
-    if pad < 0 or step.block_tables.shape[1] > width or step.input_ids.numel() != live:
-        raise ValueError(f"cannot pad a step of {live} sequences, {step.input_ids.numel()} tokens and block "
-                         f"table width {step.block_tables.shape[1]} to {batch} decode rows of width {width}")
+    if pad < 0 or step.block_tables.shape[1] > width or step.input_ids.numel() != live \
+            or step.logits_indices.numel() != live:
+        raise ValueError(f"cannot pad a step of {live} sequences, {step.input_ids.numel()} tokens, "
+                         f"{step.logits_indices.numel()} logit rows and block table width "
+                         f"{step.block_tables.shape[1]} to {batch} decode rows of width {width}")
     tables = torch.zeros((batch, width), dtype=step.block_tables.dtype)       # live rows: padded with 0, as
     tables[:live, :step.block_tables.shape[1]] = step.block_tables            # build_step_inputs pads them
     tables[live:] = scratch_block

@@ -4,10 +4,11 @@ An executor is built from an artifact (graphs + weights), a device, a KV cache s
 backend's options; it owns the paged KV cache on that device (plus one scratch block the block
 manager never hands out, for padding rows) and the weights in the layout its kernels want
 (decided once, here, never at run time); `run(entry, step)` runs one step's graph and returns the
-logits of the sampled positions, [S, vocab] fp32 on the device. `step(entry, host_step, buffers)`
-is what the runner calls: a pure-decode step replays a captured CUDA graph when
-`capture_decode` made them (cuda_graphs.py), any other step runs eagerly on its metadata on the
-device (a GPU: loaded into the runner's buffers; the CPU: the host's tensors).
+logits of the positions its `logits_indices` names, [R, vocab] fp32 on the device (R logit rows;
+decode: one a sequence). `step(entry, host_step, buffers)` is what the runner calls: a pure-decode
+step replays a captured CUDA graph when `capture_decode` made them (cuda_graphs.py), any other step
+runs eagerly on its metadata on the device (a GPU: loaded into the runner's buffers; the CPU: the
+host's tensors).
 
 A backend tells the engine what it needs and what it does: `kv_bytes_per_block` (the engine sizes
 the cache with it), `capabilities()` (which kernels run, whether decode replays CUDA graphs, which
@@ -222,7 +223,8 @@ class Executor:
 
     @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
-        """Logits [S, vocab] (fp32, on the device) of the last computed token of each sequence."""
+        """Logits [R, vocab] (fp32, on the device): a row per position the step asks for (prefill), or per
+        sequence (decode)."""
         (logits,) = self.programs[entry](step.feeds(self.kv_cache))
         return logits.float()
 

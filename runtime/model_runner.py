@@ -67,7 +67,7 @@ class ModelRunner:
             self.executor.copy_blocks(src, dst)
 
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
-        """Logits [S, vocab] (fp32, on the host) of the last computed token of each sequence."""
+        """Logits [R, vocab] (fp32, on the host): each chunk's rows at its `logit_positions`, in chunk order."""
         return self.executor.step(entry, step, self.buffers).cpu()
 
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:

@@ -35,11 +35,23 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Compute tokens [start, end) of `seq` in this step."""
+    """Compute tokens [start, end) of `seq` in this step, with logits at its last `num_logits`
+    positions (1, the default: its last token; K+1 to verify K drafted tokens; 0: none)."""
 
     seq: Sequence
     start: int
     end: int
+    num_logits: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_logits <= self.end - self.start:
+            raise ValueError(f"a chunk of {self.end - self.start} tokens cannot ask for logits at "
+                             f"{self.num_logits} positions")
+
+    @property
+    def logit_positions(self) -> range:
+        """The positions whose logits the step returns for this chunk, in order."""
+        return range(self.end - self.num_logits, self.end)
 
     @property
     def samples(self) -> bool:
@@ -55,7 +67,8 @@ class ScheduledStep:
 
     @property
     def is_pure_decode(self) -> bool:
-        return all(c.end - c.start == 1 and c.samples for c in self.chunks)
+        """One token and one logit row per sequence: what the decode graph (and its CUDA graphs) take."""
+        return all(c.end - c.start == 1 and c.num_logits == 1 and c.samples for c in self.chunks)
 
 
 class Scheduler:

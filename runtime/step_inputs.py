@@ -7,7 +7,10 @@ The metadata is an explicit frozen value (`StepInputs`) handed to the executor, 
   seq_lens                    [S]     each sequence's cached length after this step
   slot_mapping                [T]     where each token's K/V go in the paged cache
   block_tables                [S, MB] each sequence's blocks, padded with 0
-  logits_indices              [S]     the last token of each sequence's chunk
+  logits_indices              [R]     the token rows whose logits the step returns: each chunk's
+                                      last `num_logits` tokens, in chunk order (R logit rows; one
+                                      per chunk by default, so R = S; `logit_row_offsets` finds a
+                                      chunk's rows)
 
 `StepBuffers` holds one flat int64 device buffer that every step fills in place with one copy:
 the int64 fields first, then the int32 fields packed two to an element (viewed as int32). It
@@ -48,11 +51,12 @@ class StepInputs:
 
 def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
     """Host-side metadata for computing tokens [start, end) of each chunk's sequence in one step."""
-    ids, positions, slots, starts, lens = [], [], [], [0], []
+    ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
     for c in chunks:
         ids += c.seq.all_ids[c.start:c.end]
         positions += range(c.start, c.end)
         slots += [blocks.slot(c.seq.seq_id, p) for p in range(c.start, c.end)]
+        rows += [starts[-1] + p - c.start for p in c.logit_positions]     # its tokens' rows in the step
         starts.append(starts[-1] + c.end - c.start)
         lens.append(c.end)
     tables = [blocks.block_table(c.seq.seq_id) for c in chunks]
@@ -64,8 +68,17 @@ def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        logits_indices=torch.tensor(starts[1:], dtype=torch.int64) - 1,
+        logits_indices=torch.tensor(rows, dtype=torch.int64),
     )
+
+
+def logit_row_offsets(chunks: list[Chunk]) -> list[int]:
+    """Where each chunk's logit rows start in the step's logits, and where the last ends: chunk i's
+    rows are logits[offsets[i]:offsets[i + 1]], one per position of `chunks[i].logit_positions`."""
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c.num_logits)
+    return offsets
 
 
 class StepBuffers:

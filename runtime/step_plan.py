@@ -10,9 +10,9 @@ and returns a `StepPlanProgram` when every unit has a plan kernel that takes it,
 elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding
 (a table of rows, or a tied float table kept as panels), linear (float panels) and qlinear (int8 /
 int4 panels), each with an optional bias, rope_kv_write (a packed qkv), paged_attention and
-paged_decode_attention, and index_select (of rows), over activations [R, W] of one float dtype (f32 or bf16), R
-the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
-indices' count (the IR's S: a sequence each, or more where a step asks for logits at several
+paged_decode_attention, and index_select (of rows), over activations [rows, W] of one float dtype (f32 or
+bf16), rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
+indices' count (the IR's R, logit rows: one a sequence, or more where a step asks for logits at several
 positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
 same split of the work, as the op-by-op native table does, so a plan's outputs equal that
 table's bit for bit; the torch refs are the meaning (tests compare both).
@@ -114,8 +114,8 @@ class _Lowering:
         self.graph, self.weights, self.nodes = graph, weights, graph.node_map()
         self.block_size = block_size
         self.rows_dim = graph.inputs()[0].type.shape[0]                # the step's tokens
-        lens = [n.type.shape[0] for n in graph.inputs() if n.name == "seq_lens"]
-        self.seqs_dim = lens[0] if lens else self.rows_dim              # and its sequences (S)
+        gathers = {n.type.shape[0] for n in graph.nodes if n.op == "index_select"}
+        self.gathered_dim = gathers.pop() if len(gathers) == 1 else self.rows_dim   # its logit rows (R)
         caches = [to_torch(n.type.dtype) for n in graph.inputs() if n.name == "kv_cache"]
         self.dtype = self._float_dtype(int8_cache=caches == [torch.int8])
         self.plan = torch.classes.llmc.StepPlan(self.dtype == torch.bfloat16, caches == [torch.int8])
@@ -170,14 +170,14 @@ class _Lowering:
 
     def width(self, v: Value, node: Node) -> int:
         t = self.graph.type_of(v)
-        if len(t.shape) != 2 or t.shape[0] not in (self.rows_dim, self.seqs_dim) or not isinstance(t.shape[1], int) \
-                or to_torch(t.dtype) != self.dtype:
+        if len(t.shape) != 2 or t.shape[0] not in (self.rows_dim, self.gathered_dim) \
+                or not isinstance(t.shape[1], int) or to_torch(t.dtype) != self.dtype:
             raise NotPlannable(f"{node.name} ({node.op}) reads or writes {v} of type {t}, not "
-                               f"[{self.rows_dim} or {self.seqs_dim}, W] {self.dtype}")
+                               f"[{self.rows_dim} or {self.gathered_dim}, W] {self.dtype}")
         return t.shape[1]
 
-    def per_sequence(self, v: Value) -> bool:
-        return self.graph.type_of(v).shape[0] == self.seqs_dim != self.rows_dim
+    def gathered_rows(self, v: Value) -> bool:                        # the logit rows, not the tokens
+        return self.graph.type_of(v).shape[0] == self.gathered_dim != self.rows_dim
 
     def activation(self, v: Value, node: Node) -> int:
         if v not in self.ids:
@@ -189,14 +189,14 @@ class _Lowering:
         """A plan value for result `index` of `node`: an output tensor, or a register of the arena."""
         v = node.value(index)
         width = self.width(v, node)
-        if self.per_sequence(v) and self.gathered == self.graph.inputs()[0].name:
-            raise NotPlannable(f"{node.name} ({node.op}) makes one row per sequence without a gather of rows")
+        if self.gathered_rows(v) and self.gathered == self.graph.inputs()[0].name:
+            raise NotPlannable(f"{node.name} ({node.op}) makes logit rows without a gather of rows")
         if v in self.graph.outputs:
-            self.ids[v] = self.plan.output(width, self.per_sequence(v))
+            self.ids[v] = self.plan.output(width, self.gathered_rows(v))
         else:
             reg = self.free_registers.pop() if self.free_registers else self._new_register()
             self.register_of[v] = reg
-            self.ids[v] = self.plan.temporary(reg, width, self.per_sequence(v))
+            self.ids[v] = self.plan.temporary(reg, width, self.gathered_rows(v))
         return self.ids[v]
 
     def _new_register(self) -> int:
@@ -324,8 +324,8 @@ def _lower_attention(lo: _Lowering, node: Node) -> Encoded:
 def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:
     named = operands_of(node)
     x, indices = named.x, named.indices
-    if lo.per_sequence(x) or not lo.per_sequence(node.value()):
-        raise NotPlannable(f"{node.name} (index_select) gathers rows other than one per sequence from the tokens")
+    if lo.gathered_rows(x) or not lo.gathered_rows(node.value()):
+        raise NotPlannable(f"{node.name} (index_select) gathers rows other than the logit rows from the tokens")
     width = lo.width(x, node)
     if lo.gathered not in (lo.graph.inputs()[0].name, indices.node):
         raise NotPlannable(f"{node.name} (index_select) gathers by a second set of indices; the plan takes one")

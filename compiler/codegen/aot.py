@@ -45,9 +45,10 @@ class Case:
 
 def step_sizes(entry: str, rows: int) -> dict[str, int]:
     """Sizes of the symbolic dims of an `entry` step with `rows` token rows: prefill T tokens of up
-    to 3 sequences, decode S sequences of one token each."""
-    return {"T": rows, "S": rows if entry == "decode" else min(rows, 3), "NB": CACHE_BLOCKS, "BS": BLOCK_SIZE,
-            "MB": TABLE_WIDTH}
+    to 3 sequences with logits at every token (R = T logit rows, so the GEMM after the gather runs
+    in every M bucket as well), decode S sequences of one token each (R = S)."""
+    return {"T": rows, "S": rows if entry == "decode" else min(rows, 3), "R": rows, "NB": CACHE_BLOCKS,
+            "BS": BLOCK_SIZE, "MB": TABLE_WIDTH}
 
 
 def _size(dim: int | str, sizes: dict[str, int]) -> int:

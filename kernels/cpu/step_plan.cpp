@@ -49,7 +49,7 @@ struct Value {
   Place place;
   int64_t index;   // constant, input or output number; a temporary's register
   int64_t width;   // elements per row (temporaries and outputs)
-  bool seqs;       // rows are the gathered rows (IR dim S), not the step's tokens
+  bool seqs;       // rows are the gathered rows (IR dim R, logit rows), not the step's tokens
   int64_t stride;  // elements from one row to the next: an activation's width, a constant's row
                    // stride (0 if 1-D: one row for all); an input's is taken at each run
 };
