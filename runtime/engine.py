@@ -18,15 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
+import torch
+
 from llmc.compiler.dtypes import dtype_info
+from llmc.kernels.token_bitmask import apply_token_bitmask
 
 from .artifact import Artifact, load_artifact
 from .backends import check_backend_name, check_backend_options, choose_backend
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
 from .executor import DEVICES
+from .grammar import GrammarCompiler, GrammarMatcher
 from .model_runner import ModelRunner
-from .request import Completion, Request, RequestOutput
+from .request import Completion, PreparedRequest, Request, RequestOutput
 from .sampler import make_generator, sample
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -76,6 +80,8 @@ class EngineStats:
     prefix_cache_hit_rate: float
     preemptions: int
     steps: int
+    grammar_rows: int = 0               # logits rows a grammar masked, since the start
+    grammar_mask_seconds: float = 0.0   # ... and the time their masks took (filled and applied)
 
 
 def kv_cache_dtype(artifact: Artifact) -> str:
@@ -106,6 +112,9 @@ class Engine:
             self.artifact.weights = {name: w.to("meta") for name, w in self.artifact.weights.items()}
         self.kernels = self.runner.capabilities.kernels     # what computes the ops, for reports
         self.eos_ids = self.artifact.config.eos_token_ids
+        self.grammars = GrammarCompiler(self.artifact.tokenizer.tokenizer_json, self.artifact.config.vocab_size,
+                                        self.eos_ids)
+        self.grammar_rows, self.grammar_mask_seconds = 0, 0.0
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
         self.num_steps = 0
@@ -140,18 +149,30 @@ class Engine:
         self._check_request(prompt_ids, params)
         return prompt_ids
 
+    def prepare_grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The request's grammar matcher, built (or taken from the cache) in the caller's thread;
+        RequestError naming the field when the grammar cannot be enforced. Any thread may call it."""
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
+
+    def prepare(self, prompt: list[int] | str, params: SamplingParams) -> PreparedRequest:
+        """A valid request made ready to add (tokenized, its grammar built); RequestError otherwise.
+        Any thread may call it: it reads only what never changes after construction."""
+        return PreparedRequest(self.prepare_prompt(prompt, params), params, self.prepare_grammar(params))
+
     def next_request_id(self) -> int:
         return next(self._ids)
 
     def add_request(self, prompt: list[int] | str, params: SamplingParams = SamplingParams(),
-                    priority: int = 0, request_id: int | None = None) -> int:
-        """Queue a request (token ids, or text to tokenize); return its id. Invalid: RequestError."""
+                    priority: int = 0, request_id: int | None = None, grammar: GrammarMatcher | None = None) -> int:
+        """Queue a request (token ids, or text to tokenize); return its id. Invalid: RequestError.
+        `grammar`: its matcher when the caller prepared it (prepare_grammar), else built here."""
         prompt_ids = self.prepare_prompt(prompt, params)
+        grammar = grammar or self.prepare_grammar(params)
         rid = self.next_request_id() if request_id is None else request_id
         assert rid not in self.requests, f"request id {rid} is already in use"
         seq = Sequence(rid, prompt_ids, params, priority, arrival_time=time.perf_counter())
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        self.requests[seq.seq_id] = Request(seq, detok)
+        self.requests[seq.seq_id] = Request(seq, detok, grammar)
         self.generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
         return seq.seq_id
@@ -195,8 +216,9 @@ class Engine:
         sampling = [(i, c) for i, c in enumerate(scheduled.chunks) if c.samples]
         reqs = [self.requests[c.seq.seq_id] for _, c in sampling]
         try:
-            logits = self._forward(scheduled)
-            results = sample(logits[[i for i, _ in sampling]], [r.seq.params for r in reqs],
+            logits = self._forward(scheduled)[[i for i, _ in sampling]]
+            self._apply_grammars(logits, reqs)
+            results = sample(logits, [r.seq.params for r in reqs],
                              [self.generators[r.seq.seq_id] for r in reqs],
                              [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
         except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
@@ -209,12 +231,27 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for req, result in zip(reqs, results):
+            if req.grammar is not None and not req.grammar.accept(result.token_id):
+                outputs.append(self._fail(req.seq.seq_id, f"token {result.token_id} broke the request's grammar: "
+                                                          f"{req.grammar.error}"))
+                continue
             out = req.add_token(result, self.eos_ids, now)
             if out.finished:
                 self.scheduler.finish(req.seq)
                 self._remove(req.seq.seq_id)
             outputs.append(out)
         return outputs
+
+    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Set every token a constrained row's grammar does not allow next to -inf, before sampling."""
+        constrained = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
+        if not constrained:
+            return
+        start = time.perf_counter()
+        rows, matchers = zip(*constrained)
+        apply_token_bitmask(logits, self.grammars.next_token_bitmasks(list(matchers)), torch.tensor(rows))
+        self.grammar_rows += len(rows)
+        self.grammar_mask_seconds += time.perf_counter() - start
 
     def _forward(self, scheduled: ScheduledStep):
         self.runner.copy_blocks(scheduled.copies)
@@ -238,4 +275,5 @@ class Engine:
         free = self.blocks.num_free_blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks - free, free, self.blocks.hit_rate(),
-                           self.scheduler.num_preemptions, self.num_steps)
+                           self.scheduler.num_preemptions, self.num_steps, self.grammar_rows,
+                           self.grammar_mask_seconds)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from .request import Completion, RequestOutput
+from .request import Completion, PreparedRequest, RequestOutput
 from .sampling_params import RequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -46,8 +46,7 @@ class LoopStopped(RequestError):
 @dataclass(frozen=True)
 class _Add:
     request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: PreparedRequest
     priority: int
     sink: Sink
 
@@ -111,19 +110,18 @@ class EngineLoop:
     def submit_many(self, requests: list[tuple[list[int] | str, SamplingParams]], sinks: list[Sink],
                     priority: int = 0) -> list[int]:
         """Queue several requests all or none (an OpenAI `n` or a list of prompts)."""
-        prepared = [(self.engine.prepare_prompt(prompt, params), params) for prompt, params in requests]
+        prepared = [self.engine.prepare(prompt, params) for prompt, params in requests]
         return self._submit_prepared(prepared, sinks, priority)
 
-    def _submit_prepared(self, prepared: list[tuple[list[int], SamplingParams]], sinks: list[Sink],
-                         priority: int) -> list[int]:
+    def _submit_prepared(self, prepared: list[PreparedRequest], sinks: list[Sink], priority: int) -> list[int]:
         with self._lock:
             if not self._accepting or not self._thread.is_alive():
                 raise LoopStopped("the server is shutting down and takes no new requests")
             self._check_room(len(prepared))
             ids = [self.engine.next_request_id() for _ in prepared]
             self._queued_adds += len(prepared)
-        for rid, (ids_, params), sink in zip(ids, prepared, sinks):
-            self._inbox.put(_Add(rid, ids_, params, priority, sink))
+        for rid, request, sink in zip(ids, prepared, sinks):
+            self._inbox.put(_Add(rid, request, priority, sink))
         return ids
 
     def _check_room(self, count: int) -> None:
@@ -173,10 +171,10 @@ class EngineLoop:
                  params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         """Run a batch to completion; return each prompt's completion, in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        prepared = [(self.engine.prepare_prompt(p, sp), sp) for p, sp in zip(prompts, plist)]
+        prepared = [self.engine.prepare(p, sp) for p, sp in zip(prompts, plist)]
         queues: list[queue.Queue[RequestOutput]] = [queue.Queue() for _ in prompts]
         ids = self._submit_prepared(prepared, [q.put for q in queues], priority=0)
-        return [self._collect(rid, ids_, q) for rid, (ids_, _), q in zip(ids, prepared, queues)]
+        return [self._collect(rid, r.prompt_ids, q) for rid, r, q in zip(ids, prepared, queues)]
 
     def _collect(self, request_id: int, prompt_ids: list[int], outputs: "queue.Queue[RequestOutput]") -> Completion:
         done = Completion(request_id, prompt_ids, [], "", None, None, None)
@@ -231,8 +229,9 @@ class EngineLoop:
         try:
             if refuse:
                 raise LoopStopped("the server shut down before this request started")
-            self.engine.add_request(command.prompt_ids, command.params, command.priority,
-                                    request_id=command.request_id)
+            request = command.request
+            self.engine.add_request(request.prompt_ids, request.params, command.priority,
+                                    request_id=command.request_id, grammar=request.grammar)
         except RequestError as exc:      # checked at submit; only a shutdown gets here
             self._deliver(RequestOutput.failed(command.request_id, str(exc)))
         except Exception as exc:         # a bug: this request fails, the loop goes on

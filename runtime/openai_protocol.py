@@ -4,17 +4,24 @@ Bodies are validated as JSON in pydantic's strict mode: a number sent as a strin
 sent as an integer is refused, as OpenAI refuses it. Every refusal is an `APIError` carrying the
 HTTP status, OpenAI's error type and the offending parameter, so the server answers with OpenAI's
 error JSON naming the field. Fields that would change the meaning of a request and that llmc
-cannot honour (logit_bias, tools, ...) are refused rather than silently ignored; unknown fields
-are ignored, as vLLM and OpenAI ignore them.
+cannot honour (logit_bias, functions, ...) are refused rather than silently ignored; unknown
+fields are ignored, as vLLM and OpenAI ignore them.
+
+Structured output: `response_format` (`json_object`, `json_schema`) on both endpoints, and vLLM's
+`structured_outputs` for the rest, exactly one of `json` (a schema), `regex`, `choice` (a list of
+strings), `grammar` (Lark or GBNF) or `json_object: true`. vLLM's older `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar` are refused with the new spelling named.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .grammar import GrammarSpec
 from .sampling_params import RequestError, SamplingParams
 
 MAX_N = 128                      # OpenAI's own limit on choices per request
@@ -46,14 +53,55 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallEntry(_Strict):
+    """A call an earlier assistant turn made, as the client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallEntry] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class _GenerationRequest(_Strict):
@@ -76,19 +124,22 @@ class _GenerationRequest(_Strict):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # accepted by OpenAI, not honoured here: refused by name instead of ignored
     logit_bias: dict[str, float] | None = None
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     suffix: str | None = None
+    # vLLM's removed spellings: refused, naming structured_outputs
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def unsupported(self) -> str | None:
-        for name in ("logit_bias", "tools", "functions", "suffix"):
+        for name in ("logit_bias", "functions", "suffix"):
             if getattr(self, name):
                 return name
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format"
         return None
 
     @property
@@ -108,6 +159,9 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _UNION_HINTS = {
@@ -149,12 +203,54 @@ def parse_request(model: type[_GenerationRequest], raw: bytes) -> Any:
         raise _describe(exc.errors()[0]) from None
     if name := request.unsupported():
         raise APIError(f"{name} is not supported by this server; remove it from the request", param=name)
+    if guided := next((f for f in GUIDED_FIELDS if getattr(request, f) is not None), None):
+        raise APIError(f"{guided} is no longer accepted (vLLM removed it); send structured_outputs: "
+                       f'{{"{GUIDED_FIELDS[guided]}": ...}} instead', param=guided)
     if not 1 <= request.n <= MAX_N:
         raise APIError(f"n={request.n} must be between 1 and {MAX_N}", param="n")
     return request
 
 
-def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def grammar_spec(request: _GenerationRequest) -> GrammarSpec | None:
+    """The request's output constraint from response_format or structured_outputs (not both)."""
+    fmt, outputs = request.response_format, request.structured_outputs
+    if fmt is not None and fmt.type != "text" and outputs is not None:
+        raise RequestError("response_format and structured_outputs both constrain the output; send one",
+                           "structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec.json_schema({"type": "object"}, "response_format")
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise RequestError('response_format of type "json_schema" needs a json_schema: {"name": ..., '
+                               '"schema": {...}}', "response_format.json_schema")
+        return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+    return _structured_outputs_spec(outputs) if outputs is not None else None
+
+
+def _structured_outputs_spec(outputs: StructuredOutputs) -> GrammarSpec:
+    given = [name for name in ("json_", "regex", "choice", "grammar", "json_object")
+             if getattr(outputs, name) not in (None, False)]
+    if len(given) != 1:
+        raise RequestError("structured_outputs takes exactly one of json, regex, choice, grammar or json_object; "
+                           f"got {', '.join(g.rstrip('_') for g in given) or 'none'}", "structured_outputs")
+    kind, param = given[0], f"structured_outputs.{given[0].rstrip('_')}"
+    if kind == "json_":
+        schema = outputs.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise RequestError(f"{param} is not valid JSON: {exc}", param) from None
+        return GrammarSpec.json_schema(schema, param)
+    if kind == "json_object":
+        return GrammarSpec.json_schema({"type": "object"}, param)
+    if kind == "choice":
+        return GrammarSpec.choice(outputs.choice, param)
+    return GrammarSpec(kind, getattr(outputs, kind), param)
+
+
+def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None,
+                    grammar: GrammarSpec | None = None) -> SamplingParams:
     """The SamplingParams of choice 0; RequestError's parameter becomes the APIError's."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     try:
@@ -163,7 +259,8 @@ def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int 
             top_k=0 if request.top_k == -1 else request.top_k, top_p=request.top_p, min_p=request.min_p,
             repetition_penalty=request.repetition_penalty, frequency_penalty=request.frequency_penalty,
             presence_penalty=request.presence_penalty, seed=request.seed, stop=stop,
-            stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs)
+            stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
+            grammar=grammar)
     except RequestError as exc:
         raise APIError(str(exc), param=exc.param) from None
 
@@ -193,9 +290,18 @@ def chat_max_tokens(request: ChatCompletionRequest) -> int | None:
     return request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them; 'developer' is OpenAI's newer name for 'system'."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them; 'developer' is OpenAI's newer name for 'system'.
+    Earlier tool calls and results keep their `tool_calls` and `tool_call_id`."""
+    messages = []
+    for m in request.messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
 
 
 def prompt_list(request: CompletionRequest) -> list[str | list[int]]:

@@ -5,7 +5,8 @@
 choice. Streaming follows OpenAI's chunk format: chat chunks carry a `delta` (the first one the
 assistant role), completion chunks carry `text`; the last chunk of a choice carries its
 `finish_reason`; with `stream_options.include_usage` every chunk has `"usage": null` and one more
-chunk with no choices carries the usage.
+chunk with no choices carries the usage. A chat request with tools (tool_calls.py) answers a call
+as `tool_calls` with finish_reason "tool_calls", and streams it in OpenAI's tool-call deltas.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from .request import RequestOutput
 from .sampler import SampleResult
 from .tokenizer import Tokenizer
+from .tool_calls import ToolCallStream, ToolPlan, call_entries, new_call_id
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    tool_stream: ToolCallStream | None = None     # a streamed chat choice with tools
+    called: bool = False                          # ... that has sent a tool call
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -50,11 +54,13 @@ def usage(choices: list[Choice], prompts_tokens: list[int]) -> dict[str, int]:
 
 
 class Reply:
-    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, include_usage: bool = False):
+    def __init__(self, chat: bool, model: str, tokenizer: Tokenizer, include_usage: bool = False,
+                 tools: ToolPlan | None = None):
         self.chat = chat
         self.model = model
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.tools = tools
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -101,8 +107,13 @@ class Reply:
     def _final_choice(self, c: Choice) -> dict[str, Any]:
         logprobs = self._logprobs(c.logprobs, len(c.prefix))
         if self.chat:
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            calls = self.tools.calls(c.text) if self.tools and c.finish_reason == "stop" else None
+            message = {"role": "assistant", "content": c.text}
+            if calls:
+                message = {"role": "assistant", "content": None,
+                           "tool_calls": call_entries(calls, [new_call_id() for _ in calls])}
+            return {"index": c.index, "message": message, "logprobs": logprobs,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": c.stop_reason}
         return {"index": c.index, "text": c.prefix + c.text, "logprobs": logprobs,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
@@ -117,7 +128,9 @@ class Reply:
         choice: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(out.logprobs if out else [], offset),
                                   "finish_reason": out.finish_reason if out and out.finished else None}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice["delta"] = {"role": "assistant", "content": text} if first else self._delta(c, out)
+            if c.called and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = text
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -125,6 +138,16 @@ class Reply:
         if self.include_usage:
             body["usage"] = None
         return body
+
+    def _delta(self, c: Choice, out: RequestOutput) -> dict[str, Any]:
+        """A chat chunk's delta: the text, or, with tools, what the choice's tool stream makes of it."""
+        if self.tools is None:
+            return {"content": out.new_text}
+        if c.tool_stream is None:
+            c.tool_stream = ToolCallStream(self.tools)
+        delta = c.tool_stream.delta(out.new_text, out.finished)
+        c.called = c.called or "tool_calls" in delta
+        return delta
 
     def usage_chunk(self, choices: list[Choice], prompts_tokens: list[int]) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .sampling_params import SamplingParams
 from .sequence import Sequence
 
 if TYPE_CHECKING:        # types only: importing them would import torch (sampler) and the tokenizers
+    from .grammar import GrammarMatcher
     from .sampler import SampleResult
     from .tokenizer import IncrementalDetokenizer
 
@@ -53,6 +55,16 @@ class RequestOutput:
         return cls(request_id, [], "", True, "error", error=error)
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request checked and made ready in the caller's thread: its prompt's token ids and, when it
+    is constrained, its grammar matcher (built there, so nothing slow runs in the engine loop)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    grammar: GrammarMatcher | None = None
+
+
 @dataclass
 class Completion:
     """A finished request, as `Engine.generate` returns it."""
@@ -68,9 +80,10 @@ class Completion:
 
 
 class Request:
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, grammar: GrammarMatcher | None = None):
         self.seq = seq
         self.detok = detok
+        self.grammar = grammar  # its structured-output constraint, advanced by the engine with each token
         self.text = ""          # output text so far (cut at a stop string)
         self.emitted = 0        # characters of `text` already returned
         self._hold = max((len(s) for s in seq.params.stop), default=1) - 1
@@ -91,19 +104,21 @@ class Request:
         return stop
 
     def add_token(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> RequestOutput:
-        """Record a sampled token; finish on a stop token, stop string or max_tokens."""
+        """Record a sampled token; finish on a stop token, stop string, a completed grammar (one that
+        allows nothing more) or max_tokens."""
         seq = self.seq
         seq.output_ids.append(result.token_id)
         seq.first_token_time = seq.first_token_time or now
         stop_token = self._stop_token(result.token_id, eos_ids)
         stop: str | int | None = stop_token
+        grammar_done = self.grammar is not None and self.grammar.is_finished
         if stop_token is None:
             before = len(self.text)
             self.text += self.detok.push(result.token_id)
-            if len(seq.output_ids) >= seq.params.max_tokens:  # the last token: an unfinished character
-                self.text += self.detok.flush()               # is emitted (as U+FFFD), not dropped
+            if len(seq.output_ids) >= seq.params.max_tokens or grammar_done:  # the last token: an unfinished
+                self.text += self.detok.flush()               # character is emitted (as U+FFFD), not dropped
             stop = self._find_stop_string(before)
-        if stop is not None:
+        if stop is not None or grammar_done:
             seq.finish("stop", now)
         elif len(seq.output_ids) >= seq.params.max_tokens:
             seq.finish("length", now)

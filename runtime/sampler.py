@@ -4,7 +4,8 @@ Per row of logits, in this order (vLLM's): repetition / frequency / presence pen
 log-probabilities for reporting -> greedy argmax (temperature 0) or temperature -> top-k ->
 top-p -> min-p -> one draw. Each sampling request owns a `torch.Generator` seeded from its
 seed and draws one uniform number per token from it, so its output does not depend on what
-else is in the batch.
+else is in the batch. A row a grammar constrains arrives with its banned tokens already at -inf
+(the engine applies the mask first: structured output), so every step below keeps within it.
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ def _draw(logits: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def _logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The chosen token's logprob and the top n; tokens a grammar banned (-inf) are never listed."""
     top = torch.topk(logprobs, n) if n else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    pairs = tuple((t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")) \
+        if top is not None else ()
     return float(logprobs[token]), pairs
 
 

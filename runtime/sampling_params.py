@@ -4,6 +4,10 @@ scheduler and sequence bookkeeping stay pure Python."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:        # a type only: grammar.py imports llguidance and torch
+    from .grammar import GrammarSpec
 
 
 class RequestError(ValueError):
@@ -32,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # report the chosen token's logprob and the top-n
+    grammar: GrammarSpec | None = None  # constrain the output (structured output: runtime/grammar.py)
 
     def __post_init__(self) -> None:
         checks = [

@@ -36,12 +36,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .engine import Engine
 from .engine_loop import EngineLoop, LoopStopped, QueueFull
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_max_tokens,
-                              chat_messages, choice_params, completion_logprobs, parse_request, prompt_list,
-                              sampling_params)
+                              chat_messages, choice_params, completion_logprobs, grammar_spec, parse_request,
+                              prompt_list, sampling_params)
 from .openai_responses import Choice, Reply
-from .request import RequestOutput
 from .sampling_params import RequestError, SamplingParams
 from .server_metrics import CONTENT_TYPE, ServerMetrics
+from .tool_calls import chat_prompt, plan_tools
 
 log = logging.getLogger("llmc")
 RETRY_AFTER_S = 1
@@ -157,9 +157,9 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
         prefixes = [engine.tokenizer.decode(ids) if isinstance(p, list) else p
                     for p, ids in zip(given, prompts)] if body.echo else [""] * len(prompts)
         params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16,
-                                 completion_logprobs(body))
+                                 completion_logprobs(body), _request_value(grammar_spec, body))
         reply = Reply(False, config.model_name, engine.tokenizer, body.include_usage)
-        job = _submit(loop, reply, prompts, prefixes, params, body.n)
+        job = await _submit(loop, reply, prompts, prefixes, params, body.n)
         return await _respond(request, job, body.stream, first_chunks=body.echo)
 
     @app.post("/v1/chat/completions")
@@ -167,8 +167,15 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
         _check_auth(request, config)
         body = parse_request(ChatCompletionRequest, await request.body())
         _check_model(body.model, config)
+        tools = _request_value(plan_tools, body.tools, body.tool_choice, engine.tokenizer.files.chat_template)
+        grammar = _request_value(grammar_spec, body)
+        if tools is not None and tools.grammar() is not None:
+            if grammar is not None:
+                raise APIError(f"tool_choice {tools.mode!r} and {grammar.param} both constrain the reply; "
+                               "send one of them", param="tool_choice")
+            grammar = tools.grammar()
         try:
-            prompt = engine.tokenizer.encode_chat(chat_messages(body))
+            prompt = chat_prompt(engine.tokenizer, chat_messages(body), tools)
         except RequestError as exc:
             raise APIError(str(exc), param="messages") from None
         max_tokens = chat_max_tokens(body)
@@ -177,9 +184,9 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
             if max_tokens < 1:
                 raise APIError(f"the messages take {len(prompt)} tokens, the whole context of {max_len}; "
                                "shorten them", param="messages")
-        params = sampling_params(body, max_tokens, chat_logprobs(body))
-        reply = Reply(True, config.model_name, engine.tokenizer, body.include_usage)
-        job = _submit(loop, reply, [prompt], [""], params, body.n)
+        params = sampling_params(body, max_tokens, chat_logprobs(body), grammar)
+        reply = Reply(True, config.model_name, engine.tokenizer, body.include_usage, tools)
+        job = await _submit(loop, reply, [prompt], [""], params, body.n)
         return await _respond(request, job, body.stream, first_chunks=True)
 
 
@@ -187,9 +194,19 @@ def _tokens(engine: Engine, prompt: str | list[int]) -> list[int]:
     return engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def _submit(loop: EngineLoop, reply: Reply, prompts: list[list[int]], prefixes: list[str],
-            params: SamplingParams, n: int) -> _Job:
-    """Queue n choices per prompt with the engine loop; their outputs arrive on the job's queue."""
+def _request_value(make, *args):
+    """make(*args), its RequestError answered as a 400 naming the field."""
+    try:
+        return make(*args)
+    except RequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+
+
+async def _submit(loop: EngineLoop, reply: Reply, prompts: list[list[int]], prefixes: list[str],
+                  params: SamplingParams, n: int) -> _Job:
+    """Queue n choices per prompt with the engine loop; their outputs arrive on the job's queue.
+    The requests are prepared (a grammar built: up to a second for a large one) in a worker thread,
+    so the event loop goes on serving meanwhile."""
     aio_loop = asyncio.get_running_loop()
     outputs: asyncio.Queue = asyncio.Queue()
     per_choice = choice_params(params, n)
@@ -200,7 +217,7 @@ def _submit(loop: EngineLoop, reply: Reply, prompts: list[list[int]], prefixes: 
 
     requests = [(prompts[c.index // n], per_choice[c.index % n]) for c in choices]
     try:
-        ids = loop.submit_many(requests, [sink(c.index) for c in choices])
+        ids = await asyncio.to_thread(loop.submit_many, requests, [sink(c.index) for c in choices])
     except QueueFull as exc:
         raise APIError(str(exc), 429, type="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except LoopStopped as exc:

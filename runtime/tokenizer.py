@@ -66,6 +66,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (as transformers passes it)."""
+        return bool(self.files.chat_template) and "tools" in self.files.chat_template
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -89,20 +94,22 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text the model was trained on."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render chat messages (and, for a template that takes them, OpenAI-style tools) to the
+        prompt text the model was trained on."""
         if self._template is None:
             raise RequestError("this model has no chat template; send a plain prompt (--no-chat)")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          bos_token=self.files.bos_token or "",
                                          eos_token=self.files.eos_token or "")
         except TemplateError as exc:
             raise RequestError(f"the chat template rejected these messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template already holds any BOS text."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

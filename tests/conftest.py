@@ -71,6 +71,14 @@ def tiny_family(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct compiled with the defaults, once for every module that serves it."""
+    from llmc.compiler.driver import compile_model
+
+    return compile_model(None, tmp_path_factory.mktemp("smollm2") / "artifact")
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip `gpu` tests where no CUDA device exists."""
     if torch.cuda.is_available():

@@ -8,7 +8,6 @@ import asyncio
 import openai
 import pytest
 
-from llmc.compiler.driver import compile_model
 from llmc.runtime.engine import Engine
 from llmc.runtime.server import ServerConfig
 
@@ -26,9 +25,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    live = LiveServer(Engine(compile_model(None, tmp_path_factory.mktemp("smollm2") / "artifact")),
-                      ServerConfig(model_name="smollm2"))
+def server(smollm2_artifact):
+    live = LiveServer(Engine(smollm2_artifact), ServerConfig(model_name="smollm2"))
     yield live
     live.stop()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.compiler.driver import compile_model
 from llmc.models.embedded import EMBEDDED_FILE, embedded_model_path
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
@@ -21,8 +20,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return Engine(compile_model(None, tmp_path_factory.mktemp("smollm2") / "artifact"))
+def engine(smollm2_artifact):
+    return Engine(smollm2_artifact)
 
 
 @pytest.fixture(scope="module")
