@@ -7,7 +7,8 @@ step where chunks ask for 4 rows, 1 row, every position of a chunk over cached c
 gives, for every row, the logits of computing that position one step at a time (a prefill to it,
 then one decode a token), within the tolerance of tests/tolerances.py (the two runs reduce in other
 orders: other GEMM row counts, other attention splits), on the torch refs and on the step plans;
-the plan equals the op-by-op native kernels bit for bit on the same step (its claim). An artifact
+the plan equals the op-by-op native kernels bit for bit on the same step (its claim); the triton
+executor's generated kernels (Triton's interpreter here) give the torch refs' rows. An artifact
 whose prefill IR still types the gather by S (compiled before R) runs such steps the same, bit for
 bit. The expected positions are worked out here, not read back from the chunk."""
 
@@ -20,12 +21,14 @@ import pytest
 import torch
 
 from llmc.compiler.codegen.aot import step_sizes
+from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import parse_graph
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.cuda_graphs import pad_decode_step
 from llmc.runtime.executor import KVCacheSpec
+from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk, ScheduledStep
 from llmc.runtime.sequence import Sequence
@@ -147,19 +150,31 @@ def one_at_a_time(ex: TorchExecutor) -> list[torch.Tensor]:
     return rows
 
 
+def assert_rows_close(art, got: list[torch.Tensor], want: list[torch.Tensor | None]) -> None:
+    """Each sequence's rows of `got` have ROWS' count and are `want`'s (None or empty: no rows to
+    compare) within the dtype's tolerance for the model's longest reduction."""
+    cfg, prefill = art.config, art.graphs["prefill"]
+    dtype = to_torch(prefill.type_of(prefill.outputs[0]).dtype)
+    reduction = max(cfg.hidden_size, cfg.intermediate_size, max(PROMPT_LENS))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == (ROWS[i], cfg.vocab_size)
+        if w is not None and w.numel():
+            torch.testing.assert_close(g, w, **tolerance(dtype, reduction, scale=w.abs().max().item()),
+                                       msg=lambda m, i=i: f"sequence {i}'s logit rows: {m}")
+
+
 @pytest.mark.parametrize("kernels", ["reference", "native"])
 def test_logit_rows_equal_one_position_a_step(art, kernels):
     ex = executor(art, kernels)
     assert isinstance(ex.programs["prefill"], StepPlanProgram) == (kernels == "native")
-    got, want = multi_row_step(ex), one_at_a_time(executor(art, kernels))
-    cfg = art.config
-    dtype = to_torch(art.graphs["prefill"].type_of(art.graphs["prefill"].outputs[0]).dtype)
-    reduction = max(cfg.hidden_size, cfg.intermediate_size, max(PROMPT_LENS))
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == (ROWS[i], cfg.vocab_size)
-        if w is not None:
-            torch.testing.assert_close(g, w, **tolerance(dtype, reduction, scale=w.abs().max().item()),
-                                       msg=lambda m, i=i: f"sequence {i}'s logit rows: {m}")
+    assert_rows_close(art, multi_row_step(ex), one_at_a_time(executor(art, kernels)))
+
+
+def test_triton_kernels_give_the_refs_logit_rows(art, tiny_family, tmp_path_factory):
+    path = compile_model(tiny_family("llama_hd32")[1], tmp_path_factory.mktemp("cuda") / "art",
+                         CompileConfig(target="cuda"))
+    triton = ModelRunner.for_backend(load_artifact(path), NUM_BLOCKS, BLOCK, "triton").executor
+    assert_rows_close(art, multi_row_step(triton), multi_row_step(executor(art, "reference")))
 
 
 def test_plan_equals_op_by_op_native_on_logit_rows_bit_for_bit(art):
