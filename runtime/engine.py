@@ -31,11 +31,14 @@ from .executor import DEVICES
 from .grammar import GrammarCompiler, GrammarMatcher
 from .model_runner import ModelRunner
 from .request import Completion, PreparedRequest, Request, RequestOutput
-from .sampler import make_generator, sample
+from .sampler import SampleResult, make_generator, sample
 from .sampling_params import RequestError, SamplingParams
-from .scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from .scheduler import Chunk, ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence
-from .step_inputs import build_step_inputs
+from .speculative.drafters import build_drafter
+from .speculative.speculator import SpeculationStats, SpeculativeConfig, Speculator, speculates, verify_rows
+from .speculative.verify import Verdict
+from .step_inputs import build_step_inputs, logit_row_offsets
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("llmc")
@@ -59,6 +62,7 @@ class EngineConfig:
     backend: str = "auto"           # a registered backend (torch, triton) or "auto": triton on a GPU if it has kernels
     device: str = "auto"            # "cpu", "cuda", or "auto" (the backend's: torch runs on the CPU unless told)
     backend_options: Mapping[str, object] = field(default_factory=dict)
+    speculative: SpeculativeConfig | None = None   # draft and verify several tokens a step (speculative/)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -82,6 +86,7 @@ class EngineStats:
     steps: int
     grammar_rows: int = 0               # logits rows a grammar masked, since the start
     grammar_mask_seconds: float = 0.0   # ... and the time their masks took (filled and applied)
+    speculation: SpeculationStats | None = None     # drafted / accepted counters when speculating
 
 
 def kv_cache_dtype(artifact: Artifact) -> str:
@@ -115,10 +120,16 @@ class Engine:
         self.grammars = GrammarCompiler(self.artifact.tokenizer.tokenizer_json, self.artifact.config.vocab_size,
                                         self.eos_ids)
         self.grammar_rows, self.grammar_mask_seconds = 0, 0.0
+        self.speculator = self._speculator(config, backend) if config.speculative else None
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
         self.num_steps = 0
         self._ids = itertools.count()
+
+    def _speculator(self, config: EngineConfig, backend) -> Speculator:
+        drafter = build_drafter(config.speculative.source, self.artifact, self.runner, self.blocks, backend.name,
+                                config.device, config.backend_options, config.max_num_seqs)
+        return Speculator(config.speculative, drafter, self.max_sequence_tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -195,8 +206,10 @@ class Engine:
         return req.fail(time.perf_counter(), error)
 
     def _remove(self, request_id: int) -> Request | None:
-        """Forget a request that ended (and its sampling stream); None if it already had."""
+        """Forget a request that ended (and its sampling stream, and its draft state); None if it already had."""
         self.generators.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.drafter.forget(request_id)
         return self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -205,7 +218,10 @@ class Engine:
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests that gained a token or failed."""
+        """Run one scheduled step; return the outputs of the requests that gained tokens or failed."""
+        if self.speculator is not None:
+            self.speculator.plan([s for s in self.scheduler.running
+                                  if speculates(s, self.requests[s.seq_id].grammar)])
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -213,34 +229,59 @@ class Engine:
         now = time.perf_counter()
         for c in scheduled.chunks:
             c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
-        sampling = [(i, c) for i, c in enumerate(scheduled.chunks) if c.samples]
-        reqs = [self.requests[c.seq.seq_id] for _, c in sampling]
         try:
-            logits = self._forward(scheduled)[[i for i, _ in sampling]]
-            self._apply_grammars(logits, reqs)
-            results = sample(logits, [r.seq.params for r in reqs],
-                             [self.generators[r.seq.seq_id] for r in reqs],
-                             [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
+            results = self._sample(scheduled.chunks, self._forward(scheduled))
         except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
             log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
             reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
             return [self._fail(c.seq.seq_id, reason) for c in scheduled.chunks]
-        for c in scheduled.chunks:
-            c.seq.num_computed = c.end
-            self.blocks.register_full_blocks(c.seq.seq_id, c.seq.all_ids, c.end)
         now = time.perf_counter()
-        outputs = []
-        for req, result in zip(reqs, results):
-            if req.grammar is not None and not req.grammar.accept(result.token_id):
-                outputs.append(self._fail(req.seq.seq_id, f"token {result.token_id} broke the request's grammar: "
-                                                          f"{req.grammar.error}"))
-                continue
-            out = req.add_token(result, self.eos_ids, now)
-            if out.finished:
-                self.scheduler.finish(req.seq)
-                self._remove(req.seq.seq_id)
-            outputs.append(out)
-        return outputs
+        outputs = [self._commit(c, results.get(c.seq.seq_id), now) for c in scheduled.chunks]
+        return [out for out in outputs if out is not None]
+
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple[list[SampleResult], Verdict | None]]:
+        """Per sampling chunk's sequence: the tokens it gains, and the verdict when it verified drafts."""
+        offsets = logit_row_offsets(chunks)
+        single = [(offsets[i], c) for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
+        results = {}
+        if single:
+            reqs = [self.requests[c.seq.seq_id] for _, c in single]
+            rows = logits[[row + c.num_logits - 1 for row, c in single]]
+            self._apply_grammars(rows, reqs)
+            sampled = sample(rows, [r.seq.params for r in reqs], [self.generators[r.seq.seq_id] for r in reqs],
+                             [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
+            results = {c.seq.seq_id: ([r], None) for (_, c), r in zip(single, sampled)}
+        for i, c in enumerate(chunks):
+            if c.num_drafts:
+                verdict, kept = verify_rows(logits[offsets[i]:offsets[i + 1]], c.seq, self.generators[c.seq.seq_id])
+                results[c.seq.seq_id] = (kept, verdict)
+        return results
+
+    def _commit(self, chunk: Chunk, result, now: float) -> RequestOutput | None:
+        """Record a computed chunk: its tokens' K/V, and what its request gained (None: nothing yet).
+        A verified chunk keeps the K/V of its accepted drafts only: the sequence's length moves back
+        past the rejected ones (their blocks trimmed) and only accepted tokens are hashed."""
+        seq, num_drafts = chunk.seq, chunk.num_drafts
+        seq.draft_ids = []
+        if not num_drafts:
+            seq.num_computed = chunk.end
+            self.blocks.register_full_blocks(seq.seq_id, seq.all_ids, chunk.end)
+        if result is None:                        # a prompt chunk short of the prompt's end
+            return None
+        (kept, verdict), req = result, self.requests[seq.seq_id]
+        if req.grammar is not None and not req.grammar.accept(kept[0].token_id):
+            return self._fail(seq.seq_id, f"token {kept[0].token_id} broke the request's grammar: {req.grammar.error}")
+        out = req.add_tokens(kept, self.eos_ids, now)
+        if num_drafts:
+            if not out.finished:
+                seq.num_computed = seq.num_tokens - 1
+                self.blocks.trim(seq.seq_id, seq.num_computed)
+                self.blocks.register_full_blocks(seq.seq_id, seq.all_ids, seq.num_computed)
+            self.speculator.commit(seq, verdict, num_drafts, out.finished)
+        if out.finished:
+            self.scheduler.finish(seq)
+            self._remove(seq.seq_id)
+        return out
 
     def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """Set every token a constrained row's grammar does not allow next to -inf, before sampling."""
@@ -253,10 +294,18 @@ class Engine:
         self.grammar_rows += len(rows)
         self.grammar_mask_seconds += time.perf_counter() - start
 
-    def _forward(self, scheduled: ScheduledStep):
+    def _forward(self, scheduled: ScheduledStep) -> torch.Tensor:
+        """The step's logit rows (drafts made first where the engine speculates)."""
         self.runner.copy_blocks(scheduled.copies)
-        entry = "decode" if scheduled.is_pure_decode else "prefill"
-        return self.runner.run(entry, build_step_inputs(scheduled.chunks, self.blocks))
+        if self.speculator is None:
+            entry = "decode" if scheduled.is_pure_decode else "prefill"
+            return self.runner.run(entry, build_step_inputs(scheduled.chunks, self.blocks))
+        self.speculator.draft(scheduled.chunks)
+        start = time.perf_counter()
+        logits = self.runner.run("decode" if scheduled.is_pure_decode else "prefill",
+                                 build_step_inputs(scheduled.chunks, self.blocks))
+        self.speculator.record_step(scheduled.chunks, time.perf_counter() - start)
+        return logits
 
     # ---------------------------------------------------------------- front ends
 
@@ -276,4 +325,4 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks - free, free, self.blocks.hit_rate(),
                            self.scheduler.num_preemptions, self.num_steps, self.grammar_rows,
-                           self.grammar_mask_seconds)
+                           self.grammar_mask_seconds, self.speculator.stats if self.speculator else None)

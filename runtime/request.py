@@ -106,6 +106,21 @@ class Request:
     def add_token(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> RequestOutput:
         """Record a sampled token; finish on a stop token, stop string, a completed grammar (one that
         allows nothing more) or max_tokens."""
+        return self.add_tokens([result], eos_ids, now)
+
+    def add_tokens(self, results: list[SampleResult], eos_ids: tuple[int, ...], now: float) -> RequestOutput:
+        """Record the tokens a step gave (several after speculative verification), in order, up to
+        the first that finishes the request; the rest are dropped. One output for them all."""
+        kept, stop = [], None
+        for result in results:
+            kept.append(result)
+            stop = self._record(result, eos_ids, now)
+            if self.seq.is_finished:
+                break
+        return self._output([r.token_id for r in kept], [r for r in kept if r.logprob is not None], stop)
+
+    def _record(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> str | int | None:
+        """Append one token; finish the sequence if it ends it; what stopped it (token or string)."""
         seq = self.seq
         seq.output_ids.append(result.token_id)
         seq.first_token_time = seq.first_token_time or now
@@ -122,7 +137,7 @@ class Request:
             seq.finish("stop", now)
         elif len(seq.output_ids) >= seq.params.max_tokens:
             seq.finish("length", now)
-        return self._output([result.token_id], [result] if result.logprob is not None else [], stop)
+        return stop
 
     def abort(self, now: float) -> RequestOutput:
         self.seq.finish("abort", now)

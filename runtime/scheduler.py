@@ -1,8 +1,9 @@
 """Iteration-level (continuous) batching with chunked prefill and preemption. Pure Python.
 
 Every step gets a token budget (`max_batched_tokens`) and a seat limit (`max_num_seqs`):
-  1. Running sequences first, in priority order: each gets its next token (a decode) or the
-     next chunk of an unfinished prompt. So decodes keep flowing while a long prompt is fed in
+  1. Running sequences first, in priority order: each gets its next token (a decode, with the
+     tokens drafted for it when it speculates: `Sequence.draft_ids`, cut to fit the budget, with
+     logits at each of them) or the next chunk of an unfinished prompt. So decodes keep flowing while a long prompt is fed in
      chunks (Sarathi-style), and the step mixes prompt chunks with decode tokens.
   2. Waiting sequences fill what budget and seats are left, in (priority, arrival) order; a
      prompt larger than the budget is admitted with its first chunk (with `chunked_prefill` off,
@@ -56,7 +57,12 @@ class Chunk:
     @property
     def samples(self) -> bool:
         """True when the chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.end == self.seq.num_tokens
+        return self.end >= self.seq.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafted tokens this chunk verifies (its positions past the sequence's last token)."""
+        return max(0, self.end - self.seq.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_ids.clear()
         self.blocks.free(seq.seq_id)
         seq.status, seq.num_computed = SequenceStatus.WAITING, 0
         seq.num_preemptions += 1
@@ -120,10 +127,15 @@ class Scheduler:
             if seq not in self.running or budget == 0:
                 continue
             end = min(seq.num_tokens, seq.num_computed + budget)
+            if seq.draft_ids and end == seq.num_tokens:     # drafts to verify: as many as budget allows
+                del seq.draft_ids[seq.num_computed + budget - end:]
+                end += len(seq.draft_ids)
+            else:
+                seq.draft_ids.clear()
             if end == seq.num_computed or not self._grow(seq, end, preempted):
                 continue
             self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
-            chunks.append(Chunk(seq, seq.num_computed, end))
+            chunks.append(Chunk(seq, seq.num_computed, end, num_logits=1 + len(seq.draft_ids)))
             budget -= end - seq.num_computed
         return chunks
 

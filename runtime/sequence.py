@@ -30,10 +30,23 @@ class Sequence:
     first_token_time: float | None = None
     finished_time: float | None = None
     finish_reason: str | None = None
+    draft_ids: list[int] = field(default_factory=list)   # tokens proposed for this step's verification
+    num_drafted: int = 0             # speculative tokens proposed for it, since it started
+    num_accepted: int = 0            # ... and accepted
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def step_ids(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output + the drafts being verified this step."""
+        ids = self.all_ids + self.draft_ids
+        return ids[start:end]
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the newest is in the cache: the next step computes one token (plus drafts)."""
+        return self.num_computed == self.num_tokens - 1
 
     @property
     def num_tokens(self) -> int:

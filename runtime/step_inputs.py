@@ -53,7 +53,7 @@ def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
     """Host-side metadata for computing tokens [start, end) of each chunk's sequence in one step."""
     ids, positions, slots, starts, lens, rows = [], [], [], [0], [], []
     for c in chunks:
-        ids += c.seq.all_ids[c.start:c.end]
+        ids += c.seq.step_ids(c.start, c.end)
         positions += range(c.start, c.end)
         slots += [blocks.slot(c.seq.seq_id, p) for p in range(c.start, c.end)]
         rows += [starts[-1] + p - c.start for p in c.logit_positions]     # its tokens' rows in the step

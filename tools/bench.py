@@ -137,6 +137,20 @@ STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="wit
                                  "graph whose ops all have one as one native call per step, not op by op (default)")
 
 
+SPECULATIVE_OPTION = typer.Option(None, "--speculative", help="draft and verify several tokens a step: ngram "
+                                  "(prompt lookup), self (the artifact's draft graph: compile --draft-skip N) or "
+                                  "draft:ARTIFACT (a smaller model of the same vocabulary)")
+NUM_DRAFT_TOKENS_OPTION = typer.Option(4, "--num-draft-tokens", help="most tokens drafted per sequence and step "
+                                       "with --speculative (adaptive: fewer, or none, when drafting does not pay)")
+
+
+def speculative_config(source: str | None, num_draft_tokens: int):
+    """EngineConfig.speculative from the command line (None without --speculative)."""
+    from llmc.runtime.speculative.speculator import SpeculativeConfig
+
+    return SpeculativeConfig(source, num_draft_tokens) if source is not None else None
+
+
 def given_backend_options(**options: object) -> dict[str, object]:
     """The backend options given on the command line (None: not given), for EngineConfig.backend_options."""
     return {name: value for name, value in options.items() if value is not None}
@@ -157,6 +171,8 @@ def bench_cmd(
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
@@ -173,7 +189,8 @@ def bench_cmd(
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                                            max_batched_tokens=max_batched_tokens, backend=backend,
-                                           backend_options=options))
+                                           backend_options=options,
+                                           speculative=speculative_config(speculative, num_draft_tokens)))
     requests = workload.requests(engine.artifact.config.vocab_size)
     if stale := stale_code(engine.artifact.manifest):
         typer.echo(f"note: {stale}", err=True)

@@ -27,9 +27,11 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import CUDA_GRAPHS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options
+from .bench import (CUDA_GRAPHS_OPTION, KERNELS_OPTION, NUM_DRAFT_TOKENS_OPTION, SPECULATIVE_OPTION, STEP_PLANS_OPTION,
+                    bench_cmd, given_backend_options, speculative_config)
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
+from .bench_structured import bench_structured_cmd
 from .kernels_cmd import kernels_cmd
 from .profile_steps import profile_cmd
 from .quality import eval_cmd
@@ -139,6 +141,8 @@ def generate(
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -146,7 +150,8 @@ def generate(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
-    engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
+    engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options,
+                                           speculative=speculative_config(speculative, num_draft_tokens)))
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
     _stream_to_stdout(engine, ids, params)
@@ -198,6 +203,8 @@ def serve(
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -208,7 +215,8 @@ def serve(
 
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options)
+                          max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
+                          speculative=speculative_config(speculative, num_draft_tokens))
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
@@ -224,6 +232,7 @@ def serve(
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
+app.command("bench-structured")(user_errors(bench_structured_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))
 app.command("eval")(user_errors(eval_cmd))
