@@ -33,6 +33,8 @@ class RequestMetrics:
     output_tokens: int
     cached_prompt_tokens: int
     preemptions: int
+    drafted_tokens: int = 0      # speculative decoding: tokens drafted for this request
+    accepted_tokens: int = 0     # ... and accepted by verification
 
 
 @dataclass
@@ -166,4 +168,5 @@ class Request:
             queue_time=scheduled - seq.arrival_time, ttft=first - seq.arrival_time,
             tpot=(seq.finished_time - first) / (n - 1) if n > 1 else 0.0,
             e2e=seq.finished_time - seq.arrival_time, prompt_tokens=len(seq.prompt_ids),
-            output_tokens=n, cached_prompt_tokens=seq.num_cached_prompt, preemptions=seq.num_preemptions)
+            output_tokens=n, cached_prompt_tokens=seq.num_cached_prompt, preemptions=seq.num_preemptions,
+            drafted_tokens=seq.num_drafted, accepted_tokens=seq.num_accepted)
