@@ -325,4 +325,4 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks - free, free, self.blocks.hit_rate(),
                            self.scheduler.num_preemptions, self.num_steps, self.grammar_rows,
-                           self.grammar_mask_seconds, self.speculator.stats if self.speculator else None)
+                           self.grammar_mask_seconds, self.speculator.stats.snapshot() if self.speculator else None)

@@ -4,7 +4,10 @@ Counted when a request ends (in the engine loop's thread, through `observe_finis
 requests by outcome (stop, length, abort, error), prompt and generated tokens, and the TTFT,
 TPOT and end-to-end latency histograms. Refused HTTP requests are counted by status. The
 engine's gauges (running and waiting requests, KV blocks used and free, prefix-cache hit rate)
-and its preemption and step counters are read from the loop's latest stats at scrape time.
+and its preemption and step counters are read from the loop's latest stats at scrape time, and
+so are, when it speculates, its speculative decoding counters (drafted and accepted tokens, per
+draft position too, draft and verify time, acceptance rate, mean accepted length) and the
+grammar masks' rows and time (structured output).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from .engine import EngineStats
 from .request import RequestOutput
+from .speculative.speculator import SpeculationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -41,6 +45,31 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("llmc_preemptions", "Sequences preempted for KV space", value=s.preemptions)
         yield CounterMetricFamily("llmc_engine_steps", "Engine steps run", value=s.steps)
+        yield CounterMetricFamily("llmc_grammar_masked_rows", "Logit rows a grammar masked", value=s.grammar_rows)
+        yield CounterMetricFamily("llmc_grammar_mask_seconds", "Time filling and applying grammar masks",
+                                  value=s.grammar_mask_seconds)
+        if s.speculation is not None:
+            yield from _speculation_metrics(s.speculation)
+
+
+def _speculation_metrics(spec: SpeculationStats) -> Iterator[Metric]:
+    for name, doc, value in [
+        ("llmc_spec_draft_tokens", "Speculative tokens drafted", spec.drafted),
+        ("llmc_spec_accepted_tokens", "Drafted tokens accepted by verification", spec.accepted),
+        ("llmc_spec_verified_sequences", "Sequence-steps that verified drafts", spec.verified_seqs),
+        ("llmc_spec_emitted_tokens", "Tokens those sequence-steps gave (accepted + the target's own)", spec.emitted),
+        ("llmc_spec_draft_seconds", "Time spent drafting", spec.draft_seconds),
+        ("llmc_spec_verify_seconds", "Time of target steps that verified drafts", spec.verify_seconds),
+    ]:
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily("llmc_spec_acceptance_rate", "Accepted / drafted tokens", value=spec.acceptance_rate)
+    yield GaugeMetricFamily("llmc_spec_mean_accepted_length", "Tokens a verifying sequence gained per step",
+                            value=spec.mean_accepted_length)
+    per_position = CounterMetricFamily("llmc_spec_accepted_tokens_per_position",
+                                       "Drafts accepted, by their position in the draft (0 first)", labels=["position"])
+    for position, accepted in enumerate(spec.accepted_at):
+        per_position.add_metric([str(position)], accepted)
+    yield per_position
 
 
 class ServerMetrics:

@@ -26,7 +26,7 @@ row i is processed with the drafts before it as the output so far.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -72,8 +72,12 @@ class SpeculationStats:
     drafted_at: list[int] = field(default_factory=list)      # [i]: draft i proposed
 
     def __post_init__(self) -> None:
-        self.accepted_at = [0] * self.max_k
-        self.drafted_at = [0] * self.max_k
+        self.accepted_at = self.accepted_at or [0] * self.max_k
+        self.drafted_at = self.drafted_at or [0] * self.max_k
+
+    def snapshot(self) -> "SpeculationStats":
+        """A copy another thread may read while the engine goes on counting."""
+        return replace(self, accepted_at=list(self.accepted_at), drafted_at=list(self.drafted_at))
 
     @property
     def acceptance_rate(self) -> float:
