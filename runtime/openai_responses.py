@@ -145,7 +145,7 @@ class Reply:
             return {"content": out.new_text}
         if c.tool_stream is None:
             c.tool_stream = ToolCallStream(self.tools)
-        delta = c.tool_stream.delta(out.new_text, out.finished)
+        delta = c.tool_stream.delta(out.new_text, out.finish_reason if out.finished else None)
         c.called = c.called or "tool_calls" in delta
         return delta
 

@@ -63,8 +63,8 @@ class ToolCallFormat:
                                    for name, arguments in calls)
 
     def read(self, text: str) -> list[tuple[str, str]] | None:
-        """The calls in `text` (name, arguments JSON text); None unless `text` is calls and nothing else."""
-        text = text.strip()
+        """The calls in `text` (name, arguments JSON text); None unless `text` is calls and nothing else
+        (not even a space before them: the grammar reads that as text, whose calls it never checked)."""
         bodies = re.findall(re.escape(self.open) + "(.*?)" + re.escape(self.close), text, flags=re.DOTALL)
         if not bodies or self.separator.join(self.open + b + self.close for b in bodies) != text:
             return None
@@ -235,7 +235,8 @@ class ToolCallStream:
     """One streamed choice's text turned into OpenAI chat deltas: `content` for text, `tool_calls`
     (index, id, type, name, then argument pieces) for calls. A named call streams its arguments as
     they come; other calls are held until the reply ends and sent whole, one delta entry each; in
-    "auto", text is held only while it could still be the start of a call."""
+    "auto", text is held only while it could still be the start of a call. As in the whole reply,
+    held text becomes calls only when the reply ended with "stop" (cut short, it is sent as text)."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -243,7 +244,8 @@ class ToolCallStream:
         self.is_text = plan.mode == "none"
         self.call_id = new_call_id()
 
-    def delta(self, text: str, finished: bool) -> dict[str, Any]:
+    def delta(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """The delta for a piece of the reply's text; `finish_reason` set on the last piece."""
         if self.plan.mode == "named":
             return self._named(text)
         self.held += text
@@ -254,7 +256,7 @@ class ToolCallStream:
         if self.is_text:
             out, self.held = self.held, ""
             return {"content": out} if out else {}
-        return self._calls() if finished else {}
+        return self._calls(finish_reason == "stop") if finish_reason is not None else {}
 
     def _named(self, text: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
@@ -264,9 +266,9 @@ class ToolCallStream:
             self.call_id = ""
         return {"tool_calls": [entry]} if text or "id" in entry else {}
 
-    def _calls(self) -> dict[str, Any]:
-        calls = self.plan.calls(self.held)
-        if calls is None:         # cut short (max_tokens): what there is, as text
+    def _calls(self, complete: bool) -> dict[str, Any]:
+        calls = self.plan.calls(self.held) if complete else None
+        if calls is None:         # cut short (max_tokens) or not calls: what there is, as text
             return {"content": self.held} if self.held else {}
         return {"tool_calls": [{"index": i, **entry} for i, entry in
                                enumerate(call_entries(calls, [new_call_id() for _ in calls]))]}
@@ -274,11 +276,17 @@ class ToolCallStream:
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[int]:
     """The chat's prompt ids with the plan's tools offered: by the template where it takes tools
-    (earlier calls' arguments handed to it as objects, as transformers does), else by plain_messages."""
+    (earlier calls' arguments handed to it as objects, as transformers does), else by plain_messages.
+    The caller's messages are left as they are."""
     offered, fmt = (plan.offered, plan.fmt) if plan else ([], tool_call_format(tokenizer.files.chat_template))
     if tokenizer.template_takes_tools:
-        for m in messages:
-            for call in m.get("tool_calls") or ():
-                call["function"]["arguments"] = _loads(call["function"]["arguments"], dict) or {}
+        messages = [m | {"tool_calls": [_with_object_arguments(c) for c in m["tool_calls"]]}
+                    if m.get("tool_calls") else m for m in messages]
         return tokenizer.encode_chat(messages, tools=[t.openai() for t in offered] or None)
     return tokenizer.encode_chat(plain_messages(messages, offered, fmt))
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A call entry whose arguments (JSON text) are an object, as templates that take tools read them."""
+    function = call["function"]
+    return call | {"function": function | {"arguments": _loads(function["arguments"], dict) or {}}}
