@@ -11,9 +11,10 @@ with the target; N rounds. Layer 0 and the last layer are candidates only when N
 choice (they hold the embedding-to-stream and stream-to-logits work; skipping them costs the most in
 the published layer-skip studies). Greedy rather than Bayesian optimisation because its cost is
 known in advance and small: rounds x candidates = N x (L - 2 - (N - 1) / 2) forwards of the draft on
-the calibration tokens (SmolLM2, L = 30, N = 8: 212 forwards), deterministic, and each step is
-explainable (the report keeps every round's pick and agreement); a Bayesian search (SWIFT) helps when
-a forward is expensive or N is large and fits a later issue.
+the calibration tokens (SmolLM2, L = 30, N = 8: 196 forwards), deterministic, and each step is
+explainable (the report keeps every round's pick, agreement and expected accepted length; the
+rounds are nested, so a search for N also tells what every smaller N would choose); a Bayesian
+search (SWIFT) helps when a forward is expensive or N is large and fits a later issue.
 
 Forwards run the traced graphs through the op records' torch references on the CPU, in the compile
 dtype, on the unquantized weights: the measured acceptance is the layer skip's, not a quantization
@@ -147,7 +148,8 @@ def choose_draft_skip(traced_prefill: Graph, weights: dict[str, torch.Tensor], t
             scored.append((float(agree.double().mean()), -kl, -layer, layer, agree, kl))
         best = max(scored, key=lambda s: s[:3])
         skipped = tuple(sorted(skipped + (best[3],)))
-        rounds.append({"skip": best[3], "agreement": best[0], "mean_kl": best[5], "tried": len(scored)})
+        rounds.append({"skip": best[3], "agreement": best[0], "mean_kl": best[5],
+                       "expected_accepted_k4": expected_accepted(best[4]), "tried": len(scored)})
     agreement, agree, kl = (best[0], best[4], best[5]) if best else (1.0, torch.ones(len(tokens), dtype=torch.bool), 0.0)
     return DraftChoice(skipped, num_layers, agreement, kl, expected_accepted(agree), len(tokens),
                        "greedy backward elimination", rounds, calib.forwards, time.perf_counter() - start)

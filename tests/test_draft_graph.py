@@ -32,7 +32,8 @@ from tiny_models import build_hf_model, write_hf_folder
 from tolerances import tolerance
 
 LAYERS = 4
-FAMILIES = ("llama_gqa", "gemma2", "olmo2", "qwen3", "phi3")
+FAMILIES = ("llama_gqa", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]   # its tiny has 3
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def tiny4(tmp_path_factory):
 
     def get(family: str):
         if family not in cache:
-            model = build_hf_model(family, num_hidden_layers=LAYERS)
+            types = {"layer_types": GEMMA3_TYPES} if family == "gemma3" else {}
+            model = build_hf_model(family, num_hidden_layers=LAYERS, **types)
             cache[family] = (model, write_hf_folder(model, tmp_path_factory.mktemp(family) / "hf"))
         return cache[family]
 
