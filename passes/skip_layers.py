@@ -45,7 +45,8 @@ def _owner(nodes: dict[str, Node], node: Node) -> int | None:
 
 
 def layer_regions(graph: Graph) -> dict[str, int | None]:
-    """Each op node's region: its decoder layer, TAIL after the last one, None in the head."""
+    """Each op node's region: its decoder layer, TAIL after the last one, None in the head (a
+    draft's layers, with gaps, too)."""
     nodes = graph.node_map()
     regions: dict[str, int | None] = {}
     current: int | None = None
@@ -56,8 +57,7 @@ def layer_regions(graph: Graph) -> dict[str, int | None]:
         if current is None and owner == TAIL:
             owner = None                              # the embedding: a non-layer weight before layer 0
         if owner is not None and owner != current:
-            expected = 0 if current is None else current + 1
-            if current == TAIL or owner not in (expected, TAIL):
+            if current == TAIL or (owner != TAIL and current is not None and owner < current):
                 raise IRError(f"node %{node.name} reads layer {owner}'s weights after region {current}; "
                               "the draft pass needs the decoder layers in order, each one contiguous")
             current = owner

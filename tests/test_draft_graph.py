@@ -259,7 +259,22 @@ def test_search_skips_the_layer_that_does_nothing(tmp_path, idle):
     choice = choose_draft_skip(trace(loaded.config, "prefill"), loaded.weights, tokens, 1)
     assert choice.skip == (idle,) and choice.agreement == 1.0 and choice.mean_kl == pytest.approx(0.0, abs=1e-6)
     assert choice.expected_accepted_k4 == pytest.approx((4 * 61 + 3 + 2 + 1) / 64)
-    assert choice.forwards == 1 + (LAYERS - 2) and len(choice.rounds) == 1
+    assert choice.forwards == 1 + 1 + (LAYERS - 2) and len(choice.rounds) == 1     # target, residuals, candidates
+
+
+@pytest.mark.parametrize("skipped, layer", [((), 1), ((2,), 1), ((1,), 3), ((1, 2), 0)])
+def test_a_resumed_draft_scores_as_a_whole_forward(tiny4, skipped, layer):
+    """The search runs a candidate from the current draft's residual entering its layer; that must
+    give the whole forward's numbers (bit for bit: the same ops on the same values)."""
+    from llmc.compiler.draft import Calibration
+    from llmc.models.loader import load_model
+
+    loaded = load_model(tiny4("gemma2")[1])
+    calib = Calibration(trace(loaded.config, "prefill"), loaded.weights, prompt(40, seed=5))
+    skip = tuple(sorted(skipped + (layer,)))
+    whole_agree, whole_kl = calib.score(skip)
+    agree, kl = calib.score(skip, (layer, calib.residuals(skipped)[layer]))
+    assert torch.equal(agree, whole_agree) and kl == whole_kl
 
 
 def draft_logits(art, backend: str, seqs) -> torch.Tensor:
