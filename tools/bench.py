@@ -103,7 +103,32 @@ def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[],
         "prefix_cache_hit_rate": engine.blocks.hit_rate(),
         "preemptions": engine.scheduler.num_preemptions,
         "kernels": engine.kernels,
+        **({"speculation": {"source": engine.config.speculative.source, **speculation_summary(spec)}}
+           if (spec := engine.stats().speculation) else {}),
     }
+
+
+def speculation_summary(stats) -> dict:
+    """A SpeculationStats as plain numbers: counters, rates, acceptance per draft position, times."""
+    spent = stats.draft_seconds + stats.verify_seconds
+    return {"max_k": stats.max_k, "drafted": stats.drafted, "accepted": stats.accepted, "verified_seqs": stats.verified_seqs,
+            "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
+            "accepted_at": list(stats.accepted_at), "drafted_at": list(stats.drafted_at),
+            "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+            "draft_share": stats.draft_seconds / spent if spent > 0 else 0.0}
+
+
+def format_speculation(spec: dict) -> list[str]:
+    """The report's speculation lines: acceptance, mean accepted length, per position, draft vs verify."""
+    per_position = "  ".join(f"{i + 1}: {a}/{d}" + (f" ({a / d:.0%})" if d else "")
+                             for i, (a, d) in enumerate(zip(spec["accepted_at"], spec["drafted_at"])))
+    return [
+        f"speculation   {spec.get('source', '')} K <= {spec['max_k']}: acceptance {spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafted "
+        f"tokens), mean accepted length {spec['mean_accepted_length']:.2f} tokens per verifying step",
+        f"              accepted per position {per_position}",
+        f"              draft {spec['draft_seconds']:.2f} s, verify {spec['verify_seconds']:.2f} s "
+        f"(draft {spec['draft_share']:.0%} of the two)",
+    ]
 
 
 def format_report(result: dict) -> str:
@@ -116,6 +141,8 @@ def format_report(result: dict) -> str:
         f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}, "
         f"{llmc['kernels']} kernels",
     ]
+    if "speculation" in llmc:
+        lines += format_speculation(llmc["speculation"])
     for name, base in result.get("baselines", {}).items():
         if "error" in base:
             lines.append(f"{name:<13} unavailable: {base['error']}")

@@ -31,6 +31,7 @@ from .bench import (CUDA_GRAPHS_OPTION, KERNELS_OPTION, NUM_DRAFT_TOKENS_OPTION,
                     bench_cmd, given_backend_options, speculative_config)
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
+from .bench_spec import bench_spec_cmd
 from .bench_structured import bench_structured_cmd
 from .kernels_cmd import kernels_cmd
 from .profile_steps import profile_cmd
@@ -232,6 +233,7 @@ def serve(
 app.command("plan")(user_errors(plan_cmd))
 app.command("bench")(user_errors(bench_cmd))
 app.command("bench-serve")(user_errors(bench_serve_cmd))
+app.command("bench-spec")(user_errors(bench_spec_cmd))
 app.command("bench-structured")(user_errors(bench_structured_cmd))
 app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))

@@ -1,0 +1,248 @@
+"""`llmc bench-spec`: decode tokens per second with and without speculative decoding, per draft
+source, on code-like / repetitive prompts and on chat prompts, at several batch sizes, in one run.
+
+Sources: none, ngram, self (when the artifact has a `draft` graph: `llmc compile --draft-skip N`)
+and draft:ART (with --draft ART). Each source gets its own engine, warmed up once, then every
+(prompt kind, batch size) is measured on it. The prompts are built in (below), rendered with the
+artifact's chat template, decoded greedily with the same max_tokens; batch B submits B prompts
+together, the kind's prompts taken B at a time (cycled to fill the last batch).
+
+Decode tok/s of a batch = sum over its requests of (output tokens - 1) / (finish - first token
+time) (RequestMetrics: e2e - ttft); a row gives the mean over its batches. Speculation counters
+are the engine's (Engine.stats().speculation) over the row's batches: acceptance rate = accepted /
+drafted, mean accepted length = tokens a verifying sequence gained per step, draft share = draft
+time / (draft + verify time).
+
+Greedy speculative decoding emits exactly the tokens plain greedy decoding emits, so every source
+must give every prompt the same tokens as `none` at the same batch size; the report says so, and
+a mismatch (a bug) is printed loudly and makes the command exit 1.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from llmc.compiler.artifact_format import artifact_entries, read_manifest
+from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.memory_plan import parse_bytes
+from llmc.runtime.request import Completion
+from llmc.runtime.sampling_params import RequestError, SamplingParams
+from llmc.runtime.speculative.speculator import SpeculationStats
+
+from .bench import speculation_summary, speculative_config
+from .profile_steps import cpu_name
+
+_CODE = """def total(values):
+    x = 0
+    for v in values:
+        if v > 0:
+            x = x + v
+        else:
+            x = x - 1
+    print("total:", x)
+    return x
+"""
+_SQL = ("select name, email, created_at from users where active = 1 and country = 'FR' "
+        "order by created_at desc limit 20;")
+_JSON = ('{"name": "llmc", "version": "0.3.1", "license": "MIT", "dependencies": ["torch", "typer", '
+         '"tokenizers"], "scripts": {"build": "make", "test": "pytest -q"}}')
+CODE_PROMPTS = (
+    f"Rewrite this code renaming x to count:\n```python\n{_CODE}```",
+    "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+    "honeydew, kiwis, lemons, mangoes, nectarines, oranges, papayas, quinces, raspberries.",
+    f"Rewrite this code renaming values to numbers and v to n:\n```python\n{_CODE}```",
+    f"Rewrite this SQL query with upper-case keywords:\n{_SQL}",
+    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog near the river bank.",
+    f"Add a docstring to this function and keep the rest unchanged:\n```python\n{_CODE}```",
+    f"Format this JSON with two spaces of indent:\n{_JSON}",
+    "Count from 1 to 40, one number per line, like this: 1\n2\n3",
+)
+CHAT_PROMPTS = (
+    "Tell me about the ocean.",
+    "What makes a good friend?",
+    "Explain how a bicycle works.",
+    "Write a short story about a lost cat.",
+    "What are the benefits of reading books?",
+    "How do plants grow?",
+    "Describe a perfect weekend.",
+    "Why is the sky blue?",
+)
+PROMPT_KINDS = {"code": CODE_PROMPTS, "chat": CHAT_PROMPTS}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (prompt kind, batch size, source) measurement."""
+
+    kind: str
+    batch: int
+    source: str
+    decode_tok_s: float
+    output_tokens: int
+    speculation: dict | None          # speculation_summary over the row's batches (None: no speculation)
+    outputs: list[list[int]]          # each prompt's generated token ids, in prompt order
+
+
+def available_sources(artifact: Path, draft: Path | None) -> list[str]:
+    """none and ngram always; self when the artifact has a draft graph; draft:ART when given."""
+    sources = ["none", "ngram"]
+    if "draft" in artifact_entries(read_manifest(artifact)):
+        sources.append("self")
+    return sources + ([f"draft:{draft}"] if draft is not None else [])
+
+
+def parse_batches(text: str) -> list[int]:
+    """'1,8' -> [1, 8]."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise RequestError(f"--batch {text!r} is not a comma-separated list of batch sizes like 1,8") from None
+    if not batches or min(batches) < 1:
+        raise RequestError(f"--batch {text!r} must list positive batch sizes, like 1,8")
+    return batches
+
+
+def batches_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """The prompts taken `batch` at a time, cycled so that the last batch is full."""
+    count = -(-max(len(prompts), batch) // batch) * batch
+    cycled = [prompts[i % len(prompts)] for i in range(count)]
+    return [cycled[i:i + batch] for i in range(0, count, batch)]
+
+
+def decode_tok_s(completions: list[Completion]) -> float:
+    """Sum over the batch's requests of (output tokens after the first) / (finish - first token)."""
+    rate = 0.0
+    for c in completions:
+        m = c.metrics
+        if m is not None and m.output_tokens > 1 and m.e2e > m.ttft:
+            rate += (m.output_tokens - 1) / (m.e2e - m.ttft)
+    return rate
+
+
+def stats_between(before: SpeculationStats, after: SpeculationStats) -> SpeculationStats:
+    """The speculation counters of what ran between two snapshots."""
+    minus = lambda a, b: [x - y for x, y in zip(a, b)]  # noqa: E731
+    return SpeculationStats(after.max_k, after.drafted - before.drafted, after.accepted - before.accepted,
+                            after.verified_seqs - before.verified_seqs, after.emitted - before.emitted,
+                            after.draft_seconds - before.draft_seconds, after.verify_seconds - before.verify_seconds,
+                            minus(after.accepted_at, before.accepted_at), minus(after.drafted_at, before.drafted_at))
+
+
+def measure(engine: Engine, kind: str, batch: int, source: str, prompts: list[list[int]],
+            params: SamplingParams) -> Row:
+    """Every batch of the kind's prompts through the engine, one batch at a time."""
+    before = engine.stats().speculation
+    rates, outputs, tokens = [], [], 0
+    for group in batches_of(prompts, batch):
+        done = engine.generate(group, params)
+        if failed := [c.error for c in done if c.finish_reason == "error"]:
+            raise RequestError(f"a {source} request failed during the benchmark: {failed[0]}")
+        rates.append(decode_tok_s(done))
+        outputs += [c.token_ids for c in done]
+        tokens += sum(len(c.token_ids) for c in done)
+    spec = None if before is None else speculation_summary(stats_between(before, engine.stats().speculation))
+    return Row(kind, batch, source, sum(rates) / len(rates), tokens, spec, outputs)
+
+
+def chat_prompts(engine: Engine, num_prompts: int) -> dict[str, list[list[int]]]:
+    """Each kind's first `num_prompts` prompts, rendered with the chat template, as token ids."""
+    return {kind: [engine.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts[:num_prompts]]
+            for kind, texts in PROMPT_KINDS.items()}
+
+
+def bench_source(artifact: Path, source: str, config: EngineConfig, batches: list[int], num_prompts: int,
+                 params: SamplingParams) -> list[Row]:
+    """One engine for `source`: warm up once, then each (prompt kind, batch size)."""
+    engine = Engine(artifact, config)
+    prompts = chat_prompts(engine, num_prompts)
+    engine.generate(prompts["code"][:1], SamplingParams(max_tokens=min(8, params.max_tokens), temperature=0.0))
+    rows = [measure(engine, kind, batch, source, kind_prompts, params)
+            for kind, kind_prompts in prompts.items() for batch in batches]
+    del engine
+    gc.collect()                                   # one engine's weights resident at a time
+    return rows
+
+
+def mismatches(rows: list[Row]) -> list[str]:
+    """Each prompt whose tokens under a source differ from no speculation's at the same batch size."""
+    plain = {(r.kind, r.batch): r.outputs for r in rows if r.source == "none"}
+    found = []
+    for r in rows:
+        for i, (got, want) in enumerate(zip(r.outputs, plain[(r.kind, r.batch)])):
+            if got != want:
+                at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                found.append(f"{r.source} on {r.kind} prompt {i} at batch {r.batch}: tokens differ from "
+                             f"no speculation's from output position {at} ({len(got)} vs {len(want)} tokens)")
+    return found
+
+
+def _cells(row: Row, plain: Row) -> str:
+    ratio = f"{row.decode_tok_s / plain.decode_tok_s:.2f}x" if plain.decode_tok_s > 0 else "-"
+    s = row.speculation
+    if s is None or not s["drafted"]:
+        spec = f"{'-':>8}{'-':>10}{'-':>8}"
+    else:
+        spec = f"{s['acceptance_rate']:>8.0%}{s['mean_accepted_length']:>10.2f}{s['draft_share']:>8.0%}"
+    return f"{row.decode_tok_s:>10.1f}{ratio:>9}{spec}{row.output_tokens:>8}"
+
+
+def format_table(rows: list[Row], cpu: str, num_draft_tokens: int, bad: list[str]) -> str:
+    plain = {(r.kind, r.batch): r for r in rows if r.source == "none"}
+    width = max(len(r.source) for r in rows) + 2
+    lines = [f"llmc bench-spec on {cpu}; greedy, K <= {num_draft_tokens} (adaptive), decode tok/s summed over "
+             "each batch's requests",
+             f"{'prompts':<8}{'batch':>6}  {'source':<{width}}{'tok/s':>10}{'vs none':>9}{'accept':>8}{'mean len':>10}"
+             f"{'draft':>8}{'tokens':>8}"]
+    for r in rows:
+        lines.append(f"{r.kind:<8}{r.batch:>6}  {r.source:<{width}}{_cells(r, plain[(r.kind, r.batch)])}")
+    lines.append("accept: accepted / drafted tokens; mean len: tokens a verifying sequence gained per step; "
+                 "draft: draft time / (draft + verify time); tokens: output tokens of the row; -: nothing drafted")
+    if bad:
+        lines += ["!" * 72, f"!!! OUTPUT MISMATCH: {len(bad)} prompt(s) decoded differently with speculation "
+                  "(greedy output must be identical; this is a bug)"] + [f"!!! {m}" for m in bad] + ["!" * 72]
+    else:
+        count = sum(len(r.outputs) for r in rows if r.source != "none")
+        lines.append(f"equal output: every source gave each of its {count} requests token for token what "
+                     "no speculation gave at the same batch size")
+    return "\n".join(lines)
+
+
+def bench_spec_cmd(
+    artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile` (with --draft-skip N "
+                                    "for the self source)"),
+    num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", help="most tokens drafted per sequence and step"),
+    batch: str = typer.Option("1,8", help="batch sizes to measure, comma-separated"),
+    output_len: int = typer.Option(128, help="max_tokens of every request (greedy; EOS ends a request early)"),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="also measure draft:ART, a smaller artifact of the "
+                                         "same vocabulary"),
+    num_prompts: int = typer.Option(len(CODE_PROMPTS), help="prompts of each kind (at most "
+                                    f"{len(CODE_PROMPTS)})"),
+    kv_memory: str = typer.Option("512MiB", help="KV cache memory of each engine"),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="write the rows to this JSON file"),
+) -> None:
+    """Decode tok/s with and without each speculative source, at each batch size, on code-like and chat
+    prompts, with acceptance rates; checks that every source gives the same greedy tokens."""
+    batches = parse_batches(batch)
+    if not 1 <= num_prompts <= len(CODE_PROMPTS) or output_len < 2:
+        raise RequestError(f"--num-prompts {num_prompts} must be in 1..{len(CODE_PROMPTS)} and --output-len "
+                           f"{output_len} at least 2")
+    params = SamplingParams(max_tokens=output_len, temperature=0.0)
+    rows = []
+    for source in available_sources(artifact, draft):
+        spec = None if source == "none" else speculative_config(source, num_draft_tokens)
+        config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max(batches), speculative=spec)
+        rows += bench_source(artifact, source, config, batches, num_prompts, params)
+    bad = mismatches(rows)
+    typer.echo(format_table(rows, cpu_name(), num_draft_tokens, bad))
+    if json_file:
+        json_file.write_text(json.dumps({"cpu": cpu_name(), "num_draft_tokens": num_draft_tokens,
+                                         "output_len": output_len, "mismatches": bad,
+                                         "rows": [asdict(r) for r in rows]}, indent=2))
+    if bad:
+        raise typer.Exit(1)
