@@ -44,10 +44,11 @@ SOURCES = ("ngram", "self", "draft:ARTIFACT")
 class SpeculativeConfig:
     """`source`: "ngram" (prompt lookup), "self" (the artifact's own draft graph, `llmc compile
     --draft-skip N`) or "draft:PATH" (another artifact with the same vocabulary); K: the most
-    tokens drafted per sequence and step (adaptive K chooses 0..K)."""
+    tokens drafted per sequence and step (adaptive K chooses 0..K; with adaptive off, always K)."""
 
     source: str
     num_draft_tokens: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.source not in ("ngram", "self") and not (self.source.startswith("draft:") and self.source[6:]):
@@ -124,7 +125,9 @@ class Speculator:
 
     def plan(self, candidates: list[Sequence]) -> None:
         """Drafts (or room for them) in each candidate's `draft_ids`, K chosen for this batch."""
-        k = self.policy.choose(len(candidates)) if candidates else 0
+        if not candidates:
+            return
+        k = self.policy.choose(len(candidates)) if self.config.adaptive else self.config.num_draft_tokens
         for seq in candidates:
             seq.draft_ids = self.drafter.propose(seq, room_for_drafts(seq, k, self.max_len))
 
