@@ -31,7 +31,7 @@ from .executor import DEVICES
 from .grammar import GrammarCompiler, GrammarMatcher
 from .model_runner import ModelRunner
 from .request import Completion, PreparedRequest, Request, RequestOutput
-from .sampler import SampleResult, make_generator, sample
+from .sampler import SampleResult, make_generator, sample, token_logprobs
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import Chunk, ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -230,7 +230,9 @@ class Engine:
         for c in scheduled.chunks:
             c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
         try:
-            results = self._sample(scheduled.chunks, self._forward(scheduled))
+            logits = self._forward(scheduled)
+            self._score_prompts(scheduled.chunks, logits)
+            results = self._sample(scheduled.chunks, logits)
         except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
             log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
             reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
@@ -256,6 +258,22 @@ class Engine:
                 verdict, kept = verify_rows(logits[offsets[i]:offsets[i + 1]], c.seq, self.generators[c.seq.seq_id])
                 results[c.seq.seq_id] = (kept, verdict)
         return results
+
+    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+        """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's)."""
+        offsets = logit_row_offsets(chunks)
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if not seq.wants_prompt_logprobs or c.num_drafts:
+                continue
+            first = c.end - c.num_logits
+            last = min(c.end, len(seq.prompt_ids) - 1)
+            rows = torch.log_softmax(logits[offsets[i]:offsets[i] + last - first], dim=-1)
+            scored = self.requests[seq.seq_id].prompt_logprobs
+            for p in range(max(first, seq.prompt_scored), last):
+                token = seq.prompt_ids[p + 1]
+                scored.append(SampleResult(token, *token_logprobs(rows[p - first], token, seq.params.prompt_logprobs)))
+            seq.prompt_scored = max(seq.prompt_scored, last)
 
     def _commit(self, chunk: Chunk, result, now: float) -> RequestOutput | None:
         """Record a computed chunk: its tokens' K/V, and what its request gained (None: nothing yet).

@@ -151,7 +151,11 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16         # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False                  # with logprobs: the prompt's tokens' logprobs too
+    tools: Any = None                   # chat only: refused here by name
+
+    def unsupported(self) -> str | None:
+        return "tools" if self.tools is not None else super().unsupported()
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -202,6 +206,8 @@ def parse_request(model: type[_GenerationRequest], raw: bytes) -> Any:
     except ValidationError as exc:
         raise _describe(exc.errors()[0]) from None
     if name := request.unsupported():
+        if name == "tools":
+            raise APIError("tools are taken by /v1/chat/completions only; send the request there", param=name)
         raise APIError(f"{name} is not supported by this server; remove it from the request", param=name)
     if guided := next((f for f in GUIDED_FIELDS if getattr(request, f) is not None), None):
         raise APIError(f"{guided} is no longer accepted (vLLM removed it); send structured_outputs: "
@@ -250,7 +256,7 @@ def _structured_outputs_spec(outputs: StructuredOutputs) -> GrammarSpec:
 
 
 def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int | None,
-                    grammar: GrammarSpec | None = None) -> SamplingParams:
+                    grammar: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The SamplingParams of choice 0; RequestError's parameter becomes the APIError's."""
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     try:
@@ -260,7 +266,7 @@ def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int 
             repetition_penalty=request.repetition_penalty, frequency_penalty=request.frequency_penalty,
             presence_penalty=request.presence_penalty, seed=request.seed, stop=stop,
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
-            grammar=grammar)
+            grammar=grammar, prompt_logprobs=prompt_logprobs)
     except RequestError as exc:
         raise APIError(str(exc), param=exc.param) from None
 
@@ -274,9 +280,6 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 def completion_logprobs(request: CompletionRequest) -> int | None:
-    if request.logprobs is not None and request.echo:
-        raise APIError("echo with logprobs is not supported (prompt logprobs are not computed); "
-                       "drop one of them", param="echo")
     return request.logprobs
 
 

@@ -32,6 +32,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[SampleResult] = field(default_factory=list)
+    prompt_logprobs: list[SampleResult] = field(default_factory=list)    # echo with logprobs
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -42,6 +43,7 @@ class Choice:
         self.text += out.new_text
         self.token_ids += out.new_token_ids
         self.logprobs += out.logprobs
+        self.prompt_logprobs += out.prompt_logprobs or []
         if out.finished:
             self.finish_reason, self.stop_reason, self.error = out.finish_reason, out.stop_reason, out.error
 
@@ -87,13 +89,23 @@ class Reply:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [r.logprob for r in results],
-                "top_logprobs": [{self._token(t): lp for t, lp in r.top_logprobs} for r in results],
+                "top_logprobs": [{self._token(t): lp for t, lp in r.top_logprobs} if r.logprob is not None else None
+                                 for r in results],
                 "text_offset": offsets}
 
-    def _logprobs(self, results: list[SampleResult], offset: int) -> dict[str, Any] | None:
-        if not results:
+    def _logprobs(self, results: list[SampleResult], offset: int,
+                  prompt: list[SampleResult] | None = None) -> dict[str, Any] | None:
+        """The logprobs of generated tokens from `offset` on; for an echoed prompt, its tokens' first
+        (from offset 0; the first token's logprob null, as OpenAI's legacy completions give it)."""
+        if not results and not prompt:
             return None
-        return self._chat_logprobs(results) if self.chat else self._text_logprobs(results, offset)
+        if self.chat:
+            return self._chat_logprobs(results)
+        body = self._text_logprobs(results, offset)
+        if prompt:
+            head = self._text_logprobs(prompt, 0)
+            body = {key: head[key] + body[key] for key in body}
+        return body
 
     # ---------------------------------------------------------------- whole body
 
@@ -105,7 +117,7 @@ class Reply:
         return body
 
     def _final_choice(self, c: Choice) -> dict[str, Any]:
-        logprobs = self._logprobs(c.logprobs, len(c.prefix))
+        logprobs = self._logprobs(c.logprobs, len(c.prefix), c.prompt_logprobs)
         if self.chat:
             calls = self.tools.calls(c.text) if self.tools and c.finish_reason == "stop" else None
             message = {"role": "assistant", "content": c.text}
@@ -125,7 +137,9 @@ class Reply:
         if first and not self.chat:
             text = c.prefix + text
         offset = len(c.prefix) + len(c.text) - len(out.new_text) if out else 0
-        choice: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(out.logprobs if out else [], offset),
+        choice: dict[str, Any] = {"index": c.index,
+                                  "logprobs": self._logprobs(out.logprobs if out else [], offset,
+                                                             out.prompt_logprobs if out else None),
                                   "finish_reason": out.finish_reason if out and out.finished else None}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else self._delta(c, out)

@@ -50,6 +50,8 @@ class RequestOutput:
     logprobs: list[SampleResult] = field(default_factory=list)
     metrics: RequestMetrics | None = None   # set when finished
     error: str | None = None                # why, when finish_reason is "error"
+    prompt_logprobs: list[SampleResult] | None = None   # once, with the first token: per prompt token (the
+                                                         # first's logprob None: nothing predicts it)
 
     @classmethod
     def failed(cls, request_id: int, error: str) -> "RequestOutput":
@@ -81,6 +83,12 @@ class Completion:
     error: str | None = None
 
 
+def _unscored(token_id: int) -> SampleResult:
+    from .sampler import SampleResult      # here, not at the top: the sampler imports torch
+
+    return SampleResult(token_id)
+
+
 class Request:
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, grammar: GrammarMatcher | None = None):
         self.seq = seq
@@ -89,6 +97,11 @@ class Request:
         self.text = ""          # output text so far (cut at a stop string)
         self.emitted = 0        # characters of `text` already returned
         self._hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        # prompt logprobs as the engine scores them (asked for: params.prompt_logprobs), sent once
+        self.prompt_logprobs: list[SampleResult] | None = None
+        if seq.params.prompt_logprobs is not None:      # the first token: nothing predicts it (logprob None)
+            self.prompt_logprobs = [_unscored(seq.prompt_ids[0])]
+        self._prompt_logprobs_sent = False
 
     def _stop_token(self, token: int, eos_ids: tuple[int, ...]) -> int | None:
         p = self.seq.params
@@ -156,8 +169,11 @@ class Request:
         seq = self.seq
         upto = len(self.text) if seq.is_finished else max(self.emitted, len(self.text) - self._hold)
         delta, self.emitted = self.text[self.emitted:upto], upto
-        return RequestOutput(seq.seq_id, tokens, delta, seq.is_finished, seq.finish_reason, stop,
-                             logprobs, self.metrics() if seq.is_finished else None)
+        out = RequestOutput(seq.seq_id, tokens, delta, seq.is_finished, seq.finish_reason, stop,
+                            logprobs, self.metrics() if seq.is_finished else None)
+        if self.prompt_logprobs is not None and not self._prompt_logprobs_sent and (tokens or seq.is_finished):
+            out.prompt_logprobs, self._prompt_logprobs_sent = self.prompt_logprobs, True
+        return out
 
     def metrics(self) -> RequestMetrics:
         seq = self.seq

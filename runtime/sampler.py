@@ -64,7 +64,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def _draw(logits: torch.Tensor, generator: torch.Generator) -> int:
+def draw_token(logits: torch.Tensor, generator: torch.Generator) -> int:
     """Inverse-CDF draw with one uniform number from the request's own generator."""
     probs = torch.softmax(logits, dim=-1)
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
@@ -75,7 +75,7 @@ def _draw(logits: torch.Tensor, generator: torch.Generator) -> int:
     return index
 
 
-def _logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+def token_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """The chosen token's logprob and the top n; tokens a grammar banned (-inf) are never listed."""
     top = torch.topk(logprobs, n) if n else None
     pairs = tuple((t, v) for t, v in zip(top.indices.tolist(), top.values.tolist()) if v != float("-inf")) \
@@ -90,10 +90,10 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     if params.greedy:
         token = int(logits.argmax())
     else:
-        token = _draw(filter_logits(logits, params), generator)
+        token = draw_token(filter_logits(logits, params), generator)
     if params.logprobs is None:
         return SampleResult(token)
-    chosen, top = _logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
+    chosen, top = token_logprobs(torch.log_softmax(logits, dim=-1), token, params.logprobs)
     return SampleResult(token, chosen, top)
 
 

@@ -36,6 +36,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # report the chosen token's logprob and the top-n
+    prompt_logprobs: int | None = None  # report each prompt token's logprob (after the first) and the top-n
     grammar: GrammarSpec | None = None  # constrain the output (structured output: runtime/grammar.py)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class SamplingParams:
              f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs={self.logprobs} must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs={self.prompt_logprobs} must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
             (self.seed is None or -2**63 <= self.seed < 2**63, "seed", f"seed={self.seed} must fit in 64 bits"),
         ]

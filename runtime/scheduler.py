@@ -135,7 +135,8 @@ class Scheduler:
             if end == seq.num_computed or not self._grow(seq, end, preempted):
                 continue
             self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
-            chunks.append(Chunk(seq, seq.num_computed, end, num_logits=1 + len(seq.draft_ids)))
+            rows = 1 + len(seq.draft_ids) if seq.draft_ids else seq.logit_rows(seq.num_computed, end)
+            chunks.append(Chunk(seq, seq.num_computed, end, num_logits=rows))
             budget -= end - seq.num_computed
         return chunks
 
@@ -152,13 +153,15 @@ class Scheduler:
             self.waiting.pop(0)
             cached = self.blocks.allocate(seq.seq_id, ids)
             seq.num_computed = min(cached, len(ids) - 1)    # always compute the last token
+            if seq.wants_prompt_logprobs:                   # cached tokens have no logits: score them again
+                seq.num_computed = min(seq.num_computed, seq.prompt_scored)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = seq.num_computed
             end = len(ids) if whole else min(len(ids), seq.num_computed + budget)
             self.blocks.prepare_write(seq.seq_id, seq.num_computed, end)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk(seq, seq.num_computed, end))
+            chunks.append(Chunk(seq, seq.num_computed, end, num_logits=seq.logit_rows(seq.num_computed, end)))
             budget, seats = budget - (end - seq.num_computed), seats - 1
         return chunks
 

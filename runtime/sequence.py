@@ -33,6 +33,7 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)   # tokens proposed for this step's verification
     num_drafted: int = 0             # speculative tokens proposed for it, since it started
     num_accepted: int = 0            # ... and accepted
+    prompt_scored: int = 0           # prompt positions whose next token's logprob is computed (prompt_logprobs)
 
     @property
     def all_ids(self) -> list[int]:
@@ -42,6 +43,21 @@ class Sequence:
         """Token ids [start, end) of prompt + output + the drafts being verified this step."""
         ids = self.all_ids + self.draft_ids
         return ids[start:end]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some prompt positions are not scored yet."""
+        return self.params.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids) - 1
+
+    def logit_rows(self, start: int, end: int) -> int:
+        """Logit rows a chunk [start, end) asks for: its last position (the one that samples, when it
+        reaches the end), or, while prompt logprobs are wanted, every position from the first
+        unscored one on (row p scores prompt token p + 1)."""
+        if self.wants_prompt_logprobs:
+            first = max(start, self.prompt_scored)
+            if first < min(end, len(self.prompt_ids) - 1):
+                return end - first
+        return 1
 
     @property
     def is_decoding(self) -> bool:

@@ -156,8 +156,9 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
         prompts = [_tokens(engine, p) for p in given]
         prefixes = [engine.tokenizer.decode(ids) if isinstance(p, list) else p
                     for p, ids in zip(given, prompts)] if body.echo else [""] * len(prompts)
-        params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16,
-                                 completion_logprobs(body), _request_value(grammar_spec, body))
+        logprobs = completion_logprobs(body)
+        params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, logprobs,
+                                 _request_value(grammar_spec, body), logprobs if body.echo else None)
         reply = Reply(False, config.model_name, engine.tokenizer, body.include_usage)
         job = await _submit(loop, reply, prompts, prefixes, params, body.n)
         return await _respond(request, job, body.stream, first_chunks=body.echo)

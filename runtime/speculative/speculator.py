@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..sampler import SampleResult, _logprobs, apply_penalties, filter_logits, needs_row_sampling
+from ..sampler import SampleResult, apply_penalties, filter_logits, needs_row_sampling, token_logprobs
 from ..sampling_params import RequestError, SamplingParams
 from ..scheduler import Chunk
 from ..sequence import Sequence
@@ -178,5 +178,5 @@ def verify_rows(rows: torch.Tensor, seq: Sequence,
 def _result(row: torch.Tensor, token: int, params: SamplingParams) -> SampleResult:
     if params.logprobs is None:
         return SampleResult(token)
-    chosen, top = _logprobs(torch.log_softmax(row, dim=-1), token, params.logprobs)
+    chosen, top = token_logprobs(torch.log_softmax(row, dim=-1), token, params.logprobs)
     return SampleResult(token, chosen, top)

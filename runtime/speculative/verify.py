@@ -13,7 +13,7 @@ the first rejected draft, or the bonus token from row K when every draft is acce
 always emits between 1 and K+1 tokens.
 
 Every draw comes from the request's own `torch.Generator`, one float64 uniform per draw, as in
-`sampler._draw`.
+`sampler.draw_token`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampler import _draw
+from ..sampler import draw_token
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def verify_sampled(target_logits: torch.Tensor, draft_ids: Sequence[int], genera
             continue
         tokens.append(_draw_residual(p, q, generator))
         return Verdict(tuple(tokens))
-    tokens.append(_draw(target_logits[len(draft_ids)], generator))
+    tokens.append(draw_token(target_logits[len(draft_ids)], generator))
     return Verdict(tuple(tokens))
 
 
@@ -117,7 +117,7 @@ def _verify_one_hot(target_logits: torch.Tensor, draft_ids: Sequence[int],
     """Deterministic drafts: sample each row as the sampler does; accept while it equals the draft."""
     tokens = []
     for i in range(len(draft_ids) + 1):
-        token = _draw(target_logits[i], generator)
+        token = draw_token(target_logits[i], generator)
         tokens.append(token)
         if i == len(draft_ids) or token != draft_ids[i]:
             break
@@ -133,4 +133,4 @@ def _draw_residual(p: torch.Tensor, q: torch.Tensor, generator: torch.Generator)
     residual = (p - q).clamp_min(0.0)
     if not residual.sum().item() > 0.0:
         residual = p
-    return _draw(residual.log(), generator)
+    return draw_token(residual.log(), generator)
