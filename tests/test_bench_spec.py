@@ -51,6 +51,7 @@ def test_bench_spec_measures_every_source_and_checks_their_outputs_are_equal(dra
             s = r["speculation"]
             assert 0 <= s["accepted"] <= s["drafted"] and sum(s["accepted_at"]) == s["accepted"]
     assert rows[-1]["source"] == f"draft:{drafted}" and f"draft:{drafted}" in proc.stdout
+    assert "self: the draft graph skips layers [" in proc.stdout and "of 4; at compile time" in proc.stdout
 
 
 def test_bench_with_ngram_speculation_reports_its_acceptance(tiny_family, tmp_path):

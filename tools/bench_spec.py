@@ -169,6 +169,19 @@ def bench_source(artifact: Path, source: str, config: EngineConfig, batches: lis
     return rows
 
 
+def draft_graph_note(artifact: Path) -> str | None:
+    """What the compiler measured of the artifact's self-speculative draft (report.json), if it has one."""
+    try:
+        draft = json.loads((artifact / "report.json").read_text()).get("draft")
+    except (OSError, ValueError):
+        return None
+    if not draft:
+        return None
+    return (f"self: the draft graph skips layers {draft['skip']} of {draft['num_layers']}; at compile time it "
+            f"agreed with the target on {draft['agreement']:.0%} of {draft['calibration_tokens']} calibration "
+            f"tokens (expected accepted of 4 drafts: {draft['expected_accepted_k4']:.2f})")
+
+
 def mismatches(rows: list[Row]) -> list[str]:
     """Each prompt whose tokens under a source differ from no speculation's at the same batch size."""
     plain = {(r.kind, r.batch): r.outputs for r in rows if r.source == "none"}
@@ -240,6 +253,8 @@ def bench_spec_cmd(
         rows += bench_source(artifact, source, config, batches, num_prompts, params)
     bad = mismatches(rows)
     typer.echo(format_table(rows, cpu_name(), num_draft_tokens, bad))
+    if "self" in {r.source for r in rows} and (note := draft_graph_note(artifact)):
+        typer.echo(note)
     if json_file:
         json_file.write_text(json.dumps({"cpu": cpu_name(), "num_draft_tokens": num_draft_tokens,
                                          "output_len": output_len, "mismatches": bad,
