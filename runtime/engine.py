@@ -95,6 +95,9 @@ def kv_cache_dtype(artifact: Artifact) -> str:
     return dtype_info(ir_dtype).user_name or ir_dtype
 
 
+StepResult = tuple[list[SampleResult], Verdict | None]     # a sequence's tokens from a step, its verdict
+
+
 class Engine:
     def __init__(self, artifact: Artifact | str | Path, config: EngineConfig = EngineConfig()):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
@@ -241,8 +244,8 @@ class Engine:
         outputs = [self._commit(c, results.get(c.seq.seq_id), now) for c in scheduled.chunks]
         return [out for out in outputs if out is not None]
 
-    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, tuple[list[SampleResult], Verdict | None]]:
-        """Per sampling chunk's sequence: the tokens it gains, and the verdict when it verified drafts."""
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, StepResult]:
+        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts."""
         offsets = logit_row_offsets(chunks)
         single = [(offsets[i], c) for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
         results = {}

@@ -85,7 +85,8 @@ class GrammarSpec:
                 return llguidance.LLMatcher.grammar_from_lark(lark)
             return llguidance.grammar_from("grammar", self.text)
         except ValueError as exc:
-            raise RequestError(f"{self.param} is not a valid {self.kind.replace('_', ' ')}: {exc}", self.param) from None
+            kind = self.kind.replace("_", " ")
+            raise RequestError(f"{self.param} is not a valid {kind}: {exc}", self.param) from None
 
 
 class GrammarMatcher:

@@ -3,8 +3,9 @@
 Every step gets a token budget (`max_batched_tokens`) and a seat limit (`max_num_seqs`):
   1. Running sequences first, in priority order: each gets its next token (a decode, with the
      tokens drafted for it when it speculates: `Sequence.draft_ids`, cut to fit the budget, with
-     logits at each of them) or the next chunk of an unfinished prompt. So decodes keep flowing while a long prompt is fed in
-     chunks (Sarathi-style), and the step mixes prompt chunks with decode tokens.
+     logits at each of them) or the next chunk of an unfinished prompt. So decodes keep flowing
+     while a long prompt is fed in chunks (Sarathi-style), and the step mixes prompt chunks with
+     decode tokens.
   2. Waiting sequences fill what budget and seats are left, in (priority, arrival) order; a
      prompt larger than the budget is admitted with its first chunk (with `chunked_prefill` off,
      it waits for a step where nothing else runs and is computed whole). Admission allocates blocks

@@ -80,8 +80,8 @@ def test_parse_returns_an_object_that_validates(client, model, question):
 
 
 def test_json_object_is_json(client):
-    reply = client.chat.completions.create(model="smollm2", messages=ask("Return a JSON object with your name."), temperature=0,
-                                           max_tokens=120, response_format={"type": "json_object"})
+    reply = client.chat.completions.create(model="smollm2", messages=ask("Return a JSON object with your name."),
+                                           temperature=0, max_tokens=120, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
