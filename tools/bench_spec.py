@@ -38,30 +38,43 @@ from llmc.runtime.speculative.speculator import SpeculationStats
 from .bench import speculation_summary, speculative_config
 from .profile_steps import cpu_name
 
-_CODE = """def total(values):
-    x = 0
-    for v in values:
-        if v > 0:
-            x = x + v
-        else:
-            x = x - 1
-    print("total:", x)
-    return x
+_CODE = """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]
+
+    def __len__(self):
+        return len(self.items)
 """
-_SQL = ("select name, email, created_at from users where active = 1 and country = 'FR' "
-        "order by created_at desc limit 20;")
+_FRUIT = ("apples, bananas, cherries, dates, elderberries, figs, grapes, honeydew, kiwis, lemons, mangoes, "
+          "nectarines")
 _JSON = ('{"name": "llmc", "version": "0.3.1", "license": "MIT", "dependencies": ["torch", "typer", '
          '"tokenizers"], "scripts": {"build": "make", "test": "pytest -q"}}')
+# rewrite-like tasks whose answer mostly copies the prompt (what n-gram lookup is for), chosen so that
+# SmolLM2-135M-Instruct answers each at length rather than in a line
 CODE_PROMPTS = (
-    f"Rewrite this code renaming x to count:\n```python\n{_CODE}```",
-    "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes, "
-    "honeydew, kiwis, lemons, mangoes, nectarines, oranges, papayas, quinces, raspberries.",
-    f"Rewrite this code renaming values to numbers and v to n:\n```python\n{_CODE}```",
-    f"Rewrite this SQL query with upper-case keywords:\n{_SQL}",
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog near the river bank.",
-    f"Add a docstring to this function and keep the rest unchanged:\n```python\n{_CODE}```",
+    f"Rename the class Stack to LifoQueue in this code and reply with the complete code:\n```python\n{_CODE}```",
+    f"Add a comment above every method of this class and reply with the whole class:\n```python\n{_CODE}```",
+    f"Repeat this list exactly: {_FRUIT}, oranges, papayas, quinces, raspberries.",
+    "Copy this text exactly, word for word: The committee met on Monday to discuss the budget for the new "
+    "library. After a long debate, the members agreed to spend more on books and less on furniture. The chair "
+    "thanked everyone for their time and closed the meeting at five o'clock.",
     f"Format this JSON with two spaces of indent:\n{_JSON}",
-    "Count from 1 to 40, one number per line, like this: 1\n2\n3",
+    "Fix the typos in this paragraph and return the whole paragraph: The qiuck brown fox jumpd over the lazy "
+    "dog. Then the dog woke up and chased the fox acros the field, but the fox was to fast and escaped into "
+    "the forrest.",
+    f"Convert this list to a numbered list: {_FRUIT}.",
+    "Write the numbers from 1 to 50 separated by commas.",
 )
 CHAT_PROMPTS = (
     "Tell me about the ocean.",
