@@ -36,7 +36,7 @@ def test_bench_spec_measures_every_source_and_checks_their_outputs_are_equal(dra
                     "--num-draft-tokens", 3, "--draft", drafted, "--json", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     header = next(line for line in proc.stdout.splitlines() if line.startswith("prompts"))
-    assert header.split() == ["prompts", "batch", "source", "tok/s", "vs", "none", "accept", "mean", "len",
+    assert header.split() == ["prompts", "batch", "source", "tok/s", "vs", "none", "drafted", "accept", "mean", "len",
                               "draft", "tokens"]
     assert "equal output: every source gave each of its" in proc.stdout and "MISMATCH" not in proc.stdout
     rows = json.loads(out.read_text())["rows"]

@@ -11,7 +11,8 @@ Decode tok/s of a batch = sum over its requests of (output tokens - 1) / (finish
 time) (RequestMetrics: e2e - ttft); a row gives the mean over its batches. Speculation counters
 are the engine's (Engine.stats().speculation) over the row's batches: acceptance rate = accepted /
 drafted, mean accepted length = tokens a verifying sequence gained per step, draft share = draft
-time / (draft + verify time).
+time / the row's wall time (prefill included). Sources are measured interleaved, batch by batch,
+all engines resident, so a change in the machine's load falls on every source alike.
 
 Greedy speculative decoding emits exactly the tokens plain greedy decoding emits, so every source
 must give every prompt the same tokens as `none` at the same batch size; the report says so, and
@@ -20,8 +21,8 @@ a mismatch (a bug) is printed loudly and makes the command exit 1.
 
 from __future__ import annotations
 
-import gc
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -98,6 +99,7 @@ class Row:
     source: str
     decode_tok_s: float
     output_tokens: int
+    seconds: float                    # wall time of the row's batches (prefill included)
     speculation: dict | None          # speculation_summary over the row's batches (None: no speculation)
     outputs: list[list[int]]          # each prompt's generated token ids, in prompt order
 
@@ -147,20 +149,35 @@ def stats_between(before: SpeculationStats, after: SpeculationStats) -> Speculat
                             minus(after.accepted_at, before.accepted_at), minus(after.drafted_at, before.drafted_at))
 
 
-def measure(engine: Engine, kind: str, batch: int, source: str, prompts: list[list[int]],
-            params: SamplingParams) -> Row:
-    """Every batch of the kind's prompts through the engine, one batch at a time."""
-    before = engine.stats().speculation
-    rates, outputs, tokens = [], [], 0
+def run_batch(engine: Engine, source: str, group: list[list[int]], params: SamplingParams) -> tuple[list[Completion], float]:
+    """One batch submitted together; its completions and wall seconds."""
+    start = time.perf_counter()
+    done = engine.generate(group, params)
+    if failed := [c.error for c in done if c.finish_reason == "error"]:
+        raise RequestError(f"a {source} request failed during the benchmark: {failed[0]}")
+    return done, time.perf_counter() - start
+
+
+def measure(engines: dict[str, Engine], kind: str, batch: int, prompts: list[list[int]],
+            params: SamplingParams) -> list[Row]:
+    """Every batch of the kind's prompts through each source's engine in turn: interleaved, so that a
+    change in the machine's load falls on every source alike."""
+    before = {source: e.stats().speculation for source, e in engines.items()}
+    rates = {source: [] for source in engines}
+    outputs = {source: [] for source in engines}
+    seconds = dict.fromkeys(engines, 0.0)
     for group in batches_of(prompts, batch):
-        done = engine.generate(group, params)
-        if failed := [c.error for c in done if c.finish_reason == "error"]:
-            raise RequestError(f"a {source} request failed during the benchmark: {failed[0]}")
-        rates.append(decode_tok_s(done))
-        outputs += [c.token_ids for c in done]
-        tokens += sum(len(c.token_ids) for c in done)
-    spec = None if before is None else speculation_summary(stats_between(before, engine.stats().speculation))
-    return Row(kind, batch, source, sum(rates) / len(rates), tokens, spec, outputs)
+        for source, engine in engines.items():
+            done, wall = run_batch(engine, source, group, params)
+            rates[source].append(decode_tok_s(done))
+            outputs[source] += [c.token_ids for c in done]
+            seconds[source] += wall
+    rows = []
+    for source, engine in engines.items():
+        spec = before[source] and speculation_summary(stats_between(before[source], engine.stats().speculation))
+        rows.append(Row(kind, batch, source, sum(rates[source]) / len(rates[source]),
+                        sum(map(len, outputs[source])), seconds[source], spec, outputs[source]))
+    return rows
 
 
 def chat_prompts(engine: Engine, num_prompts: int) -> dict[str, list[list[int]]]:
@@ -169,17 +186,17 @@ def chat_prompts(engine: Engine, num_prompts: int) -> dict[str, list[list[int]]]
             for kind, texts in PROMPT_KINDS.items()}
 
 
-def bench_source(artifact: Path, source: str, config: EngineConfig, batches: list[int], num_prompts: int,
-                 params: SamplingParams) -> list[Row]:
-    """One engine for `source`: warm up once, then each (prompt kind, batch size)."""
-    engine = Engine(artifact, config)
-    prompts = chat_prompts(engine, num_prompts)
-    engine.generate(prompts["code"][:1], SamplingParams(max_tokens=min(8, params.max_tokens), temperature=0.0))
-    rows = [measure(engine, kind, batch, source, kind_prompts, params)
-            for kind, kind_prompts in prompts.items() for batch in batches]
-    del engine
-    gc.collect()                                   # one engine's weights resident at a time
-    return rows
+def bench_sources(artifact: Path, configs: dict[str, EngineConfig], batches: list[int], num_prompts: int,
+                  params: SamplingParams) -> list[Row]:
+    """An engine per source, each warmed up once, then each (prompt kind, batch size) on all of them."""
+    engines = {source: Engine(artifact, config) for source, config in configs.items()}
+    prompts = chat_prompts(next(iter(engines.values())), num_prompts)
+    for engine in engines.values():
+        engine.generate(prompts["code"][:1], SamplingParams(max_tokens=min(8, params.max_tokens), temperature=0.0))
+    rows = [row for kind, kind_prompts in prompts.items() for batch in batches
+            for row in measure(engines, kind, batch, kind_prompts, params)]
+    order = list(engines)
+    return sorted(rows, key=lambda r: order.index(r.source))       # stable: by source, then as measured
 
 
 def draft_graph_note(artifact: Path) -> str | None:
@@ -212,9 +229,10 @@ def _cells(row: Row, plain: Row) -> str:
     ratio = f"{row.decode_tok_s / plain.decode_tok_s:.2f}x" if plain.decode_tok_s > 0 else "-"
     s = row.speculation
     if s is None or not s["drafted"]:
-        spec = f"{'-':>8}{'-':>10}{'-':>8}"
+        spec = f"{s['drafted'] if s else '-':>9}{'-':>8}{'-':>10}{'-':>8}"
     else:
-        spec = f"{s['acceptance_rate']:>8.0%}{s['mean_accepted_length']:>10.2f}{s['draft_share']:>8.0%}"
+        share = s["draft_seconds"] / row.seconds if row.seconds > 0 else 0.0
+        spec = f"{s['drafted']:>9}{s['acceptance_rate']:>8.0%}{s['mean_accepted_length']:>10.2f}{share:>8.1%}"
     return f"{row.decode_tok_s:>10.1f}{ratio:>9}{spec}{row.output_tokens:>8}"
 
 
@@ -223,12 +241,13 @@ def format_table(rows: list[Row], cpu: str, num_draft_tokens: int, bad: list[str
     width = max(len(r.source) for r in rows) + 2
     lines = [f"llmc bench-spec on {cpu}; greedy, K <= {num_draft_tokens} (adaptive), decode tok/s summed over "
              "each batch's requests",
-             f"{'prompts':<8}{'batch':>6}  {'source':<{width}}{'tok/s':>10}{'vs none':>9}{'accept':>8}{'mean len':>10}"
+             f"{'prompts':<8}{'batch':>6}  {'source':<{width}}{'tok/s':>10}{'vs none':>9}{'drafted':>9}{'accept':>8}{'mean len':>10}"
              f"{'draft':>8}{'tokens':>8}"]
     for r in rows:
         lines.append(f"{r.kind:<8}{r.batch:>6}  {r.source:<{width}}{_cells(r, plain[(r.kind, r.batch)])}")
-    lines.append("accept: accepted / drafted tokens; mean len: tokens a verifying sequence gained per step; "
-                 "draft: draft time / (draft + verify time); tokens: output tokens of the row; -: nothing drafted")
+    lines.append("drafted: tokens drafted (adaptive K drafts none when it would not pay); accept: accepted / "
+                 "drafted; mean len: tokens a verifying sequence gained per step; draft: drafting's share of the "
+                 "row's wall time; tokens: output tokens of the row")
     if bad:
         lines += ["!" * 72, f"!!! OUTPUT MISMATCH: {len(bad)} prompt(s) decoded differently with speculation "
                   "(greedy output must be identical; this is a bug)"] + [f"!!! {m}" for m in bad] + ["!" * 72]
@@ -249,7 +268,7 @@ def bench_spec_cmd(
                                          "same vocabulary"),
     num_prompts: int = typer.Option(len(CODE_PROMPTS), help="prompts of each kind (at most "
                                     f"{len(CODE_PROMPTS)})"),
-    kv_memory: str = typer.Option("512MiB", help="KV cache memory of each engine"),
+    kv_memory: str = typer.Option("256MiB", help="KV cache memory of each source's engine (all are resident at once)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the rows to this JSON file"),
 ) -> None:
     """Decode tok/s with and without each speculative source, at each batch size, on code-like and chat
@@ -259,11 +278,10 @@ def bench_spec_cmd(
         raise RequestError(f"--num-prompts {num_prompts} must be in 1..{len(CODE_PROMPTS)} and --output-len "
                            f"{output_len} at least 2")
     params = SamplingParams(max_tokens=output_len, temperature=0.0)
-    rows = []
-    for source in available_sources(artifact, draft):
-        spec = None if source == "none" else speculative_config(source, num_draft_tokens)
-        config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max(batches), speculative=spec)
-        rows += bench_source(artifact, source, config, batches, num_prompts, params)
+    configs = {source: EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max(batches),
+                                    speculative=None if source == "none" else speculative_config(source, num_draft_tokens))
+               for source in available_sources(artifact, draft)}
+    rows = bench_sources(artifact, configs, batches, num_prompts, params)
     bad = mismatches(rows)
     typer.echo(format_table(rows, cpu_name(), num_draft_tokens, bad))
     if "self" in {r.source for r in rows} and (note := draft_graph_note(artifact)):
