@@ -113,7 +113,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, SchedulerConfig(
             config.max_num_seqs, config.max_batched_tokens, config.chunked_prefill))
-        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, backend, config.max_num_seqs)
+        self.runner = ModelRunner(self.artifact, num_blocks, config.block_size, backend, config.max_num_seqs,
+                                  1 + config.speculative.num_draft_tokens if config.speculative else 1)
         if not isinstance(artifact, Artifact):
             # loaded here, so nobody else reads its weights: the executor holds them now (in the layouts it
             # chose) and the artifact keeps their shapes and dtypes, so no second copy stays resident

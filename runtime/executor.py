@@ -6,9 +6,10 @@ manager never hands out, for padding rows) and the weights in the layout its ker
 (decided once, here, never at run time); `run(entry, step)` runs one step's graph and returns the
 logits of the positions its `logits_indices` names, [R, vocab] fp32 on the device (R logit rows;
 decode: one a sequence). `step(entry, host_step, buffers)` is what the runner calls: a pure-decode
-step replays a captured CUDA graph when `capture_decode` made them (cuda_graphs.py), any other step
-runs eagerly on its metadata on the device (a GPU: loaded into the runner's buffers; the CPU: the
-host's tensors).
+step, or a verify step of a captured width (every sequence verifying the same number of drafts, on
+the prefill graph), replays a captured CUDA graph when `capture_decode` made them (cuda_graphs.py);
+any other step runs eagerly on its metadata on the device (a GPU: loaded into the runner's buffers;
+the CPU: the host's tensors).
 
 A backend tells the engine what it needs and what it does: `kv_bytes_per_block` (the engine sizes
 the cache with it), `capabilities()` (which kernels run, whether decode replays CUDA graphs, which
@@ -34,7 +35,7 @@ from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import TensorType
 
 from .artifact import Artifact
-from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes
+from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes, graph_entry, verify_graph_sizes
 from .sampling_params import RequestError
 from .slot_program import LaunchTime, SlotProgram
 from .step_inputs import StepBuffers, StepInputs
@@ -110,7 +111,7 @@ class Capabilities:
 
     kernels: str                    # what computes the ops: 'native' or 'reference' (torch), 'triton'
     graph_safe: bool                # its decode step can be captured as CUDA graphs
-    cuda_graphs: bool               # pure-decode steps replay captured CUDA graphs now
+    cuda_graphs: bool               # decode (and verify) steps replay captured CUDA graphs now
     graphs: tuple[GraphRun, ...]    # each entry graph: a step plan, or op by op and why
 
     def plans(self) -> list[str]:
@@ -171,10 +172,11 @@ class Executor:
     def capabilities(self) -> Capabilities:
         return Capabilities(self.kernels, self.graph_safe, self.graphs is not None, tuple(self.graph_runs.values()))
 
-    def capture_decode(self, max_num_seqs: int) -> CaptureReport | None:
-        """Capture the decode step for up to `max_num_seqs` sequences as `options.cuda_graphs` asks,
-        where the device and the backend allow; a capture that fails leaves every step eager, says
-        why once (a warning) and keeps it in `graph_error`."""
+    def capture_decode(self, max_num_seqs: int, max_verify_width: int = 1) -> CaptureReport | None:
+        """Capture the decode step for up to `max_num_seqs` sequences, and the verify step for widths
+        2..`max_verify_width` (1 + the most drafts a step verifies; 1: none), as `options.cuda_graphs`
+        asks, where the device and the backend allow; a capture that fails leaves every step eager,
+        says why once (a warning) and keeps it in `graph_error`."""
         wanted = self.options.cuda_graphs
         if wanted is False:
             return None
@@ -187,7 +189,7 @@ class Executor:
         context = self.artifact.config.max_position_embeddings
         max_blocks = min(self.scratch_block, -(-context // self.block_size))
         try:
-            report = self.capture_decode_graphs(max_num_seqs, max_blocks)
+            report = self.capture_decode_graphs(max_num_seqs, max_blocks, max_verify_width=max_verify_width)
         except RuntimeError as exc:     # a kernel that cannot be captured: serve eagerly, and say why
             self.graphs, self.graph_error = None, f"{type(exc).__name__}: {exc}"
             log.warning("capturing CUDA graphs of the decode step failed (%s); every step runs eagerly",
@@ -196,24 +198,28 @@ class Executor:
         log.info("%s", report.describe())
         return report
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int, stand_in: bool = False) -> CaptureReport:
-        """Capture the decode step for every batch size up to `max_num_seqs`, block tables `max_blocks`
-        wide (the most blocks one sequence can hold). `stand_in`: replay by rerunning eagerly (tests
-        on a CPU); otherwise the device must be a GPU and the backend graph-safe."""
+    def capture_decode_graphs(self, max_num_seqs: int, max_blocks: int, stand_in: bool = False,
+                              max_verify_width: int = 1) -> CaptureReport:
+        """Capture the decode step for every batch size up to `max_num_seqs`, and the verify step for
+        widths 2..`max_verify_width` that fit a block (cuda_graphs.verify_graph_sizes), block tables
+        `max_blocks` wide (the most blocks one sequence can hold). `stand_in`: replay by rerunning
+        eagerly (tests on a CPU); otherwise the device must be a GPU and the backend graph-safe."""
         assert stand_in or (self.device.type == "cuda" and self.graph_safe), "CUDA graphs need a GPU backend"
-        graphs = DecodeGraphs(lambda step: self.run("decode", step), self.device, decode_batch_sizes(max_num_seqs),
-                              max_blocks, self.scratch_block, self.block_size, cuda=not stand_in)
+        verify = verify_graph_sizes(max_num_seqs, max_verify_width, self.block_size)
+        graphs = DecodeGraphs(lambda step, tokens: self.run(graph_entry(tokens), step), self.device,
+                              decode_batch_sizes(max_num_seqs), max_blocks, self.scratch_block, self.block_size,
+                              cuda=not stand_in, verify=verify)
         report = graphs.capture()
         self.graphs = graphs
         return report
 
     @torch.inference_mode()
     def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> torch.Tensor:
-        """`run` of a host-built step: a captured decode graph where one fits, else eagerly with the
-        metadata on the device (`on_device`)."""
-        batch = self.graphs.batch_size_for(host) if entry == "decode" and self.graphs is not None else None
-        if batch is not None:
-            return self.graphs.replay(host, batch)
+        """`run` of a host-built step: a captured decode or verify graph where one fits, else eagerly
+        with the metadata on the device (`on_device`)."""
+        key = self.graphs.key_for(host, entry) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.replay(host, key)
         return self.run(entry, self.on_device(host, buffers))
 
     def on_device(self, host: StepInputs, buffers: StepBuffers) -> StepInputs:

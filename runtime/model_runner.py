@@ -26,13 +26,13 @@ class ModelRunner:
     """Runs the artifact's prefill and decode graphs against one paged KV cache of `num_blocks` blocks."""
 
     def __init__(self, artifact: Artifact, num_blocks: int, block_size: int, backend: BackendChoice,
-                 max_num_seqs: int = 64):
+                 max_num_seqs: int = 64, max_verify_width: int = 1):
         self.artifact = artifact
         self.backend, self.device = backend.name, backend.device
         cache_type = artifact.graphs["prefill"].node_map()["kv_cache"].type
         self.executor = backend.build(artifact, KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size))
         self.buffers = StepBuffers(self.device)
-        self.graph_report: CaptureReport | None = self.executor.capture_decode(max_num_seqs)
+        self.graph_report: CaptureReport | None = self.executor.capture_decode(max_num_seqs, max_verify_width)
 
     @classmethod
     def for_backend(cls, artifact: Artifact, num_blocks: int, block_size: int, backend: str = "torch",
