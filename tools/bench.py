@@ -111,7 +111,8 @@ def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[],
 def speculation_summary(stats) -> dict:
     """A SpeculationStats as plain numbers: counters, rates, acceptance per draft position, times."""
     spent = stats.draft_seconds + stats.verify_seconds
-    return {"max_k": stats.max_k, "drafted": stats.drafted, "accepted": stats.accepted, "verified_seqs": stats.verified_seqs,
+    return {"max_k": stats.max_k, "drafted": stats.drafted, "accepted": stats.accepted,
+            "verified_seqs": stats.verified_seqs,
             "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
             "accepted_at": list(stats.accepted_at), "drafted_at": list(stats.drafted_at),
             "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
@@ -123,7 +124,8 @@ def format_speculation(spec: dict) -> list[str]:
     per_position = "  ".join(f"{i + 1}: {a}/{d}" + (f" ({a / d:.0%})" if d else "")
                              for i, (a, d) in enumerate(zip(spec["accepted_at"], spec["drafted_at"])))
     return [
-        f"speculation   {spec.get('source', '')} K <= {spec['max_k']}: acceptance {spec['acceptance_rate']:.0%} ({spec['accepted']} of {spec['drafted']} drafted "
+        f"speculation   {spec.get('source', '')} K <= {spec['max_k']}: acceptance {spec['acceptance_rate']:.0%} "
+        f"({spec['accepted']} of {spec['drafted']} drafted "
         f"tokens), mean accepted length {spec['mean_accepted_length']:.2f} tokens per verifying step",
         f"              accepted per position {per_position}",
         f"              draft {spec['draft_seconds']:.2f} s, verify {spec['verify_seconds']:.2f} s "

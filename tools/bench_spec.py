@@ -149,7 +149,8 @@ def stats_between(before: SpeculationStats, after: SpeculationStats) -> Speculat
                             minus(after.accepted_at, before.accepted_at), minus(after.drafted_at, before.drafted_at))
 
 
-def run_batch(engine: Engine, source: str, group: list[list[int]], params: SamplingParams) -> tuple[list[Completion], float]:
+def run_batch(engine: Engine, source: str, group: list[list[int]],
+              params: SamplingParams) -> tuple[list[Completion], float]:
     """One batch submitted together; its completions and wall seconds."""
     start = time.perf_counter()
     done = engine.generate(group, params)
@@ -241,7 +242,8 @@ def format_table(rows: list[Row], cpu: str, num_draft_tokens: int, bad: list[str
     width = max(len(r.source) for r in rows) + 2
     lines = [f"llmc bench-spec on {cpu}; greedy, K <= {num_draft_tokens} (adaptive), decode tok/s summed over "
              "each batch's requests",
-             f"{'prompts':<8}{'batch':>6}  {'source':<{width}}{'tok/s':>10}{'vs none':>9}{'drafted':>9}{'accept':>8}{'mean len':>10}"
+             f"{'prompts':<8}{'batch':>6}  {'source':<{width}}{'tok/s':>10}{'vs none':>9}{'drafted':>9}{'accept':>8}"
+             f"{'mean len':>10}"
              f"{'draft':>8}{'tokens':>8}"]
     for r in rows:
         lines.append(f"{r.kind:<8}{r.batch:>6}  {r.source:<{width}}{_cells(r, plain[(r.kind, r.batch)])}")
@@ -279,7 +281,8 @@ def bench_spec_cmd(
                            f"{output_len} at least 2")
     params = SamplingParams(max_tokens=output_len, temperature=0.0)
     configs = {source: EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max(batches),
-                                    speculative=None if source == "none" else speculative_config(source, num_draft_tokens))
+                                    speculative=speculative_config(None if source == "none" else source,
+                                                                   num_draft_tokens))
                for source in available_sources(artifact, draft)}
     rows = bench_sources(artifact, configs, batches, num_prompts, params)
     bad = mismatches(rows)
