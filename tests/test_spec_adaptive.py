@@ -66,8 +66,18 @@ def test_cost_model_never_extrapolates_a_falling_cost():
     model = StepCostModel()
     model.record(4, 0.03)
     model.record(64, 0.02)                                             # noise: cheaper with more
-    assert model.seconds(1000) == pytest.approx(0.02)
-    assert model.seconds(34) == pytest.approx(0.025)
+    assert model.seconds(1000) == pytest.approx(0.03)                  # read through the running maximum
+    assert model.seconds(34) == pytest.approx(0.03)
+
+
+def test_cost_model_never_makes_more_tokens_cheaper():
+    """Noise that measured a wider step faster than a narrow one must not make drafts look free
+    (SmolLM2 once measured 1 token 25.0 ms, 2 tokens 24.0 ms, 5 tokens 21.85 ms)."""
+    model = StepCostModel()
+    for tokens, seconds in ((1, 0.0250), (2, 0.0240), (5, 0.02185)):
+        model.record(tokens, seconds)
+    costs = [model.seconds(n) for n in range(1, 12)]
+    assert costs == sorted(costs) and costs[0] == pytest.approx(0.0250)
 
 
 def test_high_acceptance_at_small_batch_speculates():

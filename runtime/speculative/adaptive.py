@@ -83,8 +83,10 @@ class StepCostModel:
         self._points[bucket] = (keep * tokens + (1 - keep) * num_tokens, keep * secs + (1 - keep) * seconds)
 
     def seconds(self, num_tokens: int) -> float:
-        """Estimated seconds (> 0) of a step of `num_tokens` tokens."""
-        points = sorted(self._points.values())
+        """Estimated seconds (> 0) of a step of `num_tokens` tokens, never less than a step of fewer
+        tokens: the measured points are read through their running maximum (a 5-token step measured
+        faster than a 1-token one is noise, and believing it would make every draft look free)."""
+        points = _running_max(sorted(self._points.values()))
         if not points:
             return max(self.fixed_s + self.per_token_s * num_tokens, _TINY_S)
         if len(points) == 1:
@@ -99,6 +101,15 @@ class StepCostModel:
         if num_tokens < t0:
             slope = max(slope, 0.0)
         return max(s0 + slope * (num_tokens - t0), _TINY_S)
+
+
+def _running_max(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(tokens, seconds) points sorted by tokens, each one's seconds raised to the most before it."""
+    out, most = [], 0.0
+    for tokens, secs in points:
+        most = max(most, secs)
+        out.append((tokens, most))
+    return out
 
 
 def choose_num_draft_tokens(batch_size: int, rates: Sequence[float], step_cost: StepCostModel,
