@@ -28,9 +28,9 @@ from .backends import check_backend_name, check_backend_options, choose_backend
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
 from .executor import DEVICES
-from .grammar import GrammarCompiler, GrammarMatcher
+from .grammar import GrammarCompiler, GrammarMatcher, bitmask_words
 from .model_runner import ModelRunner
-from .request import Completion, PreparedRequest, Request, RequestOutput
+from .request import Completion, GrammarViolation, PreparedRequest, Request, RequestOutput
 from .sampler import SampleResult, make_generator, sample, token_logprobs
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import Chunk, ScheduledStep, Scheduler, SchedulerConfig
@@ -224,8 +224,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests that gained tokens or failed."""
         if self.speculator is not None:
-            self.speculator.plan([s for s in self.scheduler.running
-                                  if speculates(s, self.requests[s.seq_id].grammar)])
+            self.speculator.plan([s for s in self.scheduler.running if speculates(s)])
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -259,9 +258,22 @@ class Engine:
             results = {c.seq.seq_id: ([r], None) for (_, c), r in zip(single, sampled)}
         for i, c in enumerate(chunks):
             if c.num_drafts:
-                verdict, kept = verify_rows(logits[offsets[i]:offsets[i + 1]], c.seq, self.generators[c.seq.seq_id])
+                rows = logits[offsets[i]:offsets[i + 1]]
+                self._apply_grammar_along_drafts(rows, c.seq)
+                verdict, kept = verify_rows(rows, c.seq, self.generators[c.seq.seq_id])
                 results[c.seq.seq_id] = (kept, verdict)
         return results
+
+    def _apply_grammar_along_drafts(self, rows: torch.Tensor, seq: Sequence) -> None:
+        """A constrained sequence's verify rows masked, row i by its grammar after the drafts before it."""
+        grammar = self.requests[seq.seq_id].grammar
+        if grammar is None:
+            return
+        start = time.perf_counter()
+        masks = grammar.bitmasks_along(seq.draft_ids, bitmask_words(self.artifact.config.vocab_size))
+        apply_token_bitmask(rows, masks, torch.arange(rows.shape[0]))
+        self.grammar_rows += rows.shape[0]
+        self.grammar_mask_seconds += time.perf_counter() - start
 
     def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
         """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's)."""
@@ -291,9 +303,10 @@ class Engine:
         if result is None:                        # a prompt chunk short of the prompt's end
             return None
         (kept, verdict), req = result, self.requests[seq.seq_id]
-        if req.grammar is not None and not req.grammar.accept(kept[0].token_id):
-            return self._fail(seq.seq_id, f"token {kept[0].token_id} broke the request's grammar: {req.grammar.error}")
-        out = req.add_tokens(kept, self.eos_ids, now)
+        try:
+            out = req.add_tokens(kept, self.eos_ids, now)
+        except GrammarViolation as exc:
+            return self._fail(seq.seq_id, str(exc))
         if num_drafts:
             if not out.finished:
                 seq.num_computed = seq.num_tokens - 1

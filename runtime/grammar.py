@@ -102,6 +102,21 @@ class GrammarMatcher:
         assert bitmask.dtype == torch.int32 and target.is_contiguous()
         self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
+    def bitmasks_along(self, draft_ids: list[int], words: int) -> torch.Tensor:
+        """int32 [K+1, words] for a speculative verify step: row i the tokens allowed after the drafts
+        before it. Rows past the first draft the grammar refuses (verification stops there) and rows
+        past the grammar's end (the request ends there) allow every token. The state is unchanged."""
+        bitmask = torch.full((len(draft_ids) + 1, words), -1, dtype=torch.int32)
+        valid = self.matcher.validate_tokens(draft_ids)
+        for i in range(valid + 1):
+            if self.matcher.is_stopped():
+                break
+            self.fill_bitmask(bitmask, i)
+            if i < valid:
+                self.matcher.consume_token(draft_ids[i])
+        self.rollback(min(i, valid))
+        return bitmask
+
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (and `error` set) if the grammar did not allow it."""
         return self.matcher.consume_token(token_id)

@@ -59,6 +59,10 @@ class RequestOutput:
         return cls(request_id, [], "", True, "error", error=error)
 
 
+class GrammarViolation(RuntimeError):
+    """A sampled token the request's grammar does not allow (a masking bug: the request fails)."""
+
+
 @dataclass(frozen=True)
 class PreparedRequest:
     """A request checked and made ready in the caller's thread: its prompt's token ids and, when it
@@ -125,9 +129,12 @@ class Request:
 
     def add_tokens(self, results: list[SampleResult], eos_ids: tuple[int, ...], now: float) -> RequestOutput:
         """Record the tokens a step gave (several after speculative verification), in order, up to
-        the first that finishes the request; the rest are dropped. One output for them all."""
+        the first that finishes the request; the rest are dropped. One output for them all. The
+        grammar (if any) advances with each; GrammarViolation if it refuses one."""
         kept, stop = [], None
         for result in results:
+            if self.grammar is not None and not self.grammar.accept(result.token_id):
+                raise GrammarViolation(f"token {result.token_id} broke the request's grammar: {self.grammar.error}")
             kept.append(result)
             stop = self._record(result, eos_ids, now)
             if self.seq.is_finished:

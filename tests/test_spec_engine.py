@@ -170,16 +170,32 @@ def test_tables_and_hashes_hold_only_accepted_tokens(drafted, source):
     assert set(spec.blocks._cached) == set(plain.blocks._cached)
 
 
-def test_constrained_requests_decode_one_token_a_step_beside_speculating_ones(tiny_family):
+CONSTRAINTS = [("regex", "[a-c]{4}-[0-9]{3}( [a-c]{2})*"), ("json_schema", '{"type": "array", "items": '
+               '{"enum": ["ab", "abc", "bca"]}, "minItems": 3, "maxItems": 6}')]
+
+
+@pytest.mark.parametrize("source", ["ngram", "self", "target"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_requests_speculate_and_stay_in_their_grammar(drafted, source, temperature):
+    """Each verify row masked by the grammar after the drafts before it: the same tokens as without
+    speculation (greedy, and seeded sampling), beside free requests, every output inside its grammar."""
     from llmc.runtime.grammar import GrammarSpec
 
-    artifact = tiny_family("llama_gqa")[2]
-    free = [GREEDY] * 3
-    constrained = SamplingParams(max_tokens=24, temperature=0.0, grammar=GrammarSpec("regex", "[a-c]{4}-[0-9]{3}"))
-    want = engine(artifact, None).generate(prompts() + prompts()[:1], free + [constrained])
-    got = engine(artifact, "ngram").generate(prompts() + prompts()[:1], free + [constrained])
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert got[3].finish_reason == "stop" and len(got[3].text) == 8
+    artifact = drafted("llama_gqa")
+    source = f"draft:{artifact}" if source == "target" else source
+    constrained = [SamplingParams(max_tokens=30, temperature=temperature, seed=s, grammar=GrammarSpec(kind, text))
+                   for s, (kind, text) in enumerate(CONSTRAINTS * 2)]
+    params = [GREEDY] * 3 + constrained
+    batch = prompts() + prompts()[:1] * len(constrained)
+    want = engine(artifact, None).generate(batch, params)
+    spec = engine(artifact, source)
+    got = spec.generate(batch, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert sum(out.metrics.drafted_tokens for out in got[3:]) > 0 and spec.stats().grammar_rows > 0
+    for out, p in zip(got[3:], constrained):
+        fresh = spec.grammars.matcher(p.grammar)
+        assert fresh.matcher.validate_tokens(out.token_ids) == len(out.token_ids)
+    assert_blocks_back(spec)
 
 
 def test_bad_speculative_configurations_are_one_sentence(tiny_family, tmp_path):

@@ -182,6 +182,26 @@ def test_each_request_gets_its_own_matcher_state(tokenizer_json, fresh):
     assert torch.equal(both[1:], start) and torch.equal(both[:1], compiler.next_token_bitmasks([first]))
 
 
+def test_masks_along_drafts_follow_the_grammar_and_leave_it_as_it_was(tokenizer_json):
+    """Row i: what is allowed after drafts[:i] (as a matcher that consumed them says); rows past a
+    refused draft or past the grammar's end allow everything; the matcher's state is unchanged."""
+    compiler = GrammarCompiler(tokenizer_json, VOCAB, (EOS,))
+    spec = GrammarSpec("regex", "ab[0-9]{2}")
+    ids = byte_tokenizer().encode("ab1").ids
+    matcher = compiler.matcher(spec)
+    masks = matcher.bitmasks_along(ids + [ord("x") + 3, ids[0]], (VOCAB + 31) // 32)
+    step = compiler.matcher(spec)
+    for i, token in enumerate(ids):
+        assert torch.equal(masks[i], compiler.next_token_bitmasks([step])[0]), i
+        assert step.accept(token)
+    assert torch.equal(masks[3], compiler.next_token_bitmasks([step])[0])       # the refused draft's row
+    assert torch.equal(masks[4], torch.full_like(masks[4], -1))                 # past it: anything
+    start = compiler.next_token_bitmasks([compiler.matcher(spec)])[0]
+    assert torch.equal(compiler.next_token_bitmasks([matcher])[0], start)        # state as it was
+    done = matcher.bitmasks_along(byte_tokenizer().encode("ab12").ids + [5], (VOCAB + 31) // 32)
+    assert torch.equal(done[4], torch.full_like(done[4], -1)) and not matcher.is_finished   # past the end
+
+
 # ------------------------------------------------------------------------------------ sampling
 
 

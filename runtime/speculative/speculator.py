@@ -11,8 +11,9 @@ One step of an engine that speculates (`Engine.step` calls these in order):
   verify(rows, ...) the tokens the sequence keeps: accepted drafts + the target's own next token
   commit(...)       the sequence's length moves back past what was rejected (blocks trimmed), its
                     full blocks are registered only with accepted tokens, and the policy learns
-Who speculates: every decoding sequence, except one constrained by a grammar, which decodes one
-token a step (its mask would have to follow each draft; stated in the README).
+Who speculates: every decoding sequence. A grammar-constrained one has each verify row masked by
+its grammar's state after the drafts before the row (a draft the grammar refuses is rejected
+there), and its grammar advances through the kept tokens only: nothing to roll back.
 
 Drafts are greedy (n-gram lookup, and the draft model's argmax), so q is one-hot and verification is
 `verify_sampled(..., draft_logits=None)`: each row is sampled with the request's own generator exactly
@@ -99,9 +100,9 @@ class SpeculationStats:
             self.accepted_at[i] += i < num_accepted
 
 
-def speculates(seq: Sequence, grammar) -> bool:
-    """Whether a running sequence drafts this step: it is decoding and not grammar-constrained."""
-    return seq.is_decoding and grammar is None
+def speculates(seq: Sequence) -> bool:
+    """Whether a running sequence drafts this step: it is decoding (one new token plus drafts)."""
+    return seq.is_decoding
 
 
 def room_for_drafts(seq: Sequence, k: int, max_len: int) -> int:
