@@ -295,9 +295,13 @@ def chat_max_tokens(request: ChatCompletionRequest) -> int | None:
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template takes them; 'developer' is OpenAI's newer name for 'system'.
-    Earlier tool calls and results keep their `tool_calls` and `tool_call_id`."""
+    Earlier tool calls and results keep their `tool_calls` and `tool_call_id`. Every message but an
+    assistant's needs content (an assistant's may be only tool calls), as OpenAI requires."""
     messages = []
-    for m in request.messages:
+    for i, m in enumerate(request.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            param = f"messages[{i}].content"
+            raise APIError(f"{param} is required for a {m.role} message", param=param)
         message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
             message["tool_calls"] = [c.model_dump() for c in m.tool_calls]

@@ -19,6 +19,13 @@ class RequestError(ValueError):
         self.param = param
 
 
+# Bounds on a request's lists (README "Serving"): each is checked against every generated token or
+# row, so an unbounded one lets one request slow every step. OpenAI allows 4 stop strings.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (defaults as in vLLM / the OpenAI API)."""
@@ -57,6 +64,12 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs={self.prompt_logprobs} must be in [0, 20]"),
             (all(s for s in self.stop), "stop", "stop strings must not be empty"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"{len(self.stop)} stop strings are more than the {MAX_STOP_STRINGS} allowed; send fewer"),
+            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+             f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters; shorten it"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"{len(self.stop_token_ids)} stop_token_ids are more than the {MAX_STOP_TOKEN_IDS} allowed; send fewer"),
             (self.seed is None or -2**63 <= self.seed < 2**63, "seed", f"seed={self.seed} must fit in 64 bits"),
         ]
         for ok, param, message in checks:

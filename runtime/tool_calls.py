@@ -29,6 +29,7 @@ from .sampling_params import RequestError
 from .tokenizer import Tokenizer
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
+MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,10 @@ def new_call_id() -> str:
 
 
 def parse_tools(tools: list[Any]) -> list[Tool]:
-    """OpenAI's `tools` list as Tools; RequestError naming the entry at fault."""
+    """OpenAI's `tools` list as Tools (at most MAX_TOOLS, OpenAI's limit); RequestError naming the
+    entry at fault."""
+    if len(tools) > MAX_TOOLS:
+        raise RequestError(f"{len(tools)} tools are more than the {MAX_TOOLS} allowed; send fewer", "tools")
     parsed = []
     for i, entry in enumerate(tools):
         where = f"tools[{i}]"

@@ -173,6 +173,15 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, 400, "whole context of 256",
      "messages"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "needs logprobs", "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content is required",
+     "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "system", "content": None}, *CHAT]}, 400,
+     "messages[0].content is required for a system message", "messages[0].content"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                                      for i in range(129)]}, 400, "129 tools", "tools"),
+    ("completions", {"prompt": "a", "stop": ["x"] * 10000}, 400, "10000 stop strings are more than the 16", "stop"),
+    ("completions", {"prompt": "a", "stop": ["x" * 300]}, 400, "longer than 256 characters", "stop"),
+    ("completions", {"prompt": "a", "stop_token_ids": list(range(100))}, 400, "100 stop_token_ids", "stop_token_ids"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens=0", "max_tokens"),
 ]
 
