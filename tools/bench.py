@@ -67,6 +67,17 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
     return span
 
 
+def parse_batches(text: str, example: str) -> list[int]:
+    """'1,8' -> [1, 8]: the batch sizes of a --batch option (`example` shows a valid one)."""
+    try:
+        batches = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise RequestError(f"--batch {text!r} is not a comma-separated list of batch sizes like {example}") from None
+    if not batches or min(batches) < 1:
+        raise RequestError(f"--batch {text!r} must list positive batch sizes, like {example}")
+    return batches
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]  # noqa: E731

@@ -36,7 +36,7 @@ from llmc.runtime.request import Completion
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.speculative.speculator import SpeculationStats
 
-from .bench import speculation_summary, speculative_config
+from .bench import parse_batches, speculation_summary, speculative_config
 from .profile_steps import cpu_name
 
 _CODE = """class Stack:
@@ -110,17 +110,6 @@ def available_sources(artifact: Path, draft: Path | None) -> list[str]:
     if "draft" in artifact_entries(read_manifest(artifact)):
         sources.append("self")
     return sources + ([f"draft:{draft}"] if draft is not None else [])
-
-
-def parse_batches(text: str) -> list[int]:
-    """'1,8' -> [1, 8]."""
-    try:
-        batches = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise RequestError(f"--batch {text!r} is not a comma-separated list of batch sizes like 1,8") from None
-    if not batches or min(batches) < 1:
-        raise RequestError(f"--batch {text!r} must list positive batch sizes, like 1,8")
-    return batches
 
 
 def batches_of(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -275,7 +264,7 @@ def bench_spec_cmd(
 ) -> None:
     """Decode tok/s with and without each speculative source, at each batch size, on code-like and chat
     prompts, with acceptance rates; checks that every source gives the same greedy tokens."""
-    batches = parse_batches(batch)
+    batches = parse_batches(batch, "1,8")
     if not 1 <= num_prompts <= len(CODE_PROMPTS) or output_len < 2:
         raise RequestError(f"--num-prompts {num_prompts} must be in 1..{len(CODE_PROMPTS)} and --output-len "
                            f"{output_len} at least 2")

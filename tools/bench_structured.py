@@ -28,6 +28,7 @@ from llmc.runtime.grammar import GrammarSpec
 from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
+from .bench import parse_batches
 from .profile_steps import cpu_name
 
 PROMPT = "Write every integer from {start} to {end}, in order, as one JSON array."
@@ -47,17 +48,6 @@ class DecodeRun:
     @property
     def tok_s(self) -> float:
         return self.decode_tokens / self.decode_seconds
-
-
-def parse_batches(text: str) -> list[int]:
-    """'1,64' -> [1, 64]."""
-    try:
-        batches = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise RequestError(f"--batch {text!r} must be batch sizes separated by commas, like 1,64") from None
-    if not batches or min(batches) < 1:
-        raise RequestError(f"--batch {text!r} must list batch sizes of at least 1")
-    return batches
 
 
 def default_schema(output_len: int) -> dict:
@@ -138,7 +128,7 @@ def bench_structured_cmd(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Decode tok/s with and without a JSON-schema constraint at each batch size, and the mask's cost."""
-    batches, spec = parse_batches(batch), read_schema(schema, output_len)
+    batches, spec = parse_batches(batch, "1,64"), read_schema(schema, output_len)
     if output_len < 2 or repeats < 1:
         raise RequestError(f"--output-len {output_len} must be at least 2 (decode starts after the first token) "
                            f"and --repeats {repeats} at least 1")
