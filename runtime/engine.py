@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -233,9 +233,9 @@ class Engine:
         for c in scheduled.chunks:
             c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
         try:
-            logits = self._forward(scheduled)
-            self._score_prompts(scheduled.chunks, logits)
-            results = self._sample(scheduled.chunks, logits)
+            logits, offsets = self._forward(scheduled), logit_row_offsets(scheduled.chunks)
+            self._score_prompts(scheduled.chunks, logits, offsets)
+            results = self._sample(scheduled.chunks, logits, offsets)
         except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
             log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
             reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
@@ -244,9 +244,9 @@ class Engine:
         outputs = [self._commit(c, results.get(c.seq.seq_id), now) for c in scheduled.chunks]
         return [out for out in outputs if out is not None]
 
-    def _sample(self, chunks: list[Chunk], logits: torch.Tensor) -> dict[int, StepResult]:
-        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts."""
-        offsets = logit_row_offsets(chunks)
+    def _sample(self, chunks: list[Chunk], logits: torch.Tensor, offsets: list[int]) -> dict[int, StepResult]:
+        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts
+        (chunk i's logit rows are logits[offsets[i]:offsets[i + 1]])."""
         single = [(offsets[i], c) for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
         results = {}
         if single:
@@ -267,17 +267,12 @@ class Engine:
     def _apply_grammar_along_drafts(self, rows: torch.Tensor, seq: Sequence) -> None:
         """A constrained sequence's verify rows masked, row i by its grammar after the drafts before it."""
         grammar = self.requests[seq.seq_id].grammar
-        if grammar is None:
-            return
-        start = time.perf_counter()
-        masks = grammar.bitmasks_along(seq.draft_ids, bitmask_words(self.artifact.config.vocab_size))
-        apply_token_bitmask(rows, masks, torch.arange(rows.shape[0]))
-        self.grammar_rows += rows.shape[0]
-        self.grammar_mask_seconds += time.perf_counter() - start
+        if grammar is not None:
+            words = bitmask_words(self.artifact.config.vocab_size)
+            self._apply_masks(rows, lambda: grammar.bitmasks_along(seq.draft_ids, words), list(range(rows.shape[0])))
 
-    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor) -> None:
+    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor, offsets: list[int]) -> None:
         """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's)."""
-        offsets = logit_row_offsets(chunks)
         for i, c in enumerate(chunks):
             seq = c.seq
             if not seq.wants_prompt_logprobs or c.num_drafts:
@@ -321,25 +316,28 @@ class Engine:
     def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """Set every token a constrained row's grammar does not allow next to -inf, before sampling."""
         constrained = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
-        if not constrained:
-            return
+        if constrained:
+            rows, matchers = zip(*constrained)
+            self._apply_masks(logits, lambda: self.grammars.next_token_bitmasks(list(matchers)), list(rows))
+
+    def _apply_masks(self, logits: torch.Tensor, fill: Callable[[], torch.Tensor], rows: list[int]) -> None:
+        """Apply the bitmasks `fill` makes (row i masks logits row rows[i]); count the rows and the
+        time, filling included (EngineStats.grammar_rows / grammar_mask_seconds)."""
         start = time.perf_counter()
-        rows, matchers = zip(*constrained)
-        apply_token_bitmask(logits, self.grammars.next_token_bitmasks(list(matchers)), torch.tensor(rows))
+        apply_token_bitmask(logits, fill(), torch.tensor(rows, dtype=torch.int64))
         self.grammar_rows += len(rows)
         self.grammar_mask_seconds += time.perf_counter() - start
 
     def _forward(self, scheduled: ScheduledStep) -> torch.Tensor:
-        """The step's logit rows (drafts made first where the engine speculates)."""
+        """The step's logit rows (drafts made first, and the step timed, where the engine speculates)."""
         self.runner.copy_blocks(scheduled.copies)
-        if self.speculator is None:
-            entry = "decode" if scheduled.is_pure_decode else "prefill"
-            return self.runner.run(entry, build_step_inputs(scheduled.chunks, self.blocks))
-        self.speculator.draft(scheduled.chunks)
+        if self.speculator is not None:
+            self.speculator.draft(scheduled.chunks)
         start = time.perf_counter()
         logits = self.runner.run("decode" if scheduled.is_pure_decode else "prefill",
                                  build_step_inputs(scheduled.chunks, self.blocks))
-        self.speculator.record_step(scheduled.chunks, time.perf_counter() - start)
+        if self.speculator is not None:
+            self.speculator.record_step(scheduled.chunks, time.perf_counter() - start)
         return logits
 
     # ---------------------------------------------------------------- front ends

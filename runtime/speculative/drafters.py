@@ -60,6 +60,16 @@ def _argmax_into(logits: torch.Tensor, seqs: list[Sequence], index: int) -> None
         seq.draft_ids[index] = row
 
 
+def _draft_token_by_token(runner: ModelRunner, entry: str, blocks: BlockManager, chunks: list[Chunk],
+                          first: int) -> None:
+    """Drafts first.. of each chunk, one step each: draft j from one token at position newest + j
+    (the newest when j is 0, else draft j - 1), run through `entry` on `blocks`' slots."""
+    for j in range(first, max(c.num_drafts for c in chunks)):
+        seqs = [c.seq for c in chunks if c.num_drafts > j]
+        at = [Chunk(s, s.num_tokens - 1 + j, s.num_tokens + j) for s in seqs]
+        _argmax_into(runner.run(entry, build_step_inputs(at, blocks)), seqs, j)
+
+
 class SelfDrafter:
     """The target's own `draft` entry graph on the target's cache and blocks."""
 
@@ -73,10 +83,7 @@ class SelfDrafter:
 
     def fill(self, chunks: list[Chunk]) -> None:
         """Draft j of each chunk from one token at position newest + j (the newest, then draft j-1)."""
-        for j in range(max(c.num_drafts for c in chunks)):
-            seqs = [c.seq for c in chunks if c.num_drafts > j]
-            at = [Chunk(s, s.num_tokens - 1 + j, s.num_tokens + j) for s in seqs]
-            _argmax_into(self.runner.run("draft", build_step_inputs(at, self.blocks)), seqs, j)
+        _draft_token_by_token(self.runner, "draft", self.blocks, chunks, first=0)
 
     def after_verify(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
         pass
@@ -118,10 +125,7 @@ class DraftModelDrafter:
             self.blocks.prepare_write(c.seq.seq_id, up.start, c.seq.num_tokens + c.num_drafts - 1)
         self.runner.copy_blocks(self.blocks.take_copies())
         _argmax_into(self.runner.run("prefill", build_step_inputs(catch_up, self.blocks)), seqs, 0)
-        for j in range(1, max(c.num_drafts for c in chunks)):
-            seqs = [c.seq for c in chunks if c.num_drafts > j]
-            at = [Chunk(s, s.num_tokens - 1 + j, s.num_tokens + j) for s in seqs]
-            _argmax_into(self.runner.run("decode", build_step_inputs(at, self.blocks)), seqs, j)
+        _draft_token_by_token(self.runner, "decode", self.blocks, chunks, first=1)
 
     def after_verify(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:
         """Keep the K/V of positions whose input tokens were accepted; register their full blocks.
