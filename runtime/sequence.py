@@ -40,9 +40,13 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     def step_ids(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output + the drafts being verified this step."""
-        ids = self.all_ids + self.draft_ids
-        return ids[start:end]
+        """Token ids [start, end) of prompt + output + the drafts being verified this step, sliced
+        from each part (a step reads only its own tokens: no copy of the whole context)."""
+        ids: list[int] = []
+        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+            ids += part[max(start, 0):max(end, 0)]
+            start, end = start - len(part), end - len(part)
+        return ids
 
     @property
     def wants_prompt_logprobs(self) -> bool:
