@@ -3,9 +3,13 @@
 The cache is `num_blocks` blocks of `block_size` token slots. A sequence owns a block table;
 token i lives in slot `table[i // block_size] * block_size + i % block_size`.
 
-Prefix caching: every *full* block is identified by a hash chain over its tokens and all
-tokens before it, `hash((parent_hash, tokens))`. A new sequence whose leading full blocks hash
-to blocks already in the cache shares them (reference count + 1) and skips computing them.
+Prefix caching: every *full* block is identified by a key chained over its tokens and all
+tokens before it, `block_key(parent_key, tokens)`: sha256 of the parent's 32-byte key and the
+block's token ids (as vLLM keys blocks since its security advisory: Python's `hash` collides on
+purpose-built inputs, and a collision would let one request read another's cached KV). The
+chain starts from the sequence's cache salt, so requests with different salts never share a
+block. A new sequence whose leading full blocks' keys are in the cache shares those blocks
+(reference count + 1) and skips computing them.
 A block whose count drops to zero keeps its contents and hash on an LRU free list, so a later
 request can still hit it; allocation takes the least recently freed block and forgets its hash.
 A shared block that must be written (the last token of a fully cached prompt is recomputed to
@@ -19,15 +23,31 @@ list, as if they had never been taken.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence as TokenIds
+
+
+def salt_key(salt: str | None) -> bytes | None:
+    """The chain's start: a key of the cache salt (None, no salt: the chain starts empty)."""
+    return None if salt is None else hashlib.sha256(b"llmc-cache-salt\0" + salt.encode()).digest()
+
+
+def block_key(parent: bytes | None, tokens: TokenIds[int]) -> bytes:
+    """sha256 over the parent block's key (or nothing, for a first block) and the block's token ids
+    (little-endian int64s): collision resistant, so distinct prefixes never share a key."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None           # set once the block is full and registered
+    hash: bytes | None = None         # its key (block_key), set once the block is full and registered
 
 
 class BlockManager:
@@ -39,9 +59,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}          # block hash -> block id
+        self._cached: dict[bytes, int] = {}        # block key -> block id
         self._tables: dict[int, list[int]] = {}
         self._hashed_upto: dict[int, int] = {}     # seq -> full blocks already hashed
+        self._salts: dict[int, bytes | None] = {}  # seq -> its chain's start (salt_key)
         self._copies: list[tuple[int, int]] = []   # pending (src, dst) copy-on-write pairs
         self.prefix_queries = 0                    # full prompt blocks looked up
         self.prefix_hits = 0                       # ... of which were found in the cache
@@ -84,35 +105,31 @@ class BlockManager:
             del self._free[block_id]
         block.ref_count += 1
 
-    def _chain_hashes(self, token_ids: list[int], num_full: int) -> list[int]:
-        hashes, parent = [], None
-        for i in range(num_full):
-            parent = hash((parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])))
-            hashes.append(parent)
-        return hashes
-
-    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest run of leading full blocks found in the prefix cache."""
+    def _cached_prefix(self, token_ids: TokenIds[int], salt: str | None) -> list[int]:
+        """Block ids of the longest run of leading full blocks found in the prefix cache (the chain
+        is keyed from `salt`, and stops at the first miss)."""
         if not self.enable_prefix_caching:
             return []
-        hits = []
-        for h in self._chain_hashes(token_ids, len(token_ids) // self.block_size):
-            if h not in self._cached:
+        hits, key = [], salt_key(salt)
+        for i in range(len(token_ids) // self.block_size):
+            key = block_key(key, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if key not in self._cached:
                 break
-            hits.append(self._cached[h])
+            hits.append(self._cached[key])
         return hits
 
-    def can_allocate(self, token_ids: list[int], reserve: int = 0) -> bool:
-        """Whether a new sequence with these tokens fits, keeping `reserve` blocks free."""
-        hits = self._cached_prefix(token_ids)
+    def can_allocate(self, token_ids: TokenIds[int], reserve: int = 0, salt: str | None = None) -> bool:
+        """Whether a new sequence with these tokens (and cache salt) fits, keeping `reserve` blocks free."""
+        hits = self._cached_prefix(token_ids, salt)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
         return fresh + revived + reserve <= len(self._free)
 
-    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
-        """Give a new sequence blocks for its tokens; return how many leading tokens are cached."""
+    def allocate(self, seq_id: int, token_ids: TokenIds[int], salt: str | None = None) -> int:
+        """Give a new sequence blocks for its tokens; return how many leading tokens are cached. Its
+        blocks are looked up, and later registered, under keys chained from `salt`."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids, salt)
         self.prefix_queries += len(token_ids) // self.block_size
         self.prefix_hits += len(hits)
         for b in hits:
@@ -122,6 +139,7 @@ class BlockManager:
             raise MemoryError(f"sequence {seq_id} needs {fresh} free KV blocks, {len(self._free)} are free")
         self._tables[seq_id] = hits + [self._take_free() for _ in range(fresh)]
         self._hashed_upto[seq_id] = len(hits)
+        self._salts[seq_id] = salt_key(salt)
         return len(hits) * self.block_size
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
@@ -152,8 +170,9 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def register_full_blocks(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Enter the sequence's newly filled (and computed) blocks into the prefix cache."""
+    def register_full_blocks(self, seq_id: int, token_ids: TokenIds[int], num_computed: int) -> None:
+        """Enter the sequence's newly filled (and computed) blocks into the prefix cache. `token_ids`
+        is anything with len() and slices (only the new blocks' tokens are read)."""
         if not self.enable_prefix_caching:
             return
         table, done = self._tables[seq_id], self._hashed_upto[seq_id]
@@ -162,10 +181,10 @@ class BlockManager:
             return
         # Continue the chain from the last hashed block (live blocks keep their hash) instead of
         # rehashing the whole sequence each time a block fills.
-        parent = self.blocks[table[done - 1]].hash if done else None
+        parent = self.blocks[table[done - 1]].hash if done else self._salts[seq_id]
         for index in range(done, full):
             block = self.blocks[table[index]]
-            parent = hash((parent, tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])))
+            parent = block_key(parent, token_ids[index * self.block_size:(index + 1) * self.block_size])
             block.hash = parent
             self._cached.setdefault(parent, block.block_id)
         self._hashed_upto[seq_id] = full
@@ -214,3 +233,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         self._hashed_upto.pop(seq_id, None)
+        self._salts.pop(seq_id, None)

@@ -63,6 +63,8 @@ class EngineConfig:
     device: str = "auto"            # "cpu", "cuda", or "auto" (the backend's: torch runs on the CPU unless told)
     backend_options: Mapping[str, object] = field(default_factory=dict)
     speculative: SpeculativeConfig | None = None   # draft and verify several tokens a step (speculative/)
+    prefix_cache_salt: str | None = None   # every request's prefix-cache keys start from it (with its own cache_salt)
+    async_scheduling: bool = True  # an EngineLoop schedules step N+1 while step N computes (not when speculating)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -93,6 +95,13 @@ def kv_cache_dtype(artifact: Artifact) -> str:
     """The KV cache element type of the compiled graphs, as a user dtype name."""
     ir_dtype = artifact.graphs["prefill"].node_map()["kv_cache"].type.dtype
     return dtype_info(ir_dtype).user_name or ir_dtype
+
+
+def cache_salt(server: str | None, request: str | None) -> str | None:
+    """A sequence's prefix-cache salt: the server's and the request's, where given (None: neither)."""
+    if server is None and request is None:
+        return None
+    return f"{server or ''}\0{request or ''}"
 
 
 StepResult = tuple[list[SampleResult], Verdict | None]     # a sequence's tokens from a step, its verdict
@@ -185,7 +194,8 @@ class Engine:
         grammar = grammar or self.prepare_grammar(params)
         rid = self.next_request_id() if request_id is None else request_id
         assert rid not in self.requests, f"request id {rid} is already in use"
-        seq = Sequence(rid, prompt_ids, params, priority, arrival_time=time.perf_counter())
+        seq = Sequence(rid, prompt_ids, params, priority, arrival_time=time.perf_counter(),
+                       cache_salt=cache_salt(self.config.prefix_cache_salt, params.cache_salt))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.requests[seq.seq_id] = Request(seq, detok, grammar)
         self.generators[seq.seq_id] = make_generator(params)

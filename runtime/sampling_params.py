@@ -24,6 +24,7 @@ class RequestError(ValueError):
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class SamplingParams:
     logprobs: int | None = None       # report the chosen token's logprob and the top-n
     prompt_logprobs: int | None = None  # report each prompt token's logprob (after the first) and the top-n
     grammar: GrammarSpec | None = None  # constrain the output (structured output: runtime/grammar.py)
+    cache_salt: str | None = None     # prefix-cache isolation: cached KV is shared only with the same salt
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,6 +72,8 @@ class SamplingParams:
              f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters; shorten it"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"{len(self.stop_token_ids)} stop_token_ids are more than the {MAX_STOP_TOKEN_IDS} allowed; send fewer"),
+            (self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS, "cache_salt",
+             f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters; send a shorter one or none"),
             (self.seed is None or -2**63 <= self.seed < 2**63, "seed", f"seed={self.seed} must fit in 64 bits"),
         ]
         for ok, param, message in checks:

@@ -34,6 +34,7 @@ class Sequence:
     num_drafted: int = 0             # speculative tokens proposed for it, since it started
     num_accepted: int = 0            # ... and accepted
     prompt_scored: int = 0           # prompt positions whose next token's logprob is computed (prompt_logprobs)
+    cache_salt: str | None = None    # prefix-cache keys start from it: only the same salt shares cached blocks
 
     @property
     def all_ids(self) -> list[int]:

@@ -109,9 +109,10 @@ class DraftModelDrafter:
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         if seq.seq_id not in self.computed:
-            if not self.blocks.can_allocate(seq.all_ids):
+            if not self.blocks.can_allocate(seq.all_ids, salt=seq.cache_salt):
                 return False
-            self.computed[seq.seq_id] = min(self.blocks.allocate(seq.seq_id, seq.all_ids), seq.num_tokens - 1)
+            cached = self.blocks.allocate(seq.seq_id, seq.all_ids, seq.cache_salt)
+            self.computed[seq.seq_id] = min(cached, seq.num_tokens - 1)
         if not self.blocks.can_append(seq.seq_id, num_tokens):
             return False
         self.blocks.append(seq.seq_id, num_tokens)
