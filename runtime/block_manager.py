@@ -19,6 +19,17 @@ Speculative decoding grows a table for draft tokens, then `trim`s it back to the
 Hashes are registered only for accepted tokens (`register_full_blocks` after verification), so a
 trim never cuts into a hashed block; the blank blocks it frees return to the front of the free
 list, as if they had never been taken.
+
+Change tracking, for a consumer that keeps its own copy of the block tables (`InputBatch`):
+`take_table_changes()` returns what changed since its previous call, a `TableChanges`:
+  changed  {seq_id: first index}  the lowest table index each sequence's table changed at (an
+                                  `allocate`, `append`, copy-on-write in `prepare_write`, or `trim`):
+                                  entries before it are as the consumer last read them, the table
+                                  from it on (and its length) must be read again
+  freed    {seq_id}               sequences whose tables `free` released (a sequence freed and then
+                                  allocated again is in both: drop its old table, then read it whole)
+Nothing is recorded until the first call, which reports every live table as changed from 0: a
+manager without a consumer (the draft model's) keeps nothing, and a consumer may start late.
 """
 
 from __future__ import annotations
@@ -50,6 +61,14 @@ class Block:
     hash: bytes | None = None         # its key (block_key), set once the block is full and registered
 
 
+@dataclass(frozen=True)
+class TableChanges:
+    """Block-table changes since the consumer's last `take_table_changes()` (see module docstring)."""
+
+    changed: dict[int, int]          # seq_id -> lowest block-table index written, appended or cut
+    freed: set[int]                  # seq_ids whose tables were freed
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
@@ -64,6 +83,8 @@ class BlockManager:
         self._hashed_upto: dict[int, int] = {}     # seq -> full blocks already hashed
         self._salts: dict[int, bytes | None] = {}  # seq -> its chain's start (salt_key)
         self._copies: list[tuple[int, int]] = []   # pending (src, dst) copy-on-write pairs
+        self._table_changes: dict[int, int] | None = None  # seq -> lowest changed index (None: untracked)
+        self._tables_freed: set[int] = set()       # seqs freed since the last take_table_changes
         self.prefix_queries = 0                    # full prompt blocks looked up
         self.prefix_hits = 0                       # ... of which were found in the cache
 
@@ -88,6 +109,22 @@ class BlockManager:
 
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---------------------------------------------------------- change tracking
+
+    def take_table_changes(self) -> TableChanges:
+        """The block-table changes since the previous call (the first call: every live table, whole)."""
+        if self._table_changes is None:
+            changes = TableChanges({seq_id: 0 for seq_id in self._tables}, set())
+        else:
+            changes = TableChanges(self._table_changes, self._tables_freed)
+        self._table_changes, self._tables_freed = {}, set()
+        return changes
+
+    def _table_changed(self, seq_id: int, index: int) -> None:
+        """Record that the sequence's table changed from `index` on (once a consumer tracks changes)."""
+        if self._table_changes is not None:
+            self._table_changes[seq_id] = min(index, self._table_changes.get(seq_id, index))
 
     # --------------------------------------------------------------- allocation
 
@@ -138,6 +175,7 @@ class BlockManager:
         if fresh > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {fresh} free KV blocks, {len(self._free)} are free")
         self._tables[seq_id] = hits + [self._take_free() for _ in range(fresh)]
+        self._table_changed(seq_id, 0)
         self._hashed_upto[seq_id] = len(hits)
         self._salts[seq_id] = salt_key(salt)
         return len(hits) * self.block_size
@@ -152,7 +190,9 @@ class BlockManager:
         missing = self.blocks_needed(num_tokens) - len(table)
         if missing > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {missing} more KV blocks, {len(self._free)} are free")
-        table.extend(self._take_free() for _ in range(max(missing, 0)))
+        if missing > 0:
+            self._table_changed(seq_id, len(table))
+            table.extend(self._take_free() for _ in range(missing))
 
     def prepare_write(self, seq_id: int, start: int, end: int) -> None:
         """Make the blocks that positions [start, end) will be written to private (copy-on-write)."""
@@ -163,6 +203,7 @@ class BlockManager:
                 block.ref_count -= 1
                 table[index] = self._take_free()
                 self._copies.append((block.block_id, table[index]))
+                self._table_changed(seq_id, index)
                 self._hashed_upto[seq_id] = min(self._hashed_upto[seq_id], index)
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -214,6 +255,8 @@ class BlockManager:
         keep = self.blocks_needed(num_tokens)
         dropped = table[keep:]
         del table[keep:]
+        if dropped:
+            self._table_changed(seq_id, keep)
         for block_id in reversed(dropped):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -227,6 +270,9 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks; unreferenced ones stay cached until evicted (LRU)."""
+        if seq_id in self._tables and self._table_changes is not None:
+            self._table_changes.pop(seq_id, None)
+            self._tables_freed.add(seq_id)
         for block_id in reversed(self._tables.pop(seq_id, [])):
             block = self.blocks[block_id]
             block.ref_count -= 1
