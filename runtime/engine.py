@@ -14,31 +14,33 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 
 from llmc.compiler.dtypes import dtype_info
-from llmc.kernels.token_bitmask import apply_token_bitmask
 
 from .artifact import Artifact, load_artifact
 from .backends import check_backend_name, check_backend_options, choose_backend
 from .block_manager import BlockManager
 from .engine_loop import EngineLoop
 from .executor import DEVICES
-from .grammar import GrammarCompiler, GrammarMatcher, bitmask_words
+from .grammar import GrammarCompiler, GrammarMatcher
+from .host_times import HostTimes
 from .model_runner import ModelRunner
 from .request import Completion, GrammarViolation, PreparedRequest, Request, RequestOutput
-from .sampler import SampleResult, make_generator, sample, token_logprobs
+from .sampler import make_generator
 from .sampling_params import RequestError, SamplingParams
 from .scheduler import Chunk, ScheduledStep, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .speculative.drafters import build_drafter
-from .speculative.speculator import SpeculationStats, SpeculativeConfig, Speculator, speculates, verify_rows
-from .speculative.verify import Verdict
-from .step_inputs import build_step_inputs, logit_row_offsets
+from .speculative.speculator import SpeculationStats, SpeculativeConfig, Speculator, speculates
+from .input_batch import InputBatch
+from .step_inputs import StepInputs, logit_row_offsets
+from .step_sampling import RowsOf, StepResult, StepSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("llmc")
@@ -89,6 +91,7 @@ class EngineStats:
     grammar_rows: int = 0               # logits rows a grammar masked, since the start
     grammar_mask_seconds: float = 0.0   # ... and the time their masks took (filled and applied)
     speculation: SpeculationStats | None = None     # drafted / accepted counters when speculating
+    host_times: HostTimes | None = None             # where the steps' time went, phase by phase
 
 
 def kv_cache_dtype(artifact: Artifact) -> str:
@@ -104,7 +107,34 @@ def cache_salt(server: str | None, request: str | None) -> str | None:
     return f"{server or ''}\0{request or ''}"
 
 
-StepResult = tuple[list[SampleResult], Verdict | None]     # a sequence's tokens from a step, its verdict
+@dataclass
+class PlannedStep:
+    """A scheduled step with its inputs built on the host. The input ids of tokens that the step
+    before it was still sampling (`pending`: chunk index, first input row) are filled in at launch."""
+
+    scheduled: ScheduledStep
+    inputs: StepInputs
+    pending: list[tuple[int, int]]
+    preemptions: list[int]           # each chunk's sequence's preemption count when it was scheduled
+    copies: list[tuple[int, int]]    # copy-on-write block copies still to apply before it computes
+
+
+@dataclass
+class LaunchedStep:
+    planned: PlannedStep
+    result: Future                   # (logit rows [R, vocab] fp32 on the host, seconds the forward took)
+
+
+def run_on(worker: ThreadPoolExecutor | None, fn, *args) -> Future:
+    """fn(*args) submitted to `worker`, or run here and now (None) with its result or error in a Future."""
+    if worker is not None:
+        return worker.submit(fn, *args)
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as exc:
+        done.set_exception(exc)
+    return done
 
 
 class Engine:
@@ -132,7 +162,10 @@ class Engine:
         self.eos_ids = self.artifact.config.eos_token_ids
         self.grammars = GrammarCompiler(self.artifact.tokenizer.tokenizer_json, self.artifact.config.vocab_size,
                                         self.eos_ids)
-        self.grammar_rows, self.grammar_mask_seconds = 0, 0.0
+        self.sampler = StepSampler(self.grammars, self.artifact.config.vocab_size)
+        self.input_batch = InputBatch(self.blocks, config.max_num_seqs,
+                                      self.blocks.blocks_needed(self.max_sequence_tokens))
+        self.host_times = HostTimes()
         self.speculator = self._speculator(config, backend) if config.speculative else None
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
@@ -232,123 +265,158 @@ class Engine:
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests that gained tokens or failed."""
-        if self.speculator is not None:
-            self.speculator.plan([s for s in self.scheduler.running if speculates(s)])
-        scheduled = self.scheduler.schedule()
-        if scheduled is None:
-            return []
-        self.num_steps += 1
+        """Run one scheduled step to the end; return the outputs of the requests that gained tokens or failed."""
+        planned = self.plan_step()
+        launched = self.launch(planned) if planned is not None else None
+        return self.emit(self.finish_step(launched)) if launched is not None else []
+
+    def plan_step(self) -> PlannedStep | None:
+        """Schedule the next step and build its inputs on the host (None: nothing to run). While a
+        step computes, the tokens it will sample are pending: the next step may already compute
+        them, and `launch` fills their input ids in once they are known."""
+        with self.host_times.timed("schedule"):
+            if self.speculator is not None:
+                self.speculator.plan([s for s in self.scheduler.running if speculates(s)])
+            scheduled = self.scheduler.schedule()
+            if scheduled is None:
+                return None
+            pending = self._reads_pending(scheduled.chunks)
+            self._advance(scheduled.chunks)
+            copies = scheduled.copies
+            if self.speculator is not None:     # drafts are inputs; speculating steps never overlap
+                self.runner.copy_blocks(copies)
+                self.speculator.draft(scheduled.chunks)
+                copies = []
+        with self.host_times.timed("build"):
+            inputs = self.input_batch.build(scheduled.chunks)
+        return PlannedStep(scheduled, inputs, pending, [c.seq.num_preemptions for c in scheduled.chunks], copies)
+
+    @staticmethod
+    def _reads_pending(chunks: list[Chunk]) -> list[tuple[int, int]]:
+        """(chunk index, its first input row) of the chunks that compute a token still pending."""
+        found, row = [], 0
+        for i, c in enumerate(chunks):
+            if c.seq.num_pending and c.end > len(c.seq.prompt_ids) + len(c.seq.output_ids):
+                found.append((i, row))
+            row += c.end - c.start
+        return found
+
+    def _advance(self, chunks: list[Chunk]) -> None:
+        """Scheduled is as good as computed for the scheduler (the step after may be planned before
+        this one ends): each chunk's tokens count as computed, and its sampled token as pending. A
+        chunk verifying drafts is settled when it ends (how many drafts it keeps is not known)."""
         now = time.perf_counter()
-        for c in scheduled.chunks:
+        for c in chunks:
             c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
-        try:
-            logits, offsets = self._forward(scheduled), logit_row_offsets(scheduled.chunks)
-            self._score_prompts(scheduled.chunks, logits, offsets)
-            results = self._sample(scheduled.chunks, logits, offsets)
-        except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
-            log.exception("a model step failed; failing the %d requests in it", len(scheduled.chunks))
-            reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
-            return [self._fail(c.seq.seq_id, reason) for c in scheduled.chunks]
-        now = time.perf_counter()
-        outputs = [self._commit(c, results.get(c.seq.seq_id), now) for c in scheduled.chunks]
-        return [out for out in outputs if out is not None]
+            if not c.num_drafts:
+                c.seq.num_computed = c.end
+                c.seq.num_pending += c.samples
 
-    def _sample(self, chunks: list[Chunk], logits: torch.Tensor, offsets: list[int]) -> dict[int, StepResult]:
-        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts
-        (chunk i's logit rows are logits[offsets[i]:offsets[i + 1]])."""
-        single = [(offsets[i], c) for i, c in enumerate(chunks) if c.samples and not c.num_drafts]
-        results = {}
-        if single:
-            reqs = [self.requests[c.seq.seq_id] for _, c in single]
-            rows = logits[[row + c.num_logits - 1 for row, c in single]]
-            self._apply_grammars(rows, reqs)
-            sampled = sample(rows, [r.seq.params for r in reqs], [self.generators[r.seq.seq_id] for r in reqs],
-                             [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
-            results = {c.seq.seq_id: ([r], None) for (_, c), r in zip(single, sampled)}
-        for i, c in enumerate(chunks):
-            if c.num_drafts:
-                rows = logits[offsets[i]:offsets[i + 1]]
-                self._apply_grammar_along_drafts(rows, c.seq)
-                verdict, kept = verify_rows(rows, c.seq, self.generators[c.seq.seq_id])
-                results[c.seq.seq_id] = (kept, verdict)
-        return results
+    def launch(self, planned: PlannedStep, worker: ThreadPoolExecutor | None = None) -> LaunchedStep | None:
+        """Start computing a planned step (in `worker`, or here, now); None if every request in it ended
+        meanwhile. The tokens it reads that were pending are known now (the step before has ended)."""
+        chunks = planned.scheduled.chunks
+        if not any(c.seq.seq_id in self.requests for c in chunks):
+            return None
+        for i, row in planned.pending:
+            c = chunks[i]
+            planned.inputs.input_ids[row:row + c.end - c.start] = torch.tensor(c.seq.step_ids(c.start, c.end))
+        self.runner.copy_blocks(planned.copies)
+        self.num_steps += 1
+        self.host_times.steps += 1
+        entry = "decode" if planned.scheduled.is_pure_decode else "prefill"
+        return LaunchedStep(planned, run_on(worker, self._compute, entry, planned.inputs))
 
-    def _apply_grammar_along_drafts(self, rows: torch.Tensor, seq: Sequence) -> None:
-        """A constrained sequence's verify rows masked, row i by its grammar after the drafts before it."""
-        grammar = self.requests[seq.seq_id].grammar
-        if grammar is not None:
-            words = bitmask_words(self.artifact.config.vocab_size)
-            self._apply_masks(rows, lambda: grammar.bitmasks_along(seq.draft_ids, words), list(range(rows.shape[0])))
+    def _compute(self, entry: str, inputs: StepInputs) -> tuple[torch.Tensor, float]:
+        """The step's logit rows on the host, and the seconds the forward pass took."""
+        start = time.perf_counter()
+        logits = self.runner.run(entry, inputs)
+        return logits, time.perf_counter() - start
 
-    def _score_prompts(self, chunks: list[Chunk], logits: torch.Tensor, offsets: list[int]) -> None:
-        """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's)."""
-        for i, c in enumerate(chunks):
-            seq = c.seq
-            if not seq.wants_prompt_logprobs or c.num_drafts:
-                continue
-            first = c.end - c.num_logits
-            last = min(c.end, len(seq.prompt_ids) - 1)
-            rows = torch.log_softmax(logits[offsets[i]:offsets[i] + last - first], dim=-1)
-            scored = self.requests[seq.seq_id].prompt_logprobs
-            for p in range(max(first, seq.prompt_scored), last):
-                token = seq.prompt_ids[p + 1]
-                scored.append(SampleResult(token, *token_logprobs(rows[p - first], token, seq.params.prompt_logprobs)))
-            seq.prompt_scored = max(seq.prompt_scored, last)
+    def finish_step(self, launched: LaunchedStep) -> list[Request | RequestOutput]:
+        """Wait for a launched step; sample and record its tokens (the token stage: stop tokens,
+        max_tokens, grammars, prefix-cache hashes). Returns the requests to `emit` and the outputs of
+        those that failed. Chunks of requests that ended while it computed are dropped."""
+        chunks = launched.planned.scheduled.chunks
+        with self.host_times.timed("wait"):
+            try:
+                logits, seconds = launched.result.result()
+            except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
+                return self._fail_step(chunks, exc)
+        self.host_times.compute += seconds
+        if self.speculator is not None:
+            self.speculator.record_step(chunks, seconds)
+        live = self._live(chunks)
+        with self.host_times.timed("sample"):
+            try:
+                self.sampler.score_prompts(live, logits)
+                results = self.sampler.sample(live, logits, self.generators)
+            except Exception as exc:
+                return self._fail_step(chunks, exc)
+        with self.host_times.timed("commit"):
+            now, preemptions = time.perf_counter(), dict(zip((id(c) for c in chunks), launched.planned.preemptions))
+            committed = [self._commit(c, req, results.get(c.seq.seq_id), preemptions[id(c)], now)
+                         for _, c, req in live]
+        return [item for item in committed if item is not None]
 
-    def _commit(self, chunk: Chunk, result, now: float) -> RequestOutput | None:
-        """Record a computed chunk: its tokens' K/V, and what its request gained (None: nothing yet).
-        A verified chunk keeps the K/V of its accepted drafts only: the sequence's length moves back
-        past the rejected ones (their blocks trimmed) and only accepted tokens are hashed."""
+    def _live(self, chunks: list[Chunk]) -> RowsOf:
+        """(first logit row, chunk, request) of each chunk whose request has not ended."""
+        offsets = logit_row_offsets(chunks)
+        return [(offsets[i], c, self.requests[c.seq.seq_id]) for i, c in enumerate(chunks)
+                if c.seq.seq_id in self.requests]
+
+    def _fail_step(self, chunks: list[Chunk], exc: Exception) -> list[RequestOutput]:
+        log.error("a model step failed; failing the requests in it", exc_info=exc)
+        reason = f"the model step computing this request failed: {type(exc).__name__}: {exc}"
+        return [self._fail(c.seq.seq_id, reason) for c in chunks if c.seq.seq_id in self.requests]
+
+    def _commit(self, chunk: Chunk, req: Request, result: StepResult | None, preemptions: int,
+                now: float) -> Request | RequestOutput | None:
+        """Record a computed chunk: its full blocks' prefix-cache keys (unless the sequence was
+        preempted since it was scheduled: its blocks are gone), and the tokens its request gained
+        (None: nothing yet). A verified chunk keeps the K/V of its accepted drafts only: the
+        sequence's length moves back past the rejected ones (their blocks trimmed) and only accepted
+        tokens are hashed."""
         seq, num_drafts = chunk.seq, chunk.num_drafts
         seq.draft_ids = []
         if not num_drafts:
-            seq.num_computed = chunk.end
-            self.blocks.register_full_blocks(seq.seq_id, seq.all_ids, chunk.end)
+            seq.num_pending -= chunk.samples
+            if seq.num_preemptions == preemptions:
+                self.blocks.register_full_blocks(seq.seq_id, seq.tokens, chunk.end)
         if result is None:                        # a prompt chunk short of the prompt's end
             return None
-        (kept, verdict), req = result, self.requests[seq.seq_id]
+        kept, verdict = result
         try:
-            out = req.add_tokens(kept, self.eos_ids, now)
+            req.add_tokens(kept, self.eos_ids, now)
         except GrammarViolation as exc:
             return self._fail(seq.seq_id, str(exc))
         if num_drafts:
-            if not out.finished:
+            if not seq.is_finished:
                 seq.num_computed = seq.num_tokens - 1
                 self.blocks.trim(seq.seq_id, seq.num_computed)
-                self.blocks.register_full_blocks(seq.seq_id, seq.all_ids, seq.num_computed)
-            self.speculator.commit(seq, verdict, num_drafts, out.finished)
-        if out.finished:
-            self.scheduler.finish(seq)
-            self._remove(seq.seq_id)
-        return out
+                self.blocks.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+            self.speculator.commit(seq, verdict, num_drafts, seq.is_finished)
+        if seq.is_finished:
+            self._end(seq)
+        return req
 
-    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Set every token a constrained row's grammar does not allow next to -inf, before sampling."""
-        constrained = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
-        if constrained:
-            rows, matchers = zip(*constrained)
-            self._apply_masks(logits, lambda: self.grammars.next_token_bitmasks(list(matchers)), list(rows))
+    def emit(self, committed: list[Request | RequestOutput]) -> list[RequestOutput]:
+        """The output stage: each committed request's new text (detokenised, cut at a stop string: a
+        match ends the request there) as a RequestOutput. It may run while the next step computes;
+        a request a stop string ends leaves the scheduler now and that step's token for it is dropped."""
+        outputs = []
+        with self.host_times.timed("output"):
+            now = time.perf_counter()
+            for item in committed:
+                out = item if isinstance(item, RequestOutput) else item.emit(now)
+                if out.finished and out.request_id in self.requests:      # a stop string ended it
+                    self._end(self.requests[out.request_id].seq)
+                outputs.append(out)
+        return outputs
 
-    def _apply_masks(self, logits: torch.Tensor, fill: Callable[[], torch.Tensor], rows: list[int]) -> None:
-        """Apply the bitmasks `fill` makes (row i masks logits row rows[i]); count the rows and the
-        time, filling included (EngineStats.grammar_rows / grammar_mask_seconds)."""
-        start = time.perf_counter()
-        apply_token_bitmask(logits, fill(), torch.tensor(rows, dtype=torch.int64))
-        self.grammar_rows += len(rows)
-        self.grammar_mask_seconds += time.perf_counter() - start
-
-    def _forward(self, scheduled: ScheduledStep) -> torch.Tensor:
-        """The step's logit rows (drafts made first, and the step timed, where the engine speculates)."""
-        self.runner.copy_blocks(scheduled.copies)
-        if self.speculator is not None:
-            self.speculator.draft(scheduled.chunks)
-        start = time.perf_counter()
-        logits = self.runner.run("decode" if scheduled.is_pure_decode else "prefill",
-                                 build_step_inputs(scheduled.chunks, self.blocks))
-        if self.speculator is not None:
-            self.speculator.record_step(scheduled.chunks, time.perf_counter() - start)
-        return logits
+    def _end(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._remove(seq.seq_id)
 
     # ---------------------------------------------------------------- front ends
 
@@ -367,5 +435,7 @@ class Engine:
         free = self.blocks.num_free_blocks
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                            self.blocks.num_blocks - free, free, self.blocks.hit_rate(),
-                           self.scheduler.num_preemptions, self.num_steps, self.grammar_rows,
-                           self.grammar_mask_seconds, self.speculator.stats.snapshot() if self.speculator else None)
+                           self.scheduler.num_preemptions, self.num_steps, self.sampler.grammar_rows,
+                           self.sampler.grammar_mask_seconds,
+                           self.speculator.stats.snapshot() if self.speculator else None,
+                           self.host_times.snapshot())

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -29,7 +30,7 @@ from .request import Completion, PreparedRequest, RequestOutput
 from .sampling_params import RequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineStats
+    from .engine import Engine, EngineStats, LaunchedStep
 
 Sink = Callable[[RequestOutput], None]
 log = logging.getLogger("llmc")
@@ -190,17 +191,24 @@ class EngineLoop:
     # -------------------------------------------------------------- loop thread
 
     def _run(self) -> None:
-        deadline = None
-        while True:
-            deadline = self._take_commands(block=not self.engine.has_unfinished() and deadline is None,
-                                           deadline=deadline)
-            if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() >= deadline):
-                self._abort_all()
-                self._take_commands(block=False, deadline=deadline)   # adds that raced the stop
-                self._abort_all()
-                self._stats = self.engine.stats()
-                return
-            self._step()
+        overlap = self.engine.config.async_scheduling and self.engine.speculator is None
+        worker = ThreadPoolExecutor(1, thread_name_prefix="llmc-step") if overlap else None
+        deadline, inflight = None, None
+        try:
+            while True:
+                idle = inflight is None and not self.engine.has_unfinished() and deadline is None
+                deadline = self._take_commands(block=idle, deadline=deadline)
+                if deadline is not None and (not self.engine.has_unfinished() or time.monotonic() >= deadline):
+                    self._settle(inflight)
+                    self._abort_all()
+                    self._take_commands(block=False, deadline=deadline)   # adds that raced the stop
+                    self._abort_all()
+                    self._stats = self.engine.stats()
+                    return
+                inflight = self._overlapped_step(inflight, worker) if overlap else self._step()
+        finally:
+            if worker is not None:
+                worker.shutdown(wait=True)
 
     def _take_commands(self, block: bool, deadline: float | None) -> float | None:
         """Apply every command in the inbox (waiting for one when idle); return the stop deadline."""
@@ -240,6 +248,7 @@ class EngineLoop:
                                                                    f"{type(exc).__name__}: {exc}"))
 
     def _step(self) -> None:
+        """One step, start to end, then its outputs delivered (no overlap)."""
         try:
             outputs = self.engine.step()
         except Exception as exc:   # a bug outside a step's computation: fail what is in flight, go on
@@ -248,14 +257,38 @@ class EngineLoop:
         self._deliver_all(outputs)
         self._stats = self.engine.stats()
 
+    def _overlapped_step(self, inflight: "LaunchedStep | None", worker: ThreadPoolExecutor) -> "LaunchedStep | None":
+        """One turn of async scheduling: plan step N+1 while step N (`inflight`) computes, finish N
+        (its tokens recorded before N+1 reads them), launch N+1, then detokenise and deliver N's
+        outputs while N+1 computes. Returns the step now in flight."""
+        try:
+            planned = self.engine.plan_step()
+            committed = self.engine.finish_step(inflight) if inflight is not None else []
+            inflight = None
+            launched = self.engine.launch(planned, worker) if planned is not None else None
+            self._deliver_all(self.engine.emit(committed))
+        except Exception as exc:   # a bug outside a step's computation: fail what is in flight, go on
+            log.exception("the engine loop failed outside a model step; failing every request in flight")
+            self._settle(inflight)
+            self._deliver_all(self.engine.fail_all(f"the engine failed: {type(exc).__name__}: {exc}"))
+            launched = None
+        self._stats = self.engine.stats()
+        return launched
+
+    def _settle(self, inflight: "LaunchedStep | None") -> None:
+        """Finish the step in flight, if any, and deliver its outputs."""
+        if inflight is not None:
+            self._deliver_all(self.engine.emit(self.engine.finish_step(inflight)))
+
     def _abort_all(self) -> None:
         self._deliver_all([out for rid in list(self._sinks) if (out := self.engine.abort(rid))])
         for rid in list(self._sinks):   # requests the engine never took (refused at add)
             self._deliver(RequestOutput.failed(rid, "the server shut down before this request finished"))
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver(out)
+        with self.engine.host_times.timed("output"):
+            for out in outputs:
+                self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)

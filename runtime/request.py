@@ -1,6 +1,8 @@
 """Engine-side state of one request: its sequence, text and metrics.
 
-Text is detokenized incrementally. Stop strings are searched in the text generated so far;
+Two stages: `add_tokens` records a step's tokens (the token stage: stop tokens, max_tokens,
+grammars), `emit` turns them into text (the output stage, which may run while the next step
+computes). Text is detokenized incrementally. Stop strings are searched in the text generated so far;
 the output ends just before the first match, which is never emitted. While a request runs,
 its last `longest stop string - 1` characters are held back, since they might begin one.
 Pure Python (DESIGN 6): the request's random stream for sampling, a torch.Generator, is the
@@ -106,6 +108,8 @@ class Request:
         if seq.params.prompt_logprobs is not None:      # the first token: nothing predicts it (logprob None)
             self.prompt_logprobs = [_unscored(seq.prompt_ids[0])]
         self._prompt_logprobs_sent = False
+        self._new: list[SampleResult] = []      # tokens recorded (token stage) but not yet emitted
+        self._stop: str | int | None = None     # the stop token or string that ended it
 
     def _stop_token(self, token: int, eos_ids: tuple[int, ...]) -> int | None:
         p = self.seq.params
@@ -122,44 +126,46 @@ class Request:
         self.text = self.text[:index]
         return stop
 
-    def add_token(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> RequestOutput:
-        """Record a sampled token; finish on a stop token, stop string, a completed grammar (one that
-        allows nothing more) or max_tokens."""
-        return self.add_tokens([result], eos_ids, now)
-
-    def add_tokens(self, results: list[SampleResult], eos_ids: tuple[int, ...], now: float) -> RequestOutput:
-        """Record the tokens a step gave (several after speculative verification), in order, up to
-        the first that finishes the request; the rest are dropped. One output for them all. The
-        grammar (if any) advances with each; GrammarViolation if it refuses one."""
-        kept, stop = [], None
+    def add_tokens(self, results: list[SampleResult], eos_ids: tuple[int, ...], now: float) -> None:
+        """The token stage: record the tokens a step gave (several after speculative verification),
+        in order, up to the first that finishes the request: a stop token, a completed grammar (one
+        that allows nothing more) or max_tokens; the rest are dropped. The grammar (if any) advances
+        with each; GrammarViolation if it refuses one. Text and stop strings are `emit`'s."""
+        seq = self.seq
         for result in results:
             if self.grammar is not None and not self.grammar.accept(result.token_id):
                 raise GrammarViolation(f"token {result.token_id} broke the request's grammar: {self.grammar.error}")
-            kept.append(result)
-            stop = self._record(result, eos_ids, now)
-            if self.seq.is_finished:
-                break
-        return self._output([r.token_id for r in kept], [r for r in kept if r.logprob is not None], stop)
+            seq.output_ids.append(result.token_id)
+            seq.first_token_time = seq.first_token_time or now
+            self._new.append(result)
+            self._stop = self._stop_token(result.token_id, eos_ids)
+            if self._stop is not None or (self.grammar is not None and self.grammar.is_finished):
+                seq.finish("stop", now)
+            elif len(seq.output_ids) >= seq.params.max_tokens:
+                seq.finish("length", now)
+            if seq.is_finished:
+                return
 
-    def _record(self, result: SampleResult, eos_ids: tuple[int, ...], now: float) -> str | int | None:
-        """Append one token; finish the sequence if it ends it; what stopped it (token or string)."""
-        seq = self.seq
-        seq.output_ids.append(result.token_id)
-        seq.first_token_time = seq.first_token_time or now
-        stop_token = self._stop_token(result.token_id, eos_ids)
-        stop: str | int | None = stop_token
-        grammar_done = self.grammar is not None and self.grammar.is_finished
-        if stop_token is None:
+    def emit(self, now: float) -> RequestOutput:
+        """The output stage: detokenise the tokens recorded since the last emit and look for stop
+        strings; one output for them all. A stop string ends the request at the token that completes
+        it (the tokens after it are dropped); the last token of a finished request flushes the text
+        (an unfinished character is emitted as U+FFFD, not dropped); a stop token adds no text."""
+        seq, new, self._new = self.seq, self._new, []
+        for i, result in enumerate(new):
+            if result.token_id == self._stop and i == len(new) - 1:
+                break
             before = len(self.text)
             self.text += self.detok.push(result.token_id)
-            if len(seq.output_ids) >= seq.params.max_tokens or grammar_done:  # the last token: an unfinished
-                self.text += self.detok.flush()               # character is emitted (as U+FFFD), not dropped
-            stop = self._find_stop_string(before)
-        if stop is not None or grammar_done:
-            seq.finish("stop", now)
-        elif len(seq.output_ids) >= seq.params.max_tokens:
-            seq.finish("length", now)
-        return stop
+            if seq.is_finished and i == len(new) - 1:
+                self.text += self.detok.flush()
+            if (stop := self._find_stop_string(before)) is not None:
+                del seq.output_ids[len(seq.output_ids) - (len(new) - i - 1):]
+                new, self._stop = new[:i + 1], stop
+                seq.finish("stop", now)
+                break
+        return self._output([r.token_id for r in new], [r for r in new if r.logprob is not None],
+                            self._stop if seq.is_finished else None)
 
     def abort(self, now: float) -> RequestOutput:
         self.seq.finish("abort", now)

@@ -17,7 +17,7 @@ its tokens (prompt + generated so far) to be prefilled again. No request is lost
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -38,32 +38,31 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class Chunk:
     """Compute tokens [start, end) of `seq` in this step, with logits at its last `num_logits`
-    positions (1, the default: its last token; K+1 to verify K drafted tokens; 0: none)."""
+    positions (1, the default: its last token; K+1 to verify K drafted tokens; 0: none).
+
+    `samples` (the chunk reaches the sequence's last token, so a new token is sampled) and
+    `num_drafts` (drafted tokens it verifies: its positions past the last token) are read from the
+    sequence when the chunk is made: the sequence moves on (tokens appended, more scheduled) while
+    the step computes."""
 
     seq: Sequence
     start: int
     end: int
     num_logits: int = 1
+    samples: bool = field(init=False)
+    num_drafts: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_logits <= self.end - self.start:
             raise ValueError(f"a chunk of {self.end - self.start} tokens cannot ask for logits at "
                              f"{self.num_logits} positions")
+        object.__setattr__(self, "samples", self.end >= self.seq.num_tokens)
+        object.__setattr__(self, "num_drafts", max(0, self.end - self.seq.num_tokens))
 
     @property
     def logit_positions(self) -> range:
         """The positions whose logits the step returns for this chunk, in order."""
         return range(self.end - self.num_logits, self.end)
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the sequence's last token, so a new token is sampled."""
-        return self.end >= self.seq.num_tokens
-
-    @property
-    def num_drafts(self) -> int:
-        """Drafted tokens this chunk verifies (its positions past the sequence's last token)."""
-        return max(0, self.end - self.seq.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ class Scheduler:
     def _schedule_running(self, budget: int, preempted: list[Sequence]) -> list[Chunk]:
         chunks = []
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
+            if seq not in self.running or budget == 0 or seq.awaits_last_token:
                 continue
             end = min(seq.num_tokens, seq.num_computed + budget)
             if seq.draft_ids and end == seq.num_tokens:     # drafts to verify: as many as budget allows

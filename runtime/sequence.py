@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+PENDING_TOKEN = 0        # input id of a token a step in flight has not sampled yet (patched before launch)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -35,16 +38,24 @@ class Sequence:
     num_accepted: int = 0            # ... and accepted
     prompt_scored: int = 0           # prompt positions whose next token's logprob is computed (prompt_logprobs)
     cache_salt: str | None = None    # prefix-cache keys start from it: only the same salt shares cached blocks
+    num_pending: int = 0             # tokens scheduled steps will sample but have not yet (async scheduling)
 
     @property
     def all_ids(self) -> list[int]:
+        """The known tokens, prompt + output, as a new list (O(context): `tokens` reads without copying)."""
         return self.prompt_ids + self.output_ids
 
+    @property
+    def tokens(self) -> "TokenView":
+        """The known tokens as a view with len() and slices, each slice copying only what it reads."""
+        return TokenView(self)
+
     def step_ids(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output + the drafts being verified this step, sliced
-        from each part (a step reads only its own tokens: no copy of the whole context)."""
+        """Token ids [start, end) of prompt + output + pending + the drafts being verified this step,
+        sliced from each part (a step reads only its own tokens: no copy of the whole context). A
+        token still pending (sampled by a step in flight) reads as PENDING_TOKEN until it is known."""
         ids: list[int] = []
-        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+        for part in (self.prompt_ids, self.output_ids, [PENDING_TOKEN] * self.num_pending, self.draft_ids):
             ids += part[max(start, 0):max(end, 0)]
             start, end = start - len(part), end - len(part)
         return ids
@@ -71,7 +82,13 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens it holds: prompt, output and those pending (sampled by a step in flight)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """A step in flight samples its last token (max_tokens): nothing more to schedule for it."""
+        return self.num_pending > 0 and len(self.output_ids) + self.num_pending >= self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -82,3 +99,18 @@ class Sequence:
 
     def finish(self, reason: str, now: float) -> None:
         self.status, self.finish_reason, self.finished_time = SequenceStatus.FINISHED, reason, now
+
+
+class TokenView:
+    """A sequence's known tokens (prompt + output) without concatenating them: len() and slices."""
+
+    def __init__(self, seq: Sequence):
+        self._seq = seq
+
+    def __len__(self) -> int:
+        return len(self._seq.prompt_ids) + len(self._seq.output_ids)
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, step = index.indices(len(self))
+        assert step == 1, "a token view slices contiguously"
+        return self._seq.step_ids(start, stop)

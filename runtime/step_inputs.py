@@ -72,6 +72,17 @@ def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
     )
 
 
+class FromScratchInputs:
+    """`build_step_inputs` behind an input batch's interface: each step's inputs built from nothing
+    (the reference the persistent input batch is checked against)."""
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+
+    def build(self, chunks: list[Chunk]) -> StepInputs:
+        return build_step_inputs(chunks, self.blocks)
+
+
 def logit_row_offsets(chunks: list[Chunk]) -> list[int]:
     """Where each chunk's logit rows start in the step's logits, and where the last ends: chunk i's
     rows are logits[offsets[i]:offsets[i + 1]], one per position of `chunks[i].logit_positions`."""

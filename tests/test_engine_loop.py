@@ -76,17 +76,18 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(artifact, alone
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not engine.requests
 
 
-def test_an_error_outside_the_model_fails_what_is_in_flight_and_the_loop_goes_on(artifact, alone):
-    engine = Engine(artifact)
-    real_step, calls = engine.step, []
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_error_outside_the_model_fails_what_is_in_flight_and_the_loop_goes_on(artifact, alone, async_scheduling):
+    engine = Engine(artifact, EngineConfig(async_scheduling=async_scheduling))
+    real_plan, calls = engine.plan_step, []
 
-    def step():
+    def plan_step():      # the scheduler, with a bug on its third call (a step is in flight then, with overlap)
         calls.append(1)
         if len(calls) == 3:
             raise KeyError("scheduler bug")
-        return real_step()
+        return real_plan()
 
-    engine.step = step
+    engine.plan_step = plan_step
     with EngineLoop(engine) as loop:
         outs = loop.generate(prompts(3), GREEDY)
         assert {o.finish_reason for o in outs} == {"error"} and "scheduler bug" in outs[0].error
