@@ -230,7 +230,7 @@ def _baseline_lines(r: dict) -> list[str]:
 
 
 def profile_cmd(
-    artifact: Path = typer.Argument(..., help="artifact directory from `llmc compile`"),
+    artifact: Optional[Path] = typer.Argument(None, help="artifact directory from `llmc compile` (not with --serving)"),
     decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode profile"),
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
     kernels: Optional[str] = KERNELS_OPTION,
@@ -241,8 +241,18 @@ def profile_cmd(
     hf_compile: bool = typer.Option(True, "--hf-compile/--no-hf-compile", help="among the baseline's paths, also "
                                     "try torch.compile over transformers' static cache (a first compile: ~1 min)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
+    serving: bool = typer.Option(False, "--serving", help="instead: an engine step's host time by phase, before, "
+                                 "with the persistent input batch, and with async scheduling too, on a tiny model"),
+    batches: str = typer.Option("1,64,256", help="--serving: batch sizes"),
+    contexts: str = typer.Option("128,2048,8192", help="--serving: tokens each sequence holds"),
+    steps: int = typer.Option(16, help="--serving: decode steps measured at each batch and context"),
 ) -> None:
-    """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors."""
+    """Profile batch-1 decode and a prefill: time by kind of kernel, against bandwidth and matmul floors
+    (with --serving: host time per engine step by phase, tools/profile_serving.py)."""
+    if serving:
+        return _serving(artifact, batches, contexts, steps, json_file)
+    if artifact is None:
+        raise RequestError("name the artifact directory to profile (from `llmc compile`), or give --serving")
     if baseline not in (None, "hf"):
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
     if decode_tokens < 1 or prompt_len < 1:
@@ -277,3 +287,11 @@ def profile_cmd(
     typer.echo(format_profile(result))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2))
+
+
+def _serving(artifact: Path | None, batches: str, contexts: str, steps: int, json_file: Path | None) -> None:
+    """`llmc profile --serving` (tools/profile_serving.py), which builds its own model: no artifact."""
+    if artifact is not None:
+        raise RequestError(f"--serving profiles its own tiny model, not {artifact}; leave the artifact out")
+    from .profile_serving import profile_serving_cmd
+    profile_serving_cmd(batches, contexts, steps, json_file)
