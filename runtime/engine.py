@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -34,12 +34,13 @@ from .model_runner import ModelRunner
 from .request import Completion, GrammarViolation, PreparedRequest, Request, RequestOutput
 from .sampler import make_generator
 from .sampling_params import RequestError, SamplingParams
-from .scheduler import Chunk, ScheduledStep, Scheduler, SchedulerConfig
+from .scheduler import Chunk, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .speculative.drafters import build_drafter
 from .speculative.speculator import SpeculationStats, SpeculativeConfig, Speculator, speculates
 from .input_batch import InputBatch
 from .step_inputs import StepInputs, logit_row_offsets
+from .step_pipeline import LaunchedStep, PlannedStep, advance, reads_pending, run_on
 from .step_sampling import RowsOf, StepResult, StepSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -105,36 +106,6 @@ def cache_salt(server: str | None, request: str | None) -> str | None:
     if server is None and request is None:
         return None
     return f"{server or ''}\0{request or ''}"
-
-
-@dataclass
-class PlannedStep:
-    """A scheduled step with its inputs built on the host. The input ids of tokens that the step
-    before it was still sampling (`pending`: chunk index, first input row) are filled in at launch."""
-
-    scheduled: ScheduledStep
-    inputs: StepInputs
-    pending: list[tuple[int, int]]
-    preemptions: list[int]           # each chunk's sequence's preemption count when it was scheduled
-    copies: list[tuple[int, int]]    # copy-on-write block copies still to apply before it computes
-
-
-@dataclass
-class LaunchedStep:
-    planned: PlannedStep
-    result: Future                   # (logit rows [R, vocab] fp32 on the host, seconds the forward took)
-
-
-def run_on(worker: ThreadPoolExecutor | None, fn, *args) -> Future:
-    """fn(*args) submitted to `worker`, or run here and now (None) with its result or error in a Future."""
-    if worker is not None:
-        return worker.submit(fn, *args)
-    done: Future = Future()
-    try:
-        done.set_result(fn(*args))
-    except Exception as exc:
-        done.set_exception(exc)
-    return done
 
 
 class Engine:
@@ -280,8 +251,8 @@ class Engine:
             scheduled = self.scheduler.schedule()
             if scheduled is None:
                 return None
-            pending = self._reads_pending(scheduled.chunks)
-            self._advance(scheduled.chunks)
+            pending = reads_pending(scheduled.chunks)
+            advance(scheduled.chunks, time.perf_counter())
             copies = scheduled.copies
             if self.speculator is not None:     # drafts are inputs; speculating steps never overlap
                 self.runner.copy_blocks(copies)
@@ -290,27 +261,6 @@ class Engine:
         with self.host_times.timed("build"):
             inputs = self.input_batch.build(scheduled.chunks)
         return PlannedStep(scheduled, inputs, pending, [c.seq.num_preemptions for c in scheduled.chunks], copies)
-
-    @staticmethod
-    def _reads_pending(chunks: list[Chunk]) -> list[tuple[int, int]]:
-        """(chunk index, its first input row) of the chunks that compute a token still pending."""
-        found, row = [], 0
-        for i, c in enumerate(chunks):
-            if c.seq.num_pending and c.end > len(c.seq.prompt_ids) + len(c.seq.output_ids):
-                found.append((i, row))
-            row += c.end - c.start
-        return found
-
-    def _advance(self, chunks: list[Chunk]) -> None:
-        """Scheduled is as good as computed for the scheduler (the step after may be planned before
-        this one ends): each chunk's tokens count as computed, and its sampled token as pending. A
-        chunk verifying drafts is settled when it ends (how many drafts it keeps is not known)."""
-        now = time.perf_counter()
-        for c in chunks:
-            c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
-            if not c.num_drafts:
-                c.seq.num_computed = c.end
-                c.seq.num_pending += c.samples
 
     def launch(self, planned: PlannedStep, worker: ThreadPoolExecutor | None = None) -> LaunchedStep | None:
         """Start computing a planned step (in `worker`, or here, now); None if every request in it ended

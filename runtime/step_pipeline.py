@@ -1,0 +1,73 @@
+"""The stages of an engine step, as async scheduling runs them (vLLM V1's design, our own code).
+
+  plan     schedule the step and build its inputs on the host (Engine.plan_step)
+  launch   fill in the tokens that were pending, apply block copies, start the forward pass in a
+           worker thread or here (Engine.launch)
+  finish   wait for its logits, sample, record the tokens: the token stage (Engine.finish_step)
+  emit     detokenise, find stop strings, hand outputs over: the output stage (Engine.emit)
+With overlap the engine loop runs plan(N+1) while N computes, then finish(N), launch(N+1), emit(N)
+while N+1 computes. The scheduler must see step N as done when it plans N+1: each chunk's tokens
+count as computed when it is scheduled, and each token it will sample as *pending*
+(Sequence.num_pending), so N+1 may compute that token; its input id is a placeholder until
+launch(N+1), which comes after finish(N) has recorded it. What N+1 computes for a request that N
+(or N's stop strings) ended is dropped. Pure bookkeeping here; the engine owns the rest.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .scheduler import Chunk, ScheduledStep
+from .step_inputs import StepInputs
+
+
+@dataclass
+class PlannedStep:
+    """A scheduled step with its inputs built on the host. The input ids of tokens that the step
+    before it was still sampling (`pending`: chunk index, first input row) are filled in at launch."""
+
+    scheduled: ScheduledStep
+    inputs: StepInputs
+    pending: list[tuple[int, int]]
+    preemptions: list[int]           # each chunk's sequence's preemption count when it was scheduled
+    copies: list[tuple[int, int]]    # copy-on-write block copies still to apply before it computes
+
+
+@dataclass
+class LaunchedStep:
+    planned: PlannedStep
+    result: Future                   # (logit rows [R, vocab] fp32 on the host, seconds the forward took)
+
+
+def run_on(worker: ThreadPoolExecutor | None, fn, *args) -> Future:
+    """fn(*args) submitted to `worker`, or run here and now (None) with its result or error in a Future."""
+    if worker is not None:
+        return worker.submit(fn, *args)
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as exc:
+        done.set_exception(exc)
+    return done
+
+
+def reads_pending(chunks: list[Chunk]) -> list[tuple[int, int]]:
+    """(chunk index, its first input row) of the chunks that compute a token still pending."""
+    found, row = [], 0
+    for i, c in enumerate(chunks):
+        if c.seq.num_pending and c.end > len(c.seq.prompt_ids) + len(c.seq.output_ids):
+            found.append((i, row))
+        row += c.end - c.start
+    return found
+
+
+def advance(chunks: list[Chunk], now: float) -> None:
+    """Scheduled is as good as computed for the scheduler (the step after may be planned before
+    this one ends): each chunk's tokens count as computed, and its sampled token as pending. A
+    chunk verifying drafts is settled when it ends (how many drafts it keeps is not known)."""
+    for c in chunks:
+        c.seq.first_scheduled_time = c.seq.first_scheduled_time or now
+        if not c.num_drafts:
+            c.seq.num_computed = c.end
+            c.seq.num_pending += c.samples
