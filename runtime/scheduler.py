@@ -124,7 +124,7 @@ class Scheduler:
     def _schedule_running(self, budget: int, preempted: list[Sequence]) -> list[Chunk]:
         chunks = []
         for seq in list(self.running):
-            if seq not in self.running or budget == 0 or seq.awaits_last_token:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.awaits_last_token:   # preempted
                 continue
             end = min(seq.num_tokens, seq.num_computed + budget)
             if seq.draft_ids and end == seq.num_tokens:     # drafts to verify: as many as budget allows

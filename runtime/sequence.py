@@ -17,7 +17,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)       # a sequence is itself: compared by identity (the scheduler's lists)
 class Sequence:
     seq_id: int
     prompt_ids: list[int]

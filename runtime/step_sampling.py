@@ -56,7 +56,7 @@ class StepSampler:
         results = {}
         if single:
             reqs = [req for _, _, req in single]
-            rows = logits[[row + c.num_logits - 1 for row, c, _ in single]]
+            rows = _rows(logits, [row + c.num_logits - 1 for row, c, _ in single])
             self._apply_grammars(rows, reqs)
             sampled = sample(rows, [r.seq.params for r in reqs], [generators[r.seq.seq_id] for r in reqs],
                              [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
@@ -90,3 +90,11 @@ class StepSampler:
         apply_token_bitmask(logits, fill(), torch.tensor(rows, dtype=torch.int64))
         self.grammar_rows += len(rows)
         self.grammar_mask_seconds += time.perf_counter() - start
+
+
+def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """logits[index]: a view when the rows are consecutive (a decode step: one row per sequence, in
+    order), so [batch, vocab] logits are not copied; a gathered copy otherwise."""
+    if index == list(range(index[0], index[0] + len(index))):
+        return logits[index[0]:index[0] + len(index)]
+    return logits[index]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -20,6 +21,7 @@ import typer
 
 from llmc.compiler.artifact import stale_code
 from llmc.runtime.engine import Engine, EngineConfig
+from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
@@ -85,23 +87,20 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[], None]) -> dict:
-    """Serve the workload with continuous batching; arrivals are honoured in real time."""
-    pending = sorted(requests, key=lambda r: r.arrival)
-    metrics, start = [], time.perf_counter()
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while pending and pending[0].arrival <= now:
-            r = pending.pop(0)
-            engine.add_request(r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
-                                                            ignore_eos=True))
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[0].arrival - now))
-            continue
-        for out in engine.step():
-            if out.finished:
-                metrics.append(out.metrics)
-                on_done()
-    elapsed = time.perf_counter() - start
+    """Serve the workload with continuous batching through an EngineLoop, as the server does (with
+    async scheduling when the engine's config says so); arrivals are honoured in real time."""
+    finished: queue.Queue = queue.Queue()
+    metrics = []
+    with EngineLoop(engine) as loop:
+        start = time.perf_counter()
+        for r in sorted(requests, key=lambda r: r.arrival):
+            time.sleep(max(0.0, start + r.arrival - time.perf_counter()))
+            loop.submit(r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                        lambda out: finished.put(out) if out.finished else None)
+        for _ in requests:
+            metrics.append(finished.get().metrics)
+            on_done()
+        elapsed = time.perf_counter() - start
     output_tokens = sum(m.output_tokens for m in metrics)
     prompt_tokens = sum(m.prompt_tokens for m in metrics)
     return {
@@ -213,24 +212,28 @@ def bench_cmd(
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
-    baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers"),
+    async_scheduling: bool = typer.Option(True, "--async-scheduling/--no-async-scheduling",
+                                          help="plan each step while the one before computes (not when speculating)"),
+    baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers; 'sync': also run "
+                                           "llmc without async scheduling (a fresh engine, same requests)"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Benchmark the engine on a workload; with --baseline hf, compare against transformers."""
     from rich.progress import Progress
 
-    if baseline not in (None, "hf"):
-        raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
-    if baseline and math.isfinite(request_rate):
+    if baseline not in (None, "hf", "sync"):
+        raise RequestError(f"baseline {baseline!r} is unknown; choose 'hf' or 'sync'")
+    if baseline == "hf" and math.isfinite(request_rate):
         raise RequestError("--baseline hf runs static batches and needs all requests at once; drop --request-rate")
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
-    engine = Engine(artifact, EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                                           max_batched_tokens=max_batched_tokens, backend=backend,
-                                           backend_options=options,
-                                           speculative=speculative_config(speculative, num_draft_tokens)))
+    config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
+                          max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
+                          speculative=speculative_config(speculative, num_draft_tokens),
+                          async_scheduling=async_scheduling)
+    engine = Engine(artifact, config)
     requests = workload.requests(engine.artifact.config.vocab_size)
     if stale := stale_code(engine.artifact.manifest):
         typer.echo(f"note: {stale}", err=True)
@@ -240,6 +243,10 @@ def bench_cmd(
         result["llmc"] = run_llmc(engine, requests, lambda: progress.advance(task))
         if baseline == "hf":
             result["baselines"] = hf_baselines(engine.artifact, hf_model, requests, progress)
+        if baseline == "sync":
+            task = progress.add_task("llmc, synchronous", total=len(requests))
+            sync = Engine(artifact, replace(config, async_scheduling=False))
+            result["baselines"] = {"llmc_sync": run_llmc(sync, requests, lambda: progress.advance(task))}
     hf = result.get("baselines", {}).get("hf_static", {})
     if "output_tok_s" in hf:
         result["speedup"] = result["llmc"]["output_tok_s"] / hf["output_tok_s"]
