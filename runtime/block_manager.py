@@ -155,18 +155,23 @@ class BlockManager:
             hits.append(self._cached[key])
         return hits
 
-    def can_allocate(self, token_ids: TokenIds[int], reserve: int = 0, salt: str | None = None) -> bool:
-        """Whether a new sequence with these tokens (and cache salt) fits, keeping `reserve` blocks free."""
-        hits = self._cached_prefix(token_ids, salt)
+    def can_allocate(self, token_ids: TokenIds[int], reserve: int = 0, salt: str | None = None,
+                     reuse: bool = True) -> bool:
+        """Whether a new sequence with these tokens (and cache salt) fits, keeping `reserve` blocks free.
+        A fully cached prompt counts one block more: its last token is recomputed into a copy of its
+        last block when another sequence shares that block (copy-on-write)."""
+        hits = self._cached_prefix(token_ids, salt) if reuse else []
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         fresh = self.blocks_needed(len(token_ids)) - len(hits)
-        return fresh + revived + reserve <= len(self._free)
+        copy = int(bool(hits) and len(hits) * self.block_size == len(token_ids) and self.blocks[hits[-1]].ref_count > 0)
+        return fresh + revived + copy + reserve <= len(self._free)
 
-    def allocate(self, seq_id: int, token_ids: TokenIds[int], salt: str | None = None) -> int:
+    def allocate(self, seq_id: int, token_ids: TokenIds[int], salt: str | None = None, reuse: bool = True) -> int:
         """Give a new sequence blocks for its tokens; return how many leading tokens are cached. Its
-        blocks are looked up, and later registered, under keys chained from `salt`."""
+        blocks are looked up (unless `reuse` is off: the sequence computes every token), and later
+        registered, under keys chained from `salt`."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
-        hits = self._cached_prefix(token_ids, salt)
+        hits = self._cached_prefix(token_ids, salt) if reuse else []
         self.prefix_queries += len(token_ids) // self.block_size
         self.prefix_hits += len(hits)
         for b in hits:

@@ -145,16 +145,15 @@ class Scheduler:
         while self.waiting and budget > 0 and seats > 0:
             seq = self.waiting[0]
             ids = seq.all_ids
-            if not self.blocks.can_allocate(ids, self._watermark if self.running else 0, seq.cache_salt):
+            reuse = not seq.wants_prompt_logprobs     # cached tokens have no logits: compute them all (as vLLM)
+            if not self.blocks.can_allocate(ids, self._watermark if self.running else 0, seq.cache_salt, reuse):
                 break
             whole = not self.config.chunked_prefill
             if whole and len(ids) > budget and (chunks or self.running):
                 break      # without chunking, an oversized prompt waits for a step of its own
             self.waiting.pop(0)
-            cached = self.blocks.allocate(seq.seq_id, ids, seq.cache_salt)
+            cached = self.blocks.allocate(seq.seq_id, ids, seq.cache_salt, reuse)
             seq.num_computed = min(cached, len(ids) - 1)    # always compute the last token
-            if seq.wants_prompt_logprobs:                   # cached tokens have no logits: score them again
-                seq.num_computed = min(seq.num_computed, seq.prompt_scored)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = seq.num_computed
             end = len(ids) if whole else min(len(ids), seq.num_computed + budget)

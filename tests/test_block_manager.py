@@ -102,3 +102,25 @@ def test_prefix_caching_off_never_hits():
     bm.allocate(0, tokens(8))
     bm.register_full_blocks(0, tokens(8), 8)
     assert bm.allocate(1, tokens(8)) == 0
+
+
+def test_a_fully_cached_prompt_waits_for_the_block_its_copy_needs():
+    """Its last token is recomputed into a copy of the shared last block: with no free block for the
+    copy it is refused (it waits) rather than taken and failing at the write."""
+    bm = BlockManager(num_blocks=2, block_size=4)
+    prompt = list(range(8))
+    bm.allocate(0, prompt)
+    bm.register_full_blocks(0, prompt, 8)
+    assert not bm.can_allocate(prompt)                       # both blocks shared, none free for the copy
+    bm.free(0)
+    assert bm.can_allocate(prompt)                           # nobody shares them now: no copy is needed
+    assert bm.allocate(1, prompt) == 8
+
+
+def test_a_sequence_that_does_not_reuse_the_cache_gets_blocks_of_its_own():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    prompt = list(range(8))
+    bm.allocate(0, prompt)
+    bm.register_full_blocks(0, prompt, 8)
+    assert bm.allocate(1, prompt, reuse=False) == 0
+    assert set(bm.block_table(1)).isdisjoint(bm.block_table(0))
