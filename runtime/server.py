@@ -2,7 +2,8 @@
 
 The server only translates: a request body becomes SamplingParams and prompt token ids
 (openai_protocol.py), is submitted to the engine loop (which owns the engine in its own thread,
-so the event loop never blocks on a step), and the loop's outputs come back through one
+so the event loop never blocks on a step; tokenising and rendering chat templates run in worker
+threads, so it never blocks on a long prompt either), and the loop's outputs come back through one
 asyncio queue per HTTP request, as one JSON body or as server-sent events in OpenAI's chunk
 format ending in `data: [DONE]` (openai_responses.py).
 
@@ -41,7 +42,8 @@ from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest
 from .openai_responses import Choice, Reply
 from .sampling_params import RequestError, SamplingParams
 from .server_metrics import CONTENT_TYPE, ServerMetrics
-from .tool_calls import chat_prompt, plan_tools
+from .tokenizer import Tokenizer
+from .tool_calls import ToolPlan, chat_prompt, plan_tools
 
 log = logging.getLogger("llmc")
 RETRY_AFTER_S = 1
@@ -152,10 +154,8 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
         _check_auth(request, config)
         body = parse_request(CompletionRequest, await request.body())
         _check_model(body.model, config)
-        given = prompt_list(body)
-        prompts = [_tokens(engine, p) for p in given]
-        prefixes = [engine.tokenizer.decode(ids) if isinstance(p, list) else p
-                    for p, ids in zip(given, prompts)] if body.echo else [""] * len(prompts)
+        prompts, prefixes = await asyncio.to_thread(_completion_prompts, engine.tokenizer, prompt_list(body),
+                                                    body.echo)
         logprobs = completion_logprobs(body)
         params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, logprobs,
                                  _request_value(grammar_spec, body), logprobs if body.echo else None)
@@ -175,24 +175,42 @@ def _add_routes(app: FastAPI, loop: EngineLoop, metrics: ServerMetrics, config: 
                 raise APIError(f"tool_choice {tools.mode!r} and {grammar.param} both constrain the reply; "
                                "send one of them", param="tool_choice")
             grammar = tools.grammar()
-        try:
-            prompt = chat_prompt(engine.tokenizer, chat_messages(body), tools)
-        except RequestError as exc:
-            raise APIError(str(exc), param="messages") from None
-        max_tokens = chat_max_tokens(body)
-        if max_tokens is None:
-            max_tokens = max_len - len(prompt)
-            if max_tokens < 1:
-                raise APIError(f"the messages take {len(prompt)} tokens, the whole context of {max_len}; "
-                               "shorten them", param="messages")
-        params = sampling_params(body, max_tokens, chat_logprobs(body), grammar)
+        prompt = await asyncio.to_thread(_chat_tokens, engine.tokenizer, chat_messages(body), tools)
+        params = sampling_params(body, _chat_max_tokens(body, len(prompt), max_len), chat_logprobs(body), grammar)
         reply = Reply(True, config.model_name, engine.tokenizer, body.include_usage, tools)
         job = await _submit(loop, reply, [prompt], [""], params, body.n)
         return await _respond(request, job, body.stream, first_chunks=True)
 
 
-def _tokens(engine: Engine, prompt: str | list[int]) -> list[int]:
-    return engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+def _completion_prompts(tokenizer: Tokenizer, given: list[str | list[int]],
+                        echo: bool) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids, and the text an echo prepends ("" without echo; a token-id prompt
+    decoded). Milliseconds for a long prompt: the route runs it in a worker thread, off the event loop."""
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in given]
+    if not echo:
+        return prompts, [""] * len(prompts)
+    return prompts, [tokenizer.decode(ids) if isinstance(p, list) else p for p, ids in zip(given, prompts)]
+
+
+def _chat_tokens(tokenizer: Tokenizer, messages: list[dict], tools: ToolPlan | None) -> list[int]:
+    """The chat's prompt ids (template rendered, then tokenised: run in a worker thread, off the
+    event loop); a template that refuses the messages is a 400 naming messages."""
+    try:
+        return chat_prompt(tokenizer, messages, tools)
+    except RequestError as exc:
+        raise APIError(str(exc), param="messages") from None
+
+
+def _chat_max_tokens(body: ChatCompletionRequest, prompt_tokens: int, max_len: int) -> int:
+    """The request's max_(completion_)tokens, or else the rest of the context after the prompt
+    (a 400 naming messages when the prompt leaves none)."""
+    max_tokens = chat_max_tokens(body)
+    if max_tokens is not None:
+        return max_tokens
+    if max_len - prompt_tokens < 1:
+        raise APIError(f"the messages take {prompt_tokens} tokens, the whole context of {max_len}; "
+                       "shorten them", param="messages")
+    return max_len - prompt_tokens
 
 
 def _request_value(make, *args):
