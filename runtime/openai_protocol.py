@@ -11,6 +11,9 @@ Structured output: `response_format` (`json_object`, `json_schema`) on both endp
 `structured_outputs` for the rest, exactly one of `json` (a schema), `regex`, `choice` (a list of
 strings), `grammar` (Lark or GBNF) or `json_object: true`. vLLM's older `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar` are refused with the new spelling named.
+
+Prefix-cache isolation: vLLM's `cache_salt` (1 to 1024 characters) on both endpoints; a request
+reuses cached prompt KV only from requests that sent the same salt.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    cache_salt: str | None = None       # vLLM's: cached prompt KV is shared only with requests of the same salt
     # accepted by OpenAI, not honoured here: refused by name instead of ignored
     logit_bias: dict[str, float] | None = None
     functions: list[Any] | None = None
@@ -266,7 +270,7 @@ def sampling_params(request: _GenerationRequest, max_tokens: int, logprobs: int 
             repetition_penalty=request.repetition_penalty, frequency_penalty=request.frequency_penalty,
             presence_penalty=request.presence_penalty, seed=request.seed, stop=stop,
             stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=request.ignore_eos, logprobs=logprobs,
-            grammar=grammar, prompt_logprobs=prompt_logprobs)
+            grammar=grammar, prompt_logprobs=prompt_logprobs, cache_salt=request.cache_salt)
     except RequestError as exc:
         raise APIError(str(exc), param=exc.param) from None
 

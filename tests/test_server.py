@@ -183,6 +183,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "stop": ["x" * 300]}, 400, "longer than 256 characters", "stop"),
     ("completions", {"prompt": "a", "stop_token_ids": list(range(100))}, 400, "100 stop_token_ids", "stop_token_ids"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens=0", "max_tokens"),
+    ("completions", {"prompt": "a", "cache_salt": ""}, 400, "cache_salt must be 1 to 1024", "cache_salt"),
+    ("chat/completions", {"messages": CHAT, "cache_salt": "s" * 1025}, 400, "cache_salt must be 1 to 1024",
+     "cache_salt"),
 ]
 
 

@@ -199,6 +199,10 @@ def serve(
     kv_memory: str = typer.Option("1GiB", help="KV cache memory, e.g. 512MiB or 2GiB"),
     max_waiting: int = typer.Option(256, help="most requests waiting to be scheduled; more get 429"),
     grace_period: float = typer.Option(30.0, help="seconds running requests get to finish after SIGTERM"),
+    prefix_cache_salt: Optional[str] = typer.Option(None, "--prefix-cache-salt", help="a salt every prefix-cache key "
+                                                    "starts from (with each request's cache_salt): this server's "
+                                                    "cached KV is keyed apart from any engine with another salt; "
+                                                    "requests are kept apart from each other by their cache_salt"),
     kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
@@ -217,7 +221,8 @@ def serve(
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                           max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
-                          speculative=speculative_config(speculative, num_draft_tokens))
+                          speculative=speculative_config(speculative, num_draft_tokens),
+                          prefix_cache_salt=_checked_salt(prefix_cache_salt))
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
@@ -228,6 +233,13 @@ def serve(
         f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens); Ctrl-C or SIGTERM stops",
         highlight=False)
     run_server(engine, server, sock)
+
+
+def _checked_salt(salt: str | None) -> str | None:
+    """--prefix-cache-salt as given; an empty one is an error (it would salt nothing)."""
+    if salt == "":
+        raise RequestError("--prefix-cache-salt is empty; give a non-empty salt or leave the option out")
+    return salt
 
 
 app.command("plan")(user_errors(plan_cmd))
