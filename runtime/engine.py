@@ -12,6 +12,7 @@ Concurrent callers go through an `EngineLoop` (engine_loop.py), the engine's one
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ from .host_times import HostTimes
 from .model_runner import ModelRunner
 from .request import Completion, GrammarViolation, PreparedRequest, Request, RequestOutput
 from .sampler import make_generator
-from .sampling_params import RequestError, SamplingParams
+from .sampling_params import MAX_CACHE_SALT_CHARS, RequestError, SamplingParams
 from .scheduler import Chunk, Scheduler, SchedulerConfig
 from .sequence import Sequence
 from .speculative.drafters import build_drafter
@@ -78,6 +79,9 @@ class EngineConfig:
             raise RequestError(f"device {self.device!r} is unknown; choose one of {', '.join(DEVICES)}")
         object.__setattr__(self, "backend_options", dict(self.backend_options))     # the config's own copy
         check_backend_options(self.backend_options)
+        if self.prefix_cache_salt is not None and not 0 < len(self.prefix_cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise RequestError(f"the prefix-cache salt must be 1 to {MAX_CACHE_SALT_CHARS} characters; "
+                               "give another or none")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ def cache_salt(server: str | None, request: str | None) -> str | None:
     """A sequence's prefix-cache salt: the server's and the request's, where given (None: neither)."""
     if server is None and request is None:
         return None
-    return f"{server or ''}\0{request or ''}"
+    return json.dumps([server, request])        # unambiguous: no two pairs spell the same salt
 
 
 class Engine:
@@ -260,7 +264,8 @@ class Engine:
                 copies = []
         with self.host_times.timed("build"):
             inputs = self.input_batch.build(scheduled.chunks)
-        return PlannedStep(scheduled, inputs, pending, [c.seq.num_preemptions for c in scheduled.chunks], copies)
+        preemptions = {c.seq.seq_id: c.seq.num_preemptions for c in scheduled.chunks}
+        return PlannedStep(scheduled, inputs, pending, preemptions, copies)
 
     def launch(self, planned: PlannedStep, worker: ThreadPoolExecutor | None = None) -> LaunchedStep | None:
         """Start computing a planned step (in `worker`, or here, now); None if every request in it ended
@@ -304,8 +309,8 @@ class Engine:
             except Exception as exc:
                 return self._fail_step(chunks, exc)
         with self.host_times.timed("commit"):
-            now, preemptions = time.perf_counter(), dict(zip((id(c) for c in chunks), launched.planned.preemptions))
-            committed = [self._commit(c, req, results.get(c.seq.seq_id), preemptions[id(c)], now)
+            now, preemptions = time.perf_counter(), launched.planned.preemptions
+            committed = [self._commit(c, req, results.get(c.seq.seq_id), preemptions[c.seq.seq_id], now)
                          for _, c, req in live]
         return [item for item in committed if item is not None]
 

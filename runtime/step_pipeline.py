@@ -30,7 +30,7 @@ class PlannedStep:
     scheduled: ScheduledStep
     inputs: StepInputs
     pending: list[tuple[int, int]]
-    preemptions: list[int]           # each chunk's sequence's preemption count when it was scheduled
+    preemptions: dict[int, int]      # each chunk's sequence (id): its preemption count when scheduled
     copies: list[tuple[int, int]]    # copy-on-write block copies still to apply before it computes
 
 
