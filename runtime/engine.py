@@ -80,8 +80,8 @@ class EngineConfig:
         object.__setattr__(self, "backend_options", dict(self.backend_options))     # the config's own copy
         check_backend_options(self.backend_options)
         if self.prefix_cache_salt is not None and not 0 < len(self.prefix_cache_salt) <= MAX_CACHE_SALT_CHARS:
-            raise RequestError(f"the prefix-cache salt must be 1 to {MAX_CACHE_SALT_CHARS} characters; "
-                               "give another or none")
+            raise RequestError(f"prefix_cache_salt (--prefix-cache-salt) must be 1 to {MAX_CACHE_SALT_CHARS} "
+                               "characters; give another or none")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import (CUDA_GRAPHS_OPTION, KERNELS_OPTION, NUM_DRAFT_TOKENS_OPTION, SPECULATIVE_OPTION, STEP_PLANS_OPTION,
-                    bench_cmd, given_backend_options, speculative_config)
+from .bench import (ASYNC_SCHEDULING_OPTION, CUDA_GRAPHS_OPTION, KERNELS_OPTION, NUM_DRAFT_TOKENS_OPTION,
+                    SPECULATIVE_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options, speculative_config)
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .bench_spec import bench_spec_cmd
@@ -203,6 +203,7 @@ def serve(
                                                     "starts from (with each request's cache_salt): this server's "
                                                     "cached KV is keyed apart from any engine with another salt; "
                                                     "requests are kept apart from each other by their cache_salt"),
+    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
     kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
@@ -222,7 +223,7 @@ def serve(
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                           max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
                           speculative=speculative_config(speculative, num_draft_tokens),
-                          prefix_cache_salt=_checked_salt(prefix_cache_salt))
+                          prefix_cache_salt=prefix_cache_salt, async_scheduling=async_scheduling)
     server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
     sock = bind_socket(host, port)
     engine = Engine(artifact if artifact is not None else default_artifact(), config)
@@ -233,13 +234,6 @@ def serve(
         f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens); Ctrl-C or SIGTERM stops",
         highlight=False)
     run_server(engine, server, sock)
-
-
-def _checked_salt(salt: str | None) -> str | None:
-    """--prefix-cache-salt as given; an empty one is an error (it would salt nothing)."""
-    if salt == "":
-        raise RequestError("--prefix-cache-salt is empty; give a non-empty salt or leave the option out")
-    return salt
 
 
 app.command("plan")(user_errors(plan_cmd))
