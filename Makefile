@@ -6,7 +6,7 @@ LLMC := $(VENV)/bin/llmc
 ARTIFACT := artifacts/smollm2-135m-instruct
 PROMPT ?= What is the capital of France?
 
-.PHONY: install run test test-fast gpu-bundle clean
+.PHONY: install run test test-fast gpu-bundle bench-serve-async clean
 
 # torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -40,6 +40,17 @@ test-fast: $(VENV)/.installed
 # (README, "GPU"): SmolLM2's config and tokenizer and the gguf package, about 2 MB.
 gpu-bundle: $(VENV)/.installed
 	$(PY) -m llmc.tools.gpu_check prepare --out gpu_bundle
+
+# llmc bench-serve (256 concurrent streaming clients, then the same requests one at a time) against
+# `llmc serve` with async scheduling and then without it, one after the other on this machine.
+SERVE_BENCH ?= --num-requests 256 --prompt-words 24:96 --output-len 8:32
+SERVE_PORT ?= 8765
+bench-serve-async: $(ARTIFACT)/manifest.json
+	for mode in --async-scheduling --no-async-scheduling; do \
+	  $(LLMC) serve $(ARTIFACT) --port $(SERVE_PORT) --max-num-seqs 256 --kv-memory 4GiB $$mode & pid=$$!; \
+	  echo "== llmc serve $$mode"; $(LLMC) bench-serve http://127.0.0.1:$(SERVE_PORT) --wait-ready 300 $(SERVE_BENCH); \
+	  kill $$pid; wait $$pid; \
+	done
 
 clean:
 	rm -rf $(VENV) artifacts

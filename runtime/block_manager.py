@@ -35,10 +35,18 @@ manager without a consumer (the draft model's) keeps nothing, and a consumer may
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence as TokenIds
+
+
+def cache_salt(server: str | None, request: str | None) -> str | None:
+    """A sequence's prefix-cache salt: the server's and the request's, where given (None: neither)."""
+    if server is None and request is None:
+        return None
+    return json.dumps([server, request])        # unambiguous: no two pairs spell the same salt
 
 
 def salt_key(salt: str | None) -> bytes | None:

@@ -12,7 +12,6 @@ Concurrent callers go through an `EngineLoop` (engine_loop.py), the engine's one
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from llmc.compiler.dtypes import dtype_info
 
 from .artifact import Artifact, load_artifact
 from .backends import check_backend_name, check_backend_options, choose_backend
-from .block_manager import BlockManager
+from .block_manager import BlockManager, cache_salt
 from .engine_loop import EngineLoop
 from .executor import DEVICES
 from .grammar import GrammarCompiler, GrammarMatcher
@@ -41,7 +40,7 @@ from .speculative.drafters import build_drafter
 from .speculative.speculator import SpeculationStats, SpeculativeConfig, Speculator, speculates
 from .input_batch import InputBatch
 from .step_inputs import StepInputs, logit_row_offsets
-from .step_pipeline import LaunchedStep, PlannedStep, advance, reads_pending, run_on
+from .step_pipeline import LaunchedStep, PlannedStep, advance, choose_async_scheduling, reads_pending, run_on
 from .step_sampling import RowsOf, StepResult, StepSampler
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -68,7 +67,7 @@ class EngineConfig:
     backend_options: Mapping[str, object] = field(default_factory=dict)
     speculative: SpeculativeConfig | None = None   # draft and verify several tokens a step (speculative/)
     prefix_cache_salt: str | None = None   # every request's prefix-cache keys start from it (with its own cache_salt)
-    async_scheduling: bool = True  # an EngineLoop schedules step N+1 while step N computes (not when speculating)
+    async_scheduling: bool | None = None  # an EngineLoop plans step N+1 while N computes; None: where it pays
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -105,13 +104,6 @@ def kv_cache_dtype(artifact: Artifact) -> str:
     return dtype_info(ir_dtype).user_name or ir_dtype
 
 
-def cache_salt(server: str | None, request: str | None) -> str | None:
-    """A sequence's prefix-cache salt: the server's and the request's, where given (None: neither)."""
-    if server is None and request is None:
-        return None
-    return json.dumps([server, request])        # unambiguous: no two pairs spell the same salt
-
-
 class Engine:
     def __init__(self, artifact: Artifact | str | Path, config: EngineConfig = EngineConfig()):
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
@@ -142,6 +134,8 @@ class Engine:
                                       self.blocks.blocks_needed(self.max_sequence_tokens))
         self.host_times = HostTimes()
         self.speculator = self._speculator(config, backend) if config.speculative else None
+        self.async_scheduling = choose_async_scheduling(config.async_scheduling, self.runner.device,
+                                                        self.speculator is not None)
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
         self.num_steps = 0

@@ -191,7 +191,7 @@ class EngineLoop:
     # -------------------------------------------------------------- loop thread
 
     def _run(self) -> None:
-        overlap = self.engine.config.async_scheduling and self.engine.speculator is None
+        overlap = self.engine.async_scheduling
         worker = ThreadPoolExecutor(1, thread_name_prefix="llmc-step") if overlap else None
         deadline, inflight = None, None
         try:

@@ -15,11 +15,17 @@ launch(N+1), which comes after finish(N) has recorded it. What N+1 computes for 
 
 from __future__ import annotations
 
+import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from .scheduler import Chunk, ScheduledStep
 from .step_inputs import StepInputs
+
+log = logging.getLogger("llmc")
 
 
 @dataclass
@@ -71,3 +77,26 @@ def advance(chunks: list[Chunk], now: float) -> None:
         if not c.num_drafts:
             c.seq.num_computed = c.end
             c.seq.num_pending += c.samples
+
+
+def overlap_pays(device: torch.device) -> bool:
+    """Async scheduling's default: on when the forward pass leaves the host's cores free, on a GPU or
+    on a CPU with more cores than torch's threads (the forward's OpenMP team); off where the team
+    takes every core, since host work beside it stalls the team's barriers (on a 2-core CPU the
+    server's throughput fell to 0.81x with it on: README, "Benchmarks")."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return device.type == "cuda" or cores > torch.get_num_threads()
+
+
+def choose_async_scheduling(configured: bool | None, device: torch.device, speculating: bool) -> bool:
+    """Whether an EngineLoop overlaps the host with the forward pass: never when speculating (drafts
+    need the newest token), else as configured, else where it pays; said once at INFO."""
+    if speculating:
+        chosen, why = False, "speculating: drafts need the newest token"
+    elif configured is not None:
+        chosen, why = configured, "as configured"
+    else:
+        chosen = overlap_pays(device)
+        why = "the forward leaves the host a core" if chosen else "the forward's threads take every core"
+    log.info("async scheduling %s (%s)", "on" if chosen else "off", why)
+    return chosen

@@ -7,6 +7,7 @@ ever reaches a computed step; a stop string found while the next step runs costs
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -16,6 +17,7 @@ import llmc.runtime.sequence as sequence_module
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.step_pipeline import choose_async_scheduling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -136,3 +138,14 @@ def test_a_stop_string_found_while_the_next_step_computes_drops_that_steps_token
     last = len(prompt) + len(done[0].token_ids) - 1     # the position of its last kept token
     assert max(last_position) == last                     # a step fed it and sampled one more: dropped
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_async_scheduling_by_default_only_where_the_forward_leaves_the_host_a_core(monkeypatch):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert choose_async_scheduling(None, torch.device("cuda"), speculating=False)
+    assert not choose_async_scheduling(None, torch.device("cpu"), speculating=False)   # OpenMP takes every core
+    assert choose_async_scheduling(True, torch.device("cpu"), speculating=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores - 1)
+    assert choose_async_scheduling(None, torch.device("cpu"), speculating=False) == (cores > 1)
+    assert not choose_async_scheduling(True, torch.device("cuda"), speculating=True)    # drafts need the newest token

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from llmc.runtime import block_manager
-from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.engine import Engine, EngineConfig, cache_salt
+from llmc.runtime.block_manager import BlockManager, cache_salt
+from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server import ServerConfig
 

@@ -176,9 +176,10 @@ STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="wit
                                  "graph whose ops all have one as one native call per step, not op by op (default)")
 
 
-ASYNC_SCHEDULING_OPTION = typer.Option(True, "--async-scheduling/--no-async-scheduling", help="plan each step "
+ASYNC_SCHEDULING_OPTION = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="plan each step "
                                        "(schedule, inputs) while the one before computes, and detokenise its outputs "
-                                       "while the next computes (speculating engines stay synchronous)")
+                                       "while the next computes (default: on a GPU, or on a CPU with a core beside "
+                                       "torch's threads; speculating engines stay synchronous)")
 SPECULATIVE_OPTION = typer.Option(None, "--speculative", help="draft and verify several tokens a step: ngram "
                                   "(prompt lookup), self (the artifact's draft graph: compile --draft-skip N) or "
                                   "draft:ARTIFACT (a smaller model of the same vocabulary)")
@@ -215,7 +216,7 @@ def bench_cmd(
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
-    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
+    async_scheduling: Optional[bool] = ASYNC_SCHEDULING_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also run Hugging Face transformers; 'sync': also run "
                                            "llmc without async scheduling (a fresh engine, same requests)"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),

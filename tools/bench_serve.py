@@ -100,6 +100,22 @@ async def run_phase(url: str, model: str | None, api_key: str | None, requests: 
             "tpot_s": percentiles([t.tpot for t in timings if t.completion_tokens > 1] or [0.0])}
 
 
+def wait_until_ready(url: str, seconds: float) -> None:
+    """Poll GET /health until the server answers 200 (a server still starting: compiling, loading);
+    RequestError when `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() >= deadline:
+            raise RequestError(f"the server at {url} was not ready within {seconds:g} s (--wait-ready); "
+                               "is it running?")
+        time.sleep(0.5)
+
+
 def format_phases(concurrent: dict, sequential: dict) -> str:
     ms = lambda d: f"{1000 * d['p50']:8.0f} {1000 * d['p99']:8.0f}"  # noqa: E731
     rows = [f"{'':<22}{'requests':>9}{'output tok/s':>14}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"
@@ -121,6 +137,7 @@ def bench_serve_cmd(
     seed: int = typer.Option(0, help="seed of the workload draw"),
     model: Optional[str] = typer.Option(None, help="model id to ask for (default: the server's own)"),
     api_key: Optional[str] = typer.Option(None, help="API key, if the server wants one"),
+    wait_ready: float = typer.Option(0.0, help="seconds to wait for the server's /health first (a server starting)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Benchmark a running server: N concurrent streaming clients, then every one of the same requests one
@@ -130,6 +147,8 @@ def bench_serve_cmd(
     requests = draw_requests(num_requests, parse_range(prompt_words, "prompt length"),
                              parse_range(output_len, "output length"), seed)
     url = url.rstrip("/").removesuffix("/v1")
+    if wait_ready > 0:
+        wait_until_ready(url, wait_ready)
     concurrent = asyncio.run(run_phase(url, model, api_key, requests, concurrency or num_requests))
     alone = asyncio.run(run_phase(url, model, api_key, requests, 1))
     typer.echo(format_phases(concurrent, alone))

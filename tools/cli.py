@@ -203,7 +203,7 @@ def serve(
                                                     "starts from (with each request's cache_salt): this server's "
                                                     "cached KV is keyed apart from any engine with another salt; "
                                                     "requests are kept apart from each other by their cache_salt"),
-    async_scheduling: bool = ASYNC_SCHEDULING_OPTION,
+    async_scheduling: Optional[bool] = ASYNC_SCHEDULING_OPTION,
     kernels: Optional[str] = KERNELS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),

@@ -101,7 +101,7 @@ def serving_engines(artifact, batches: list[int], contexts: list[int], steps: in
     before = Engine(artifact, EngineConfig(**config, async_scheduling=False))
     before.input_batch = FromScratchInputs(before.blocks)
     return {"before": before, "sync": Engine(artifact, EngineConfig(**config, async_scheduling=False)),
-            "after": Engine(artifact, EngineConfig(**config))}
+            "after": Engine(artifact, EngineConfig(**config, async_scheduling=True))}
 
 
 class DecodeWindow:
