@@ -193,5 +193,6 @@ def test_serve_maps_prefix_cache_salt_onto_the_engine(artifact, served):
 
 
 def test_serve_refuses_an_empty_prefix_cache_salt(artifact, served):
-    assert_cli_error(cli("serve", artifact, "--port", 0, "--prefix-cache-salt", ""), "--prefix-cache-salt) must be 1 to 1024 characters")
+    assert_cli_error(cli("serve", artifact, "--port", 0, "--prefix-cache-salt", ""),
+                     "--prefix-cache-salt) must be 1 to 1024 characters")
     assert served == []
