@@ -9,7 +9,10 @@ Callers in any thread talk to the loop, never to the engine:
   begin_shutdown(grace) / shutdown      stop accepting, let running requests finish within `grace`
                                        seconds, abort the rest (shutdown also joins the thread)
 The loop thread drains the inbox, runs one engine step, and hands each output to its own
-request's sink, so no consumer can see, or lose, another request's tokens. A step that fails
+request's sink, so no consumer can see, or lose, another request's tokens. With async scheduling
+(engine.async_scheduling; step_pipeline.py) a turn plans step N+1 while step N computes in a
+worker thread, finishes N, launches N+1, and delivers N's outputs while N+1 computes; commands are
+taken at the start of a turn, never while the engine is between stages. A step that fails
 fails only the requests computed in it (the engine reports them finished with an error); an
 unexpected error outside a step's computation fails every request in flight, and the loop goes
 on serving new ones. Back-pressure: with `max_waiting`, a submit that would leave more than that
@@ -30,7 +33,8 @@ from .request import Completion, PreparedRequest, RequestOutput
 from .sampling_params import RequestError, SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineStats, LaunchedStep
+    from .engine import Engine, EngineStats
+    from .step_pipeline import LaunchedStep
 
 Sink = Callable[[RequestOutput], None]
 log = logging.getLogger("llmc")
