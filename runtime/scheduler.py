@@ -124,7 +124,7 @@ class Scheduler:
     def _schedule_running(self, budget: int, preempted: list[Sequence]) -> list[Chunk]:
         chunks = []
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.awaits_last_token:   # preempted
+            if seq.status is not SequenceStatus.RUNNING or budget == 0 or seq.awaits_last_token:   # preempted above
                 continue
             end = min(seq.num_tokens, seq.num_computed + budget)
             if seq.draft_ids and end == seq.num_tokens:     # drafts to verify: as many as budget allows
@@ -144,7 +144,7 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and seats > 0:
             seq = self.waiting[0]
-            ids = seq.all_ids
+            ids = seq.tokens                                  # prompt + output, sliced as read
             reuse = not seq.wants_prompt_logprobs     # cached tokens have no logits: compute them all (as vLLM)
             if not self.blocks.can_allocate(ids, self._watermark if self.running else 0, seq.cache_salt, reuse):
                 break
