@@ -127,3 +127,22 @@ def test_plan_counts_sliding_layers_kv_as_the_runtime_allocates_it(tmp_path, tin
     cache_type = next(n.type for n in art.graphs["decode"].inputs() if n.name == "kv_cache")
     per_block = choose_backend("torch", art, "cpu").kv_bytes_per_block(cache_type, 16)
     assert per_block == 16 * kv_bytes_per_token(art.config, "float32")
+
+
+def test_bench_against_itself_without_async_scheduling(tiny_family, tmp_path):
+    _, _, artifact = tiny_family("llama_gqa")
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", str(artifact), "--num-requests", "4", "--prompt-len", "4:12",
+                                      "--output-len", "3:6", "--async-scheduling", "--baseline", "sync",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    llmc, sync = report["llmc"], report["baselines"]["llmc_sync"]
+    assert llmc["async_scheduling"] and not sync["async_scheduling"]
+    assert llmc["output_tokens"] == sync["output_tokens"] == sum(r.max_tokens for r in Workload(4, (4, 12), (3, 6))
+                                                                 .requests(300))
+    for run in (llmc, sync):
+        ms = run["ms_per_step"]
+        assert ms["host"] == pytest.approx(sum(ms[p] for p in ("schedule", "build", "sample", "commit", "output")))
+        assert ms["compute"] > 0
+    assert "ms per step: host" in result.output and "llmc_sync" in result.output

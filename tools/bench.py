@@ -22,6 +22,7 @@ import typer
 from llmc.compiler.artifact import stale_code
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.engine_loop import EngineLoop
+from llmc.runtime.host_times import HOST_PHASES
 from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
@@ -113,6 +114,8 @@ def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[],
         "prefix_cache_hit_rate": engine.blocks.hit_rate(),
         "preemptions": engine.scheduler.num_preemptions,
         "kernels": engine.kernels,
+        "async_scheduling": engine.async_scheduling,
+        "ms_per_step": {phase: 1000 * s for phase, s in engine.host_times.per_step().items()},
         **({"speculation": {"source": engine.config.speculative.source, **speculation_summary(spec)}}
            if (spec := engine.stats().speculation) else {}),
     }
@@ -143,6 +146,14 @@ def format_speculation(spec: dict) -> list[str]:
     ]
 
 
+def format_step_times(run: dict) -> str:
+    """The report's line of where a step's time went: the host phases, their sum, the forward pass."""
+    ms = run["ms_per_step"]
+    phases = ", ".join(f"{p} {ms[p]:.2f}" for p in HOST_PHASES)
+    return (f"              ms per step: host {ms['host']:.2f} ({phases}), compute {ms['compute']:.1f}; "
+            f"async scheduling {'on' if run['async_scheduling'] else 'off'}")
+
+
 def format_report(result: dict) -> str:
     llmc = result["llmc"]
     ms = lambda d: " / ".join(f"{1000 * d[k]:.0f}" for k in ("p50", "p90", "p99"))  # noqa: E731
@@ -153,6 +164,7 @@ def format_report(result: dict) -> str:
         f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}, "
         f"{llmc['kernels']} kernels",
     ]
+    lines.append(format_step_times(llmc))
     if "speculation" in llmc:
         lines += format_speculation(llmc["speculation"])
     for name, base in result.get("baselines", {}).items():
