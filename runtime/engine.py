@@ -207,26 +207,25 @@ class Engine:
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now and free its KV blocks; None if it already ended."""
         req = self._remove(request_id)
-        if req is None:
-            return None
-        self.scheduler.finish(req.seq)
-        return req.abort(time.perf_counter())
+        return req.abort(time.perf_counter()) if req is not None else None
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """End every request in flight with an error (after a failure the engine cannot place)."""
         return [self._fail(rid, error) for rid in list(self.requests)]
 
     def _fail(self, request_id: int, error: str) -> RequestOutput:
-        req = self._remove(request_id)
-        self.scheduler.finish(req.seq)
-        return req.fail(time.perf_counter(), error)
+        return self._remove(request_id).fail(time.perf_counter(), error)
 
     def _remove(self, request_id: int) -> Request | None:
-        """Forget a request that ended (and its sampling stream, and its draft state); None if it already had."""
+        """Forget a request that ended: its sequence leaves the scheduler (its KV blocks freed), its
+        sampling stream and draft state go; None if it already had."""
         self.generators.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.drafter.forget(request_id)
-        return self.requests.pop(request_id, None)
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq)
+        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -346,7 +345,7 @@ class Engine:
                 self.blocks.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
             self.speculator.commit(seq, verdict, num_drafts, seq.is_finished)
         if seq.is_finished:
-            self._end(seq)
+            self._remove(seq.seq_id)
         return req
 
     def emit(self, committed: list[Request | RequestOutput]) -> list[RequestOutput]:
@@ -359,13 +358,9 @@ class Engine:
             for item in committed:
                 out = item if isinstance(item, RequestOutput) else item.emit(now)
                 if out.finished and out.request_id in self.requests:      # a stop string ended it
-                    self._end(self.requests[out.request_id].seq)
+                    self._remove(out.request_id)
                 outputs.append(out)
         return outputs
-
-    def _end(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self._remove(seq.seq_id)
 
     # ---------------------------------------------------------------- front ends
 
