@@ -70,15 +70,16 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
     return span
 
 
-def parse_batches(text: str, example: str) -> list[int]:
-    """'1,8' -> [1, 8]: the batch sizes of a --batch option (`example` shows a valid one)."""
+def parse_sizes(text: str, option: str, example: str) -> list[int]:
+    """'1,64' -> [1, 64]: a comma-separated list of positive sizes (batch sizes, context lengths);
+    RequestError naming `option` otherwise (`example` shows a valid one)."""
     try:
-        batches = [int(b) for b in text.split(",")]
+        sizes = [int(s) for s in text.split(",")]
     except ValueError:
-        raise RequestError(f"--batch {text!r} is not a comma-separated list of batch sizes like {example}") from None
-    if not batches or min(batches) < 1:
-        raise RequestError(f"--batch {text!r} must list positive batch sizes, like {example}")
-    return batches
+        raise RequestError(f"{option} {text!r} is not a comma-separated list of sizes like {example}") from None
+    if min(sizes) < 1:
+        raise RequestError(f"{option} {text!r} must list sizes of at least 1, like {example}")
+    return sizes
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

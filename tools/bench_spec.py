@@ -36,7 +36,7 @@ from llmc.runtime.request import Completion
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.speculative.speculator import SpeculationStats
 
-from .bench import parse_batches, speculation_summary, speculative_config
+from .bench import parse_sizes, speculation_summary, speculative_config
 from .profile_steps import cpu_name
 
 _CODE = """class Stack:
@@ -264,7 +264,7 @@ def bench_spec_cmd(
 ) -> None:
     """Decode tok/s with and without each speculative source, at each batch size, on code-like and chat
     prompts, with acceptance rates; checks that every source gives the same greedy tokens."""
-    batches = parse_batches(batch, "1,8")
+    batches = parse_sizes(batch, "--batch", "1,8")
     if not 1 <= num_prompts <= len(CODE_PROMPTS) or output_len < 2:
         raise RequestError(f"--num-prompts {num_prompts} must be in 1..{len(CODE_PROMPTS)} and --output-len "
                            f"{output_len} at least 2")

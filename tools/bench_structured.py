@@ -28,7 +28,7 @@ from llmc.runtime.grammar import GrammarSpec
 from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
-from .bench import parse_batches
+from .bench import parse_sizes
 from .profile_steps import cpu_name
 
 PROMPT = "Write every integer from {start} to {end}, in order, as one JSON array."
@@ -128,7 +128,7 @@ def bench_structured_cmd(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Decode tok/s with and without a JSON-schema constraint at each batch size, and the mask's cost."""
-    batches, spec = parse_batches(batch, "1,64"), read_schema(schema, output_len)
+    batches, spec = parse_sizes(batch, "--batch", "1,64"), read_schema(schema, output_len)
     if output_len < 2 or repeats < 1:
         raise RequestError(f"--output-len {output_len} must be at least 2 (decode starts after the first token) "
                            f"and --repeats {repeats} at least 1")

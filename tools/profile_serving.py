@@ -48,6 +48,7 @@ from llmc.runtime.request import RequestOutput
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.step_inputs import FromScratchInputs
 
+from .bench import parse_sizes
 from .profile_steps import cpu_name
 from .read_floor import ReadBandwidth
 from .serving_model import (FLOOR_DTYPE, decode_floor_bytes, describe_shapes, smollm2_135m, tiny_serving_model,
@@ -63,17 +64,6 @@ SIDES = ("before", "sync", "after")
 def max_tokens(steps: int) -> int:
     """Each request's output tokens: the first (from its prefill), the warm-up, the window, the tail."""
     return 1 + WARMUP_TOKENS + steps + TAIL_TOKENS
-
-
-def parse_sizes(text: str, option: str, example: str) -> list[int]:
-    """'1,64' -> [1, 64]: a comma-separated list of positive sizes; RequestError naming `option` otherwise."""
-    try:
-        sizes = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise RequestError(f"{option} {text!r} is not a comma-separated list of sizes like {example}") from None
-    if min(sizes) < 1:
-        raise RequestError(f"{option} {text!r} must list sizes of at least 1, like {example}")
-    return sizes
 
 
 def check_grid(contexts: list[int], steps: int, model_context: int) -> None:
