@@ -18,24 +18,16 @@ from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.step_pipeline import choose_async_scheduling
+from test_engine_runtime import block_bytes, prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 300, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
-
-
 @pytest.fixture(scope="module")
 def artifact(tiny_family):
     return tiny_family("llama_hd32")[2]
-
-
-def block_bytes(engine: Engine) -> int:
-    return engine.config.kv_cache_bytes // engine.blocks.num_blocks
 
 
 def generate(artifact, batch, params, async_scheduling: bool, then=(), **config):
