@@ -187,6 +187,21 @@ def test_the_cli_selects_a_registered_backend_by_name(compiled, fake_backend):
     assert bad.exit_code == 1 and "kernels 'fast' is unknown" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_llmc_log_lines_after_an_in_process_invocation_reach_the_stderr_of_their_time(compiled, capsys):
+    """The CLI's log handler follows sys.stderr: CliRunner closes the stderr it lent, and a later
+    llmc log line (another test's engine) must not meet that closed stream ("--- Logging error ---")."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from llmc.tools.cli import app
+
+    assert CliRunner().invoke(app, ["inspect", str(compiled("plain"))]).exit_code == 0
+    logging.getLogger("llmc").info("a line after the invocation")
+    err = capsys.readouterr().err
+    assert "a line after the invocation" in err and "Logging error" not in err
+
+
 # -------------------------------------------------------------------------- visible fallback
 
 @pytest.fixture

@@ -46,11 +46,24 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_
                   help="llmc: compile a decoder model (models/families) into an artifact, then run it.")
 
 
+class CurrentStderr(logging.StreamHandler):
+    """A log handler writing to whatever sys.stderr is at the time of each line: an in-process
+    caller (a test's CliRunner) swaps stderr for one invocation and closes it afterwards."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _ignored) -> None:
+        pass
+
+
 @app.callback()
 def show_progress_notes() -> None:
     """llmc's own log lines (a one-time kernel build, a fallback) go to stderr as plain sentences;
     other libraries' loggers are left as they are."""
-    handler = logging.StreamHandler(sys.stderr)            # this invocation's stderr
+    handler = CurrentStderr()
     handler.setFormatter(logging.Formatter("llmc: %(message)s"))
     log = logging.getLogger("llmc")
     log.handlers, log.propagate = [handler], False

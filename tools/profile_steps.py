@@ -141,20 +141,28 @@ def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     return time.perf_counter() - start
 
 
+def decode_context(tokens: int) -> int:
+    """The tokens a decode profile of `tokens` tokens ends with: its prompt, the prefill's token, a
+    warm-up step's, each token twice."""
+    return PROMPT_FOR_DECODE + 2 + 2 * tokens
+
+
 def profile_decode(engine: Engine, tokens: int, seed: int = 0,
                    bandwidth: ReadBandwidth | None = None) -> tuple[StepProfile, int]:
     """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. Each token
     is decoded twice in a row: once with every launch timed (the split by kind) and once as
     serving runs it (the step time; timing each launch costs ~10% of a decode step), and the
-    Python/dispatch share is the plain step's time beyond the kernels'. With `bandwidth`, a
+    Python/dispatch share is the plain step's time beyond the kernels'. One untimed decode step
+    goes first (a first call's one-time costs, such as a JIT, are no step's). With `bandwidth`, a
     sample of it is taken before and after every round of ROUND_TOKENS tokens."""
     g = torch.Generator().manual_seed(seed)
     seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
-                   SamplingParams(max_tokens=2 * tokens + 1))
+                   SamplingParams(max_tokens=decode_context(tokens) - PROMPT_FOR_DECODE))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    engine.blocks.append(seq.seq_id, seq.num_tokens + 2 * tokens + 1)
+    engine.blocks.append(seq.seq_id, decode_context(tokens))
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
+    _plain_step(engine, newest(), seq.output_ids.append)        # warm-up: first-call costs are not a step's
     profiles, samples = [], [bandwidth.sample()] if bandwidth else []
     for i in range(tokens):
         kernels = {k: v for k, v in _profile_step(engine, "decode", newest(), seq.output_ids.append).by_category.items()
@@ -169,7 +177,7 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0,
                        {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category},
                        tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
                        tuple((a + b) / 2 for a, b in zip(samples, samples[1:])))
-    return mean, PROMPT_FOR_DECODE + tokens
+    return mean, PROMPT_FOR_DECODE + 1 + tokens
 
 
 def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
@@ -261,8 +269,8 @@ def profile_cmd(
 
     options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False)   # timed: eager
     engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
-    if max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1) > engine.max_sequence_tokens:
-        raise RequestError(f"the profile needs {max(prompt_len, PROMPT_FOR_DECODE + 2 * decode_tokens + 1)} tokens of "
+    if max(prompt_len, decode_context(decode_tokens)) > engine.max_sequence_tokens:
+        raise RequestError(f"the profile needs {max(prompt_len, decode_context(decode_tokens))} tokens of "
                            f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     capabilities = engine.runner.capabilities
