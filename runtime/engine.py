@@ -276,9 +276,9 @@ class Engine:
         return LaunchedStep(planned, run_on(worker, self._compute, entry, planned.inputs))
 
     def _compute(self, entry: str, inputs: StepInputs) -> tuple[torch.Tensor, float]:
-        """The step's logit rows on the host, and the seconds the forward pass took."""
+        """The step's logit rows on the runner's device (sampled there), and the seconds the forward took."""
         start = time.perf_counter()
-        logits = self.runner.run(entry, inputs)
+        logits = self.runner.run_on_device(entry, inputs)
         return logits, time.perf_counter() - start
 
     def finish_step(self, launched: LaunchedStep) -> list[Request | RequestOutput]:

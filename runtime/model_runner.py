@@ -4,8 +4,8 @@ It builds the executor a `BackendChoice` names (backends.py: the registry picks 
 device and options), sizing the paged KV cache from what the graphs declare, asks it to capture
 CUDA graphs of the decode step as its options say, hands each step's host-built metadata to the
 executor (which copies it into persistent device buffers, `step_inputs.StepBuffers`, or replays a
-graph), and hands logits back on the host for sampling. It knows no backend's insides: what the
-executor runs and how is its `capabilities()`.
+graph), and hands logits back on its device for sampling (`run_on_device`), or on the host for
+tools (`run`). It knows no backend's insides: what the executor runs and how is its `capabilities()`.
 """
 
 from __future__ import annotations
@@ -67,8 +67,18 @@ class ModelRunner:
             self.executor.copy_blocks(src, dst)
 
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
-        """Logits [R, vocab] (fp32, on the host): each chunk's rows at its `logit_positions`, in chunk order."""
-        return self.executor.step(entry, step, self.buffers).cpu()
+        """Logits [R, vocab] (fp32, on the host): each chunk's rows at its `logit_positions`, in chunk
+        order (for tools that read whole logits; the engine samples from `run_on_device`'s)."""
+        return self.run_on_device(entry, step).cpu()
+
+    def run_on_device(self, entry: str, step: StepInputs) -> torch.Tensor:
+        """`run`'s logits left on the runner's device, computed (the device has finished them, so the
+        caller's clock covers the forward pass). They may be the executor's output buffer: read them
+        before the next step runs."""
+        logits = self.executor.step(entry, step, self.buffers)
+        if logits.device.type == "cuda":
+            torch.cuda.current_stream(logits.device).synchronize()
+        return logits
 
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
         """`run` launched eagerly, and each launch's wall time (for profiles; slower than `run`)."""

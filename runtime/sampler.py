@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler.
+"""The per-row sampler: the reference that the engine's batched sampler (batch_sampler.py) matches.
 
 Per row of logits, in this order (vLLM's): repetition / frequency / presence penalties ->
 log-probabilities for reporting -> greedy argmax (temperature 0) or temperature -> top-k ->
@@ -6,6 +6,8 @@ top-p -> min-p -> one draw. Each sampling request owns a `torch.Generator` seede
 seed and draws one uniform number per token from it, so its output does not depend on what
 else is in the batch. A row a grammar constrains arrives with its banned tokens already at -inf
 (the engine applies the mask first: structured output), so every step below keeps within it.
+The engine samples with batch_sampler.py (one pass over all rows, where the logits are); tests hold
+it to these functions' tokens and logprobs.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)   # ties: lower id first
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))

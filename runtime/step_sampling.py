@@ -1,31 +1,51 @@
-"""StepSampler: a computed step's logit rows turned into tokens (DESIGN 14: constraints are masks).
+"""StepSampler: a computed step's logit rows turned into tokens where the logits are (DESIGN 14).
 
-Per step, in order: prompt logprobs are scored from the rows of chunks that asked for them; each
-sampling chunk's last row has its grammar's mask applied (constrained requests only) and is
-sampled with the request's own generator; a chunk that verifies drafts has each of its rows
-masked by its grammar's state after the drafts before it, then the drafts are verified. Chunk i's
-logit rows are logits[offsets[i]:offsets[i + 1]] (step_inputs.logit_row_offsets). Grammar masks
-are counted and timed (rows masked, seconds filling and applying them).
+Per step, in order: prompt logprobs are scored in one pass over the rows of chunks that asked for
+them; then every row that picks a token is gathered into one [N, vocab] batch on the logits' device
+(each sampling chunk's last row; each of a verifying chunk's K+1 rows), grammar masks are applied
+to the batch in one call (a sampled row by its grammar's state; verify row i by the state after the
+drafts before it), and `batch_sampler.sample_rows` picks every token in one pass. Only token ids and
+the logprobs asked for come back to the host. Chunk i's logit rows are logits[offsets[i]:offsets[i +
+1]] (step_inputs.logit_row_offsets). Grammar masks are counted and timed (rows masked, seconds
+filling and applying them).
+
+Verification (speculative/verify.py's one-hot rejection sampling): row i of a verifying chunk is
+sampled as the sampler samples it with the drafts before it as output, and drafts are kept while
+they equal the samples; the first sample that differs (or the bonus from row K) ends the verdict.
+Its uniforms are peeked (K+1 from a copy of the request's generator state) and the generator then
+advances by exactly the tokens kept, so the stream is spent as without speculation.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
 from llmc.kernels.token_bitmask import apply_token_bitmask
 
+from .batch_sampler import SamplingRow, logprobs_of, sample_rows, top_pairs, uniforms
 from .grammar import GrammarCompiler, bitmask_words
 from .request import Request
-from .sampler import SampleResult, sample, token_logprobs
+from .sampler import SampleResult
 from .scheduler import Chunk
-from .speculative.speculator import verify_rows
-from .speculative.verify import Verdict
+from .speculative.verify import Verdict, accepted_prefix
 
 StepResult = tuple[list[SampleResult], Verdict | None]     # a sequence's tokens from a step, its verdict
 RowsOf = list[tuple[int, Chunk, Request]]                   # (first logit row, chunk, its request)
+
+
+@dataclass
+class _Picks:
+    """The rows a step samples: logit row indices, one SamplingRow each, and per chunk its first
+    batch row; grammar bitmasks with the batch rows they mask."""
+
+    index: list[int]
+    rows: list[SamplingRow]
+    firsts: list[tuple[int, Chunk, Request]]
+    masks: list[torch.Tensor]
+    masked_rows: list[int]
 
 
 class StepSampler:
@@ -36,65 +56,111 @@ class StepSampler:
         self.grammar_mask_seconds = 0.0     # ... and the time their masks took (filled and applied)
 
     def score_prompts(self, chunks: RowsOf, logits: torch.Tensor) -> None:
-        """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's)."""
+        """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's), all
+        chunks' rows in one log-softmax on the logits' device."""
+        wanted = []                                          # (logit row, prompt position, request)
         for row, c, req in chunks:
             seq = c.seq
             if not seq.wants_prompt_logprobs or c.num_drafts:
                 continue
             first = c.end - c.num_logits
             last = min(c.end, len(seq.prompt_ids) - 1)
-            rows = torch.log_softmax(logits[row:row + last - first], dim=-1)
-            for p in range(max(first, seq.prompt_scored), last):
-                token = seq.prompt_ids[p + 1]
-                logprob = token_logprobs(rows[p - first], token, seq.params.prompt_logprobs)
-                req.prompt_logprobs.append(SampleResult(token, *logprob))
+            wanted += [(row + p - first, p, req) for p in range(max(first, seq.prompt_scored), last)]
             seq.prompt_scored = max(seq.prompt_scored, last)
+        if not wanted:
+            return
+        index = torch.tensor([w[0] for w in wanted]).to(logits.device, non_blocking=True)
+        tokens = torch.tensor([req.seq.prompt_ids[p + 1] for _, p, req in wanted]).to(logits.device)
+        most = max(req.seq.params.prompt_logprobs for _, _, req in wanted)
+        chosen, ids, values = logprobs_of(torch.log_softmax(logits[index].float(), dim=-1), tokens, most)
+        for j, (_, p, req) in enumerate(wanted):
+            pairs = top_pairs(ids[j], values[j], req.seq.params.prompt_logprobs)
+            req.prompt_logprobs.append(SampleResult(req.seq.prompt_ids[p + 1], chosen[j], pairs))
 
     def sample(self, chunks: RowsOf, logits: torch.Tensor, generators: dict[int, object]) -> dict[int, StepResult]:
         """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts."""
-        single = [(row, c, req) for row, c, req in chunks if c.samples and not c.num_drafts]
-        results = {}
-        if single:
-            reqs = [req for _, _, req in single]
-            rows = _rows(logits, [row + c.num_logits - 1 for row, c, _ in single])
-            self._apply_grammars(rows, reqs)
-            sampled = sample(rows, [r.seq.params for r in reqs], [generators[r.seq.seq_id] for r in reqs],
-                             [(r.seq.prompt_ids, r.seq.output_ids) for r in reqs])
-            results = {c.seq.seq_id: ([r], None) for (_, c, _), r in zip(single, sampled)}
+        picks = _Picks([], [], [], [], [])
+        states = {}                                          # verifying sequence id -> its generator's state
+        self._pick_single_rows([(row, c, req) for row, c, req in chunks if c.samples and not c.num_drafts],
+                               generators, picks)
         for row, c, req in chunks:
             if c.num_drafts:
-                rows = logits[row:row + c.num_logits]
-                self._apply_grammar_along_drafts(rows, req)
-                verdict, kept = verify_rows(rows, c.seq, generators[c.seq.seq_id])
-                results[c.seq.seq_id] = (kept, verdict)
-        return results
+                states[c.seq.seq_id] = self._pick_verify_rows(row, c, req, generators[c.seq.seq_id], picks)
+        if not picks.rows:
+            return {}
+        batch = _rows(logits, picks.index)
+        if picks.masks:
+            self._apply_masks(batch, picks.masks, picks.masked_rows)
+        results = sample_rows(batch, picks.rows)
+        out = {}
+        for first, c, _ in picks.firsts:
+            if not c.num_drafts:
+                out[c.seq.seq_id] = ([results[first]], None)
+                continue
+            sampled = [r.token_id for r in results[first:first + len(c.seq.draft_ids) + 1]]
+            verdict = Verdict(accepted_prefix(c.seq.draft_ids, sampled))
+            _spend(generators[c.seq.seq_id], states[c.seq.seq_id], len(verdict.tokens))
+            out[c.seq.seq_id] = (results[first:first + len(verdict.tokens)], verdict)
+        return out
 
-    def _apply_grammar_along_drafts(self, rows: torch.Tensor, req: Request) -> None:
-        """A constrained sequence's verify rows masked, row i by its grammar after the drafts before it."""
-        grammar, drafts = req.grammar, req.seq.draft_ids
-        if grammar is not None:
-            words = bitmask_words(self.vocab_size)
-            self._apply_masks(rows, lambda: grammar.bitmasks_along(drafts, words), list(range(rows.shape[0])))
-
-    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Set every token a constrained row's grammar does not allow next to -inf, before sampling."""
-        constrained = [(row, r.grammar) for row, r in enumerate(reqs) if r.grammar is not None]
+    def _pick_single_rows(self, single: RowsOf, generators: dict[int, object], picks: _Picks) -> None:
+        """Each sampling chunk's last row, one uniform from its request's stream; one bitmask fill for
+        the constrained ones."""
+        constrained = []
+        for row, c, req in single:
+            seq = c.seq
+            picks.firsts.append((len(picks.rows), c, req))
+            if req.grammar is not None:
+                constrained.append((len(picks.rows), req.grammar))
+            picks.index.append(row + c.num_logits - 1)
+            picks.rows.append(SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
+                                          uniforms(generators[seq.seq_id], 1)[0]))
         if constrained:
-            rows, matchers = zip(*constrained)
-            self._apply_masks(logits, lambda: self.grammars.next_token_bitmasks(list(matchers)), list(rows))
+            start = time.perf_counter()
+            at, matchers = zip(*constrained)
+            picks.masks.append(self.grammars.next_token_bitmasks(list(matchers)))
+            picks.masked_rows += at
+            self.grammar_mask_seconds += time.perf_counter() - start
 
-    def _apply_masks(self, logits: torch.Tensor, fill: Callable[[], torch.Tensor], rows: list[int]) -> None:
-        """Apply the bitmasks `fill` makes (row i masks logits row rows[i]); count the rows and the
-        time, filling included."""
+    def _pick_verify_rows(self, row: int, c: Chunk, req: Request, generator, picks: _Picks):
+        """A verifying chunk's K+1 rows, row i with the drafts before it as output and the i-th of K+1
+        uniforms peeked from its stream (whose state is returned); its grammar's masks along the drafts."""
+        seq, drafts = c.seq, c.seq.draft_ids
+        state = generator.get_state() if generator is not None else None
+        peeked = uniforms(generator, len(drafts) + 1)
+        first = len(picks.rows)
+        picks.firsts.append((first, c, req))
+        picks.index += range(row, row + len(drafts) + 1)
+        picks.rows += [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + drafts[:i], peeked[i])
+                       for i in range(len(drafts) + 1)]
+        if req.grammar is not None:
+            start = time.perf_counter()
+            picks.masks.append(req.grammar.bitmasks_along(drafts, bitmask_words(self.vocab_size)))
+            picks.masked_rows += range(first, first + len(drafts) + 1)
+            self.grammar_mask_seconds += time.perf_counter() - start
+        return state
+
+    def _apply_masks(self, batch: torch.Tensor, masks: list[torch.Tensor], rows: list[int]) -> None:
+        """Apply the bitmasks (row i masks batch row rows[i]) in one call; count the rows and the time."""
         start = time.perf_counter()
-        apply_token_bitmask(logits, fill(), torch.tensor(rows, dtype=torch.int64))
+        bitmask = masks[0] if len(masks) == 1 else torch.cat(masks)
+        apply_token_bitmask(batch, bitmask, torch.tensor(rows, dtype=torch.int64))
         self.grammar_rows += len(rows)
         self.grammar_mask_seconds += time.perf_counter() - start
 
 
+def _spend(generator: torch.Generator | None, state: torch.Tensor | None, kept: int) -> None:
+    """Leave a request's stream as if exactly `kept` uniforms had been drawn since `state`."""
+    if generator is not None:
+        generator.set_state(state)
+        uniforms(generator, kept)
+
+
 def _rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """logits[index]: a view when the rows are consecutive (a decode step: one row per sequence, in
-    order), so [batch, vocab] logits are not copied; a gathered copy otherwise."""
+    """logits[index] as fp32: a view when the rows are consecutive (a decode step: one row per sequence,
+    in order), so [batch, vocab] logits are not copied; a gathered copy otherwise."""
     if index == list(range(index[0], index[0] + len(index))):
-        return logits[index[0]:index[0] + len(index)]
-    return logits[index]
+        rows = logits[index[0]:index[0] + len(index)]
+    else:
+        rows = logits[torch.tensor(index).to(logits.device, non_blocking=True)]
+    return rows.float()

@@ -67,7 +67,7 @@ def _draft_token_by_token(runner: ModelRunner, entry: str, blocks: BlockManager,
     for j in range(first, max(c.num_drafts for c in chunks)):
         seqs = [c.seq for c in chunks if c.num_drafts > j]
         at = [Chunk(s, s.num_tokens - 1 + j, s.num_tokens + j) for s in seqs]
-        _argmax_into(runner.run(entry, build_step_inputs(at, blocks)), seqs, j)
+        _argmax_into(runner.run_on_device(entry, build_step_inputs(at, blocks)), seqs, j)
 
 
 class SelfDrafter:
@@ -125,7 +125,7 @@ class DraftModelDrafter:
         for c, up in zip(chunks, catch_up):       # the draft writes [caught up, newest + K - 1)
             self.blocks.prepare_write(c.seq.seq_id, up.start, c.seq.num_tokens + c.num_drafts - 1)
         self.runner.copy_blocks(self.blocks.take_copies())
-        _argmax_into(self.runner.run("prefill", build_step_inputs(catch_up, self.blocks)), seqs, 0)
+        _argmax_into(self.runner.run_on_device("prefill", build_step_inputs(catch_up, self.blocks)), seqs, 0)
         _draft_token_by_token(self.runner, "decode", self.blocks, chunks, first=1)
 
     def after_verify(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:

@@ -61,14 +61,22 @@ def verify_greedy(target_logits: torch.Tensor, draft_ids: Sequence[int]) -> Verd
     those greedy decoding without speculation gives, provided the rows equal its logits.
     """
     _check_rows(target_logits, draft_ids)
-    best = target_logits.argmax(dim=-1).tolist()          # [K+1]
+    return Verdict(accepted_prefix(draft_ids, target_logits.argmax(dim=-1).tolist()))
+
+
+def accepted_prefix(draft_ids: Sequence[int], picked: Sequence[int]) -> tuple[int, ...]:
+    """The tokens kept when row i's own pick is `picked[i]` (K+1 picks for K drafts): the drafts while
+    they equal the picks, then the pick at the first that differs (or the bonus pick of row K). This
+    is one-hot verification when the picks are the rows' samples (or argmaxes)."""
+    if len(picked) != len(draft_ids) + 1:
+        raise ValueError(f"{len(picked)} picked tokens do not give K+1 = {len(draft_ids) + 1} for K drafts")
     tokens = []
-    for draft, target in zip(draft_ids, best):
+    for draft, target in zip(draft_ids, picked):
         if draft != target:
             break
         tokens.append(draft)
-    tokens.append(best[len(tokens)])
-    return Verdict(tuple(tokens))
+    tokens.append(picked[len(tokens)])
+    return tuple(tokens)
 
 
 def verify_sampled(target_logits: torch.Tensor, draft_ids: Sequence[int], generator: torch.Generator,

@@ -1,0 +1,187 @@
+"""The batched sampler: one pass over a step's sampled logit rows [N, vocab], where the logits are.
+
+Per row, in the order and with the float operations of the per-row reference (sampler.py, vLLM's
+order): repetition / frequency / presence penalties -> log-probabilities for reporting -> greedy
+argmax (temperature 0), or temperature -> top-k -> top-p -> min-p -> one inverse-CDF draw. Each
+step is one tensor operation over every row that needs it, with per-row parameters as [N] tensors
+on the logits' device (a row whose parameter is off gets the value that leaves it unchanged, or is
+left out by a mask), so no row is cloned on its own and no Python loop runs over the vocabulary.
+What comes back to the host is small: a token id per row, and the logprobs asked for.
+
+Seeds and random streams (why a seeded request gives the same tokens as before batching): a
+sampling request owns a `torch.Generator` (CPU) seeded with its seed (`sampler.make_generator`; a
+request without a seed gets a random one). Every token drawn for it takes exactly one float64
+uniform u from that generator, drawn on the host in the request's own token order (`uniforms`:
+`torch.rand(n, dtype=float64)` yields the same numbers as n successive scalar draws), and the token
+is the first index whose float64 cumulative probability (summed in vocabulary order) reaches u,
+as `sampler.draw_token` picks it. The stream a request consumes is thus one number per token,
+whatever else is in the batch and whatever device holds the logits: on the CPU the batched rows
+equal the per-row sampler's bit for bit (same kernels per row); on a GPU the softmax and
+cumulative sums are summed in another order, so a draw can differ only where u falls within
+float rounding of a boundary between two tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampler import SampleResult
+from .sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One logit row to sample: its request's parameters, the token history its penalties see
+    (prompt ids; output ids so far, with a verify row's earlier drafts appended), and its uniform
+    (None for a greedy row)."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    uniform: float | None = None
+
+
+def uniforms(generator: torch.Generator | None, n: int) -> list[float | None]:
+    """The next n uniforms of a request's stream (float64, in [0, 1)); None per row when greedy."""
+    if generator is None:
+        return [None] * n
+    return torch.rand(n, generator=generator, dtype=torch.float64).tolist()
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-row parameter as a [N, 1] tensor on the logits' device (copied from the host once)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
+
+
+def _history_index(histories: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index pairs of every id in each row's history, for a scatter into [N, vocab]."""
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+    tokens = torch.tensor([t for h in histories for t in h], dtype=torch.long)
+    return rows.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties on [N, vocab]
+    rows, out of place; a row with none of them comes out unchanged."""
+    device, (n, vocab) = logits.device, logits.shape
+    repetition = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in repetition):
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+        seen[_history_index([r.prompt_ids + r.output_ids if p != 1.0 else [] for r, p in zip(rows, repetition)],
+                            device)] = True
+        penalty = _column(repetition, torch.float32, device)
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    frequency = [r.params.frequency_penalty for r in rows]
+    presence = [r.params.presence_penalty for r in rows]
+    if any(frequency) or any(presence):
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        index = _history_index([r.output_ids if f or p else [] for r, f, p in zip(rows, frequency, presence)],
+                               device)
+        counts.index_put_(index, torch.ones(index[0].shape, device=device), accumulate=True)
+        logits = logits - (_column(frequency, torch.float32, device) * counts
+                           + _column(presence, torch.float32, device) * (counts > 0).float())
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k (keep values >= the k-th largest; k of 0 or >= vocab: off), then top-p (keep the
+    smallest prefix of the sorted probabilities whose mass reaches p; 1.0: off), from one stable
+    sort of each row. The masked sorted row equals the sort of the top-k-masked row (its kept
+    values lead in the same order, the rest are -inf), so the top-p sums are the reference's."""
+    device, vocab = logits.device, logits.shape[1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    k_on = [0 < k < vocab for k in top_k]
+    if any(k_on):
+        k_index = _column([k - 1 if on else 0 for k, on in zip(top_k, k_on)], torch.long, device)
+        kth = sorted_logits.gather(1, k_index)
+        kth = torch.where(_column(k_on, torch.bool, device), kth, NEG_INF)
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
+    p_on = [p < 1.0 for p in top_p]
+    if any(p_on):
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs >= _column(top_p, torch.float32, device)) \
+            & _column(p_on, torch.bool, device)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking (-inf) on [N, vocab] sampled rows."""
+    device, vocab = logits.device, logits.shape[1]
+    params = [r.params for r in rows]
+    logits = logits / _column([p.temperature for p in params], torch.float32, device)
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    min_p = [p.min_p for p in params]
+    if any(min_p):                       # min_p 0 masks nothing: no probability is below 0
+        probs = torch.softmax(logits, dim=-1)
+        floor = _column(min_p, torch.float32, device) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, NEG_INF)
+    return logits
+
+
+def draw_tokens(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws [N] from filtered rows [N, vocab] with one float64 uniform each ([N]): the
+    first token whose cumulative probability reaches u; past the end (u above the rounded total),
+    the last token with any probability, as `sampler.draw_token` walks back to it."""
+    probs = torch.softmax(logits, dim=-1)
+    cdf = probs.double().cumsum(dim=-1)
+    index = torch.searchsorted(cdf, u[:, None]).squeeze(1)                             # [N]
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    last_kept = torch.where(probs > 0, positions, -1).amax(dim=-1)                       # [N]
+    return torch.where(index >= logits.shape[1], last_kept, index)
+
+
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [N] (on the logits' device) for fp32 rows [N, vocab], and the penalised rows that
+    logprobs are read from."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logit rows were given for {len(rows)} sampling rows; give one each")
+    penalised = apply_penalties(logits, rows)
+    tokens = penalised.argmax(dim=-1)                                                    # greedy rows
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        index = torch.tensor(sampled).to(logits.device, non_blocking=True)
+        picked = [rows[i] for i in sampled]
+        u = torch.tensor([r.uniform for r in picked], dtype=torch.float64).to(logits.device, non_blocking=True)
+        tokens = tokens.index_copy(0, index, draw_tokens(filter_logits(penalised[index], picked), u))
+    return tokens, penalised
+
+
+def logprobs_of(logprobs: torch.Tensor, tokens: torch.Tensor, most: int) -> tuple[list[float], list, list]:
+    """On the host: each row's chosen token's logprob, and its `most` best (ids, values) lists."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    if most:
+        top = torch.topk(logprobs, min(most, logprobs.shape[1]), dim=-1)
+        return chosen.tolist(), top.indices.tolist(), top.values.tolist()
+    return chosen.tolist(), [[]] * len(tokens), [[]] * len(tokens)
+
+
+def top_pairs(ids: list[int], values: list[float], n: int) -> tuple[tuple[int, float], ...]:
+    """The best n (id, logprob) pairs; tokens a grammar banned (-inf) are never listed."""
+    return tuple((t, v) for t, v in zip(ids[:n], values[:n]) if v != NEG_INF)
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    """One token per fp32 row of `logits` [N, vocab] (any device; grammar masks already applied),
+    with logprobs where a row's request asks; the same results as `sampler.sample_row` per row."""
+    if not rows:
+        return []
+    tokens, penalised = sample_tokens(logits.float(), rows)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    results = [SampleResult(t) for t in tokens.tolist()]
+    if wanted:
+        index = torch.tensor(wanted).to(logits.device, non_blocking=True)
+        most = max(rows[i].params.logprobs for i in wanted)
+        chosen, ids, values = logprobs_of(torch.log_softmax(penalised[index], dim=-1), tokens[index], most)
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            results[i] = SampleResult(results[i].token_id, chosen[j], top_pairs(ids[j], values[j], n))
+    return results
