@@ -1,15 +1,16 @@
 """What the GPU check measures, each a function of runners it is given (tools/gpu_check.py wires them).
 
-  compare_logits   the candidate backend's logits against the reference's on the same forced
-                   tokens: a prefill of three prompts, then decode steps
-  greedy           each runner decodes the prompts greedily on its own; the first step where the
-                   tokens differ, and the reference's logit gap there against the dtype's resolution
+  greedy           a runner decodes the prompts greedily on its own (judged in gpu_check_correct)
   decode_seconds   one decode step of B sequences (metadata, copy, launches or graph replay,
                    logits to the host) after a prefill of `context` tokens each
-  kernel_table     each kernel's time in an eagerly launched batch-1 decode step (synchronised after
-                   every launch) and the bytes it moves: the tensors it takes and returns (a gather
-                   or KV write: twice what it writes) plus the K/V an attention kernel reads or a
-                   RoPE + KV write kernel writes
+  kernel_table     each kernel's time in an eagerly launched batch-1 decode step and the bytes it
+                   moves: the tensors it takes and returns (a gather or KV write: twice what it
+                   writes) plus the K/V an attention kernel reads or a RoPE + KV write kernel
+                   writes. On a GPU the times are the device's, from CUDA events recorded between
+                   the launches with no synchronisation among them, while a sleep kernel queued
+                   first holds the device until the host has queued the whole step (so no launch
+                   waits for the host, and an event pair brackets one kernel's device time). On a
+                   CPU, each launch's wall time (the launches are the work).
   copy_bandwidth   bytes read + written per second by one large device-to-device copy: the roofline
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +29,8 @@ from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
-from llmc.runtime.step_inputs import build_step_inputs
+from llmc.runtime.slot_program import LaunchTime
+from llmc.runtime.step_inputs import StepInputs, build_step_inputs
 
 BLOCK_SIZE = 16
 
@@ -64,21 +66,6 @@ def blocks_for(batch: int, tokens: int) -> int:
     return batch * -(-tokens // BLOCK_SIZE)
 
 
-def compare_logits(candidate: ModelRunner, reference: ModelRunner, prompts: list[list[int]],
-                   decode_steps: int, num_blocks: int) -> dict:
-    """Max |difference| of the logits over a prefill and `decode_steps` forced decode steps, and the
-    reference logits' largest magnitude (the scale the tolerance is relative to)."""
-    forced = [[(7 + 13 * step + p) % 250 + 3 for p in range(len(prompts))] for step in range(decode_steps)]
-    runs = []
-    for runner in (candidate, reference):
-        batch = Batch(runner, prompts, decode_steps + 1, num_blocks)
-        runs.append([batch.prefill()] + [batch.decode(tokens) for tokens in forced])
-    diffs = [(got - want).abs().max().item() for got, want in zip(*runs)]
-    scale = max(want.abs().max().item() for want in runs[1])
-    finite = all(bool(got.isfinite().all()) for got in runs[0])
-    return {"max_abs_diff": max(diffs), "per_step": diffs, "scale": scale, "finite": finite}
-
-
 def greedy(runner: ModelRunner, prompts: list[list[int]], tokens: int, num_blocks: int
            ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Each prompt's `tokens` greedy tokens, decoded as one batch, and the logits of every step."""
@@ -90,29 +77,6 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], tokens: int, num_block
         if step + 1 < tokens:
             logits = batch.decode(picked[-1])
     return [list(col) for col in zip(*picked)], steps
-
-
-def resolution(value: float, dtype: torch.dtype) -> float:
-    """The spacing of `dtype`'s numbers near `value` (one unit in the last place)."""
-    exponent = torch.frexp(torch.tensor(abs(value) or 1.0))[1].item() - 1
-    return torch.finfo(dtype).eps * 2.0 ** exponent
-
-
-def first_divergence(got: list[list[int]], want: list[list[int]], want_logits: list[torch.Tensor],
-                     dtype: torch.dtype) -> list[dict]:
-    """Per prompt: identical, or the first differing step, the reference's logit gap between its
-    pick and the candidate's there, and the dtype's resolution at that logit."""
-    out = []
-    for p, (g, w) in enumerate(zip(got, want)):
-        step = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        if step is None:
-            out.append({"prompt": p, "identical": True, "tokens": len(w)})
-            continue
-        row = want_logits[step][p]
-        gap = (row[w[step]] - row[g[step]]).item()
-        out.append({"prompt": p, "identical": False, "step": step, "gap": gap,
-                    "resolution": resolution(row[w[step]].item(), dtype)})
-    return out
 
 
 def decode_seconds(runner: ModelRunner, batch: int, steps: int, context: int, vocab: int, seed: int = 0) -> float:
@@ -165,8 +129,9 @@ def kernel_table(runner: ModelRunner, context: int, repeats: int, vocab: int) ->
     for step in range(repeats + 1):
         seq = runs.seqs[0]
         seq.output_ids.append(5)
-        chunk = Chunk(seq, seq.num_tokens - 1, seq.num_tokens)
-        _, launches = runner.run_timed("decode", build_step_inputs([chunk], runs.blocks))
+        host = build_step_inputs([Chunk(seq, seq.num_tokens - 1, seq.num_tokens)], runs.blocks)
+        launches = device_launch_times(runner, host) if runner.device.type == "cuda" else \
+            runner.run_timed("decode", host)[1]
         if step == 0:
             continue                           # warm-up
         for launch in launches:
@@ -176,6 +141,28 @@ def kernel_table(runner: ModelRunner, context: int, repeats: int, vocab: int) ->
             row[3] += launch_bytes(launch, 1, seq.num_tokens, kv_token)
     return sorted((KernelRow(label, kind, n // repeats, t / repeats, b // repeats)
                    for label, (kind, n, t, b) in rows.items()), key=lambda r: -r.seconds)
+
+
+HOLD_CYCLES = 200_000_000       # ~0.1 s of a ~2 GHz GPU: longer than the host takes to queue a decode step
+
+
+def device_launch_times(runner: ModelRunner, host: StepInputs) -> list[LaunchTime]:
+    """One eager decode step's launches, each with its device time from CUDA events (module docstring)."""
+    executor = runner.executor
+    events = [torch.cuda.Event(enable_timing=True)]
+
+    def mark() -> None:                        # called after each launch instead of a synchronisation
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+
+    with torch.inference_mode():
+        feeds = executor.on_device(host, runner.buffers).feeds(executor.kv_cache)
+        torch.cuda._sleep(HOLD_CYCLES)
+        events[0].record()
+        _, launches = executor.programs["decode"].timed(feeds, mark)
+    torch.cuda.synchronize(runner.device)
+    return [replace(launch, seconds=before.elapsed_time(after) / 1000)
+            for launch, before, after in zip(launches, events, events[1:], strict=True)]
 
 
 def copy_bandwidth(device: torch.device) -> float:
