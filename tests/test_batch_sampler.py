@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llmc.kernels.token_bitmask import apply_token_bitmask_ref
-from llmc.runtime.batch_sampler import SamplingRow, sample_rows, uniforms
+from llmc.runtime.batch_sampler import NEG_INF, SamplingRow, draw_tokens, sample_rows, uniforms
 from llmc.runtime.sampler import make_generator, sample_row
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
@@ -55,14 +55,21 @@ def random_logits(rng: random.Random, rows: int, vocab: int, ties: bool) -> torc
 
 
 def grammar_masked(rng: random.Random, logits: torch.Tensor) -> torch.Tensor:
-    """Half the rows masked by a random bitmask that allows at least one token (as a grammar does)."""
+    """Half the rows masked by a random bitmask, as a grammar masks them: about a quarter of the
+    tokens allowed, or only 1 to 3 (fewer than the top logprobs asked for)."""
     rows = [i for i in range(logits.shape[0]) if rng.random() < 0.5]
     if not rows:
         return logits
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
-    bitmask = torch.randint(-2**31, 2**31, (len(rows), (logits.shape[1] + 31) // 32), dtype=torch.int32,
-                            generator=gen) & torch.randint(-2**31, 2**31, (1,), dtype=torch.int32, generator=gen)
-    bitmask[:, 0] |= 1 << rng.randrange(31)
+    words = (logits.shape[1] + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31, (len(rows), words), dtype=torch.int32, generator=gen) \
+        & torch.randint(-2**31, 2**31, (len(rows), words), dtype=torch.int32, generator=gen)
+    for i in range(len(rows)):
+        if rng.random() < 0.5:
+            bitmask[i] = 0
+            for t in rng.sample(range(logits.shape[1]), rng.randint(1, 3)):
+                bitmask[i, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)
+    bitmask[:, 0] |= 1 << rng.randrange(31)      # no row left without a token
     return apply_token_bitmask_ref(logits.clone(), bitmask, torch.tensor(rows))
 
 
@@ -192,3 +199,16 @@ def test_batched_verification_keeps_what_verify_rows_keeps():
             if gens[seq.seq_id] is not None:
                 assert torch.equal(gens[seq.seq_id].get_state(), ref_gens[seq.seq_id].get_state()), label
     assert accepted > 5 and rejected > 5, (accepted, rejected)        # both outcomes were checked
+
+
+def test_a_uniform_past_the_rounded_total_takes_the_last_token_with_probability():
+    """u above the float64 sum of the fp32 probabilities (rounding) lands past the end: the draw walks
+    back to the last token with probability, as `sampler.draw_token` does, not onto a masked token."""
+    logits = torch.full((3, VOCAB), NEG_INF)
+    logits[:, :500] = torch.randn(3, 500, generator=torch.Generator().manual_seed(1))   # totals below 1
+    logits[1, 700] = 0.5                                  # row 1's last kept token is 700, row 2's 499
+    u = torch.tensor([0.25, 1.0 - 2**-53, 1.0 - 2**-53], dtype=torch.float64)
+    total = torch.softmax(logits, dim=-1).double().sum(dim=-1)
+    assert bool((total[1:] < u[1:]).all()), f"the rounded totals {total.tolist()} do not fall below u"
+    tokens = draw_tokens(logits, u).tolist()
+    assert tokens[1:] == [700, 499] and 0 <= tokens[0] < 500
