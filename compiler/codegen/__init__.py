@@ -31,10 +31,11 @@ from llmc.compiler.ops import OPS, Declined
 
 from .pointwise import pointwise_kernel_source, pointwise_ops
 from .templates import TEMPLATE_OPS, template_module_source
-from .units import KernelUnit, kernel_units
+from .units import KernelUnit, kernel_units, triton_units
 
 MAX_LISTED_UNITS = 6
-__all__ = ["CodegenError", "KernelUnit", "Lowering", "TEMPLATE_OPS", "kernel_units", "lower", "pointwise_ops"]
+__all__ = ["CodegenError", "KernelUnit", "Lowering", "TEMPLATE_OPS", "kernel_units", "lower", "pointwise_ops",
+           "triton_units"]
 
 _POINTWISE_HEADER = ["import torch", "import triton", "import triton.language as tl"]
 
@@ -89,7 +90,7 @@ def lower(graphs: dict[str, Graph]) -> Lowering:
     _refuse_unlowered_ops(graphs)
     bodies: dict[str, str] = {}                          # body text -> module name
     plan: dict[str, list[str]] = {}
-    units = {entry: kernel_units(graph) for entry, graph in graphs.items()}
+    units = {entry: triton_units(graph) for entry, graph in graphs.items()}
     for entry, graph in graphs.items():
         types = _types(graph)
         plan[entry] = []

@@ -1,8 +1,9 @@
 """Kernel modules for units that a hand-written Triton template computes.
 
-  gemm group        linear (+ bias) -> [silu | gelu_tanh | silu_mul | gelu_tanh_mul over the gate/up
-                    halves] -> [+ residual] -> [softcap]:
-                    kernels/triton/gemm.py, the epilogue as the template's constexpr flags;
+  gemm group        [rmsnorm | add_rmsnorm ->] linear (+ bias) -> [silu | gelu_tanh | silu_mul |
+                    gelu_tanh_mul over the gate/up halves] -> [+ residual] -> [softcap]:
+                    kernels/triton/gemm.py, the epilogue as the template's constexpr flags, the
+                    norm as its prologue (merged by units.py's triton_units: norm_linear_triton);
                     qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
   paged_attention / paged_decode_attention   kernels/triton/paged_{prefill,decode}_attention.py
@@ -26,7 +27,7 @@ from llmc.compiler.ops.rope import rope_attention_factor
 
 from .errors import CodegenError
 from .gemm_configs import pick_config, pick_qconfig
-from .units import KernelUnit
+from .units import PROLOGUE_NORMS, KernelUnit
 
 def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str],
             constants: list[str] = ()) -> str:
@@ -63,8 +64,9 @@ def _gemm_configs(gemm: Node, n_out: int, k: int, gated: bool) -> list[str]:
     def pick(m: int):
         if gemm.op == "qlinear":
             a = gemm.attrs
-            return pick_qconfig(m, n_out, k, bits=a["bits"], group_size=a["group_size"], gated=gated)
-        return pick_config(m, n_out, k, gated=gated)
+            return pick_qconfig(m, n_out, k, bits=a["bits"], group_size=a["group_size"], gated=gated,
+                                dtype=gemm.type.dtype)
+        return pick_config(m, n_out, k, gated=gated, dtype=gemm.type.dtype)
 
     buckets = [(16, 16), (32, 32), (64, 64), (None, 128)]
     rows = [f"    ({limit}, {pick(m)!r})," for limit, m in buckets]
@@ -77,16 +79,17 @@ def _named(unit: KernelUnit, node: Node) -> Operands:
     return Operands({k: _arg(unit, v) for k, v in operands_of(node).items()})
 
 
-def _gemm_operands(unit: KernelUnit, gemm: Node) -> tuple[str, str, str]:
+def _gemm_operands(unit: KernelUnit, gemm: Node, prologue: Node | None) -> tuple[str, str, str]:
     """(x, weight arguments, bias) of a linear or qlinear node as launch() expressions: a float
-    weight `w`, or the quantized weight's `codes, scales, mins`."""
-    x = _named(unit, gemm)
+    weight `w`, or the quantized weight's `codes, scales, mins`; x is the prologue norm's x where
+    the unit has one (the normed row is the kernel's own)."""
+    x = Operands({k: _arg(unit, v) for k, v in operands_of(gemm).items() if not (prologue and k == "x")})
     weight = x.weight if gemm.op == "linear" else f"{x.codes}, {x.scales}, {x.get('mins', 'None')}"
-    return x.x, weight, x.get("bias", "None")
+    return (_named(unit, prologue).x if prologue else x.x), weight, x.get("bias", "None")
 
 
 def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool,
-               softcap: float) -> str:
+               softcap: float, norm: Operands | None, eps: float) -> str:
     x, weight, bias = operands
     capped = f", softcap={softcap!r}" if softcap else ""
     options = f"activation={activation!r}, gated={gated}{capped}, config=config_for({x}.shape[0])"
@@ -94,6 +97,9 @@ def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activa
         a = gemm.attrs
         return (f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, "
                 f"group_size={a['group_size']}, {options})")
+    if norm is not None:
+        return (f"norm_linear_triton({x}, {norm.weight}, {weight}, {bias}, {residual}, eps={eps!r}, "
+                f"norm_residual={norm.get('residual', 'None')}, {options})")
     return f"linear_triton({x}, {weight}, {bias}, {residual}, {options})"
 
 
@@ -103,7 +109,8 @@ _GATED = {"silu_mul": "none", "gelu_tanh_mul": "gelu_tanh"}          # "none": t
 
 
 def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
-    gemm, *epilogue = unit.nodes
+    prologue = unit.nodes[0] if unit.nodes[0].op in PROLOGUE_NORMS else None
+    gemm, *epilogue = unit.nodes[1:] if prologue else unit.nodes
     activation, gated, residual, last, split, softcap = "none", False, "None", gemm.value(), None, 0.0
     for node in epilogue:
         if split is not None or softcap:
@@ -126,25 +133,39 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
                                "(it takes bias, then an activation or a gated one, then a residual add, then a "
                                "softcap)")
         last = node.value()
-    results = ["result"] if split is None else _split_views(unit, split)
-    if split is None and unit.outputs != (last,):
-        raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
+    results = _gemm_results(unit, prologue, last, split)
     n_out, k = types[gemm.value()].shape[1], types[gemm.inputs[0]].shape[1]
-    call = _gemm_call(gemm, _gemm_operands(unit, gemm), residual, activation, gated, softcap)
+    norm = _named(unit, prologue) if prologue else None
+    call = _gemm_call(gemm, _gemm_operands(unit, gemm, prologue), residual, activation, gated, softcap, norm,
+                      prologue.attrs["eps"] if prologue else 0.0)
     imports = ["from llmc.kernels.triton.qgemm import GemmConfig, qlinear_triton" if gemm.op == "qlinear"
-               else "from llmc.kernels.triton.gemm import GemmConfig, linear_triton"]
+               else f"from llmc.kernels.triton.gemm import GemmConfig, {'norm_' if prologue else ''}linear_triton"]
     return _module(unit, imports, [], call, results, _gemm_configs(gemm, n_out // 2 if gated else n_out, k, gated))
 
 
-def _split_views(unit: KernelUnit, split: Node) -> list[str]:
-    """Column views of the GEMM result for the split's parts that the unit hands out."""
+def _gemm_results(unit: KernelUnit, prologue: Node | None, last: Value, split: Node | None) -> list[str]:
+    """Expressions for the unit's outputs: the GEMM's result (`result`, or `result[0]` beside the
+    prologue's sum `result[1]`), or the split's column views of it."""
+    y = "result[0]" if prologue else "result"
+    total = prologue.value(1) if prologue and prologue.op == "add_rmsnorm" else None
+    if split is not None:
+        return _split_views(unit, split, y, total)
+    if last not in unit.outputs or any(v not in (last, total) for v in unit.outputs):
+        raise CodegenError(f"{unit.label}: a GEMM group may only be read through its last op")
+    return [y if v == last else "result[1]" for v in unit.outputs]
+
+
+def _split_views(unit: KernelUnit, split: Node, y: str, total: Value | None) -> list[str]:
+    """Column views of the GEMM result `y` for the split's parts that the unit hands out (and the
+    prologue's sum `total`, result[1])."""
     bounds, start = [], 0
     for size in split.attrs["sizes"]:
         bounds.append((start, start + size))
         start += size
-    if any(v.node != split.name for v in unit.outputs):
+    if any(v.node != split.name and v != total for v in unit.outputs):
         raise CodegenError(f"{unit.label}: a GEMM group ending in a split may only be read through the split")
-    return [f"result[:, {bounds[v.index][0]}:{bounds[v.index][1]}]" for v in unit.outputs]
+    return ["result[1]" if v == total else f"{y}[:, {bounds[v.index][0]}:{bounds[v.index][1]}]"
+            for v in unit.outputs]
 
 
 def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
@@ -196,7 +217,7 @@ TEMPLATE_OPS = ("linear", "qlinear", *TEMPLATES)
 def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     """The kernel module of a template unit (see module docstring); CodegenError if none fits."""
     first = unit.nodes[0]
-    if first.op in ("linear", "qlinear"):
+    if first.op in ("linear", "qlinear") or first.op in PROLOGUE_NORMS and len(unit.nodes) > 1:
         return _gemm(unit, types)
     if len(unit.nodes) != 1:
         raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")

@@ -16,6 +16,17 @@ is rounded to x's dtype once, at the store. Epilogue, in order:
                implied, or GELU's tanh approximation (GeGLU) with "gelu_tanh".
   then y += residual;
   then, with softcap > 0, y = softcap * tanh(y / softcap) (Gemma 2's final-logit soft-capping).
+RMSNorm prologue (`norm_linear_triton`): x replaced by rmsnorm(x, norm_weight) or, with
+norm_residual r, by rmsnorm(h) where h = x + r (rounded to x's dtype, as add_rmsnorm's sum is)
+is also returned: the norm before a GEMM (a layer's attention or MLP input, the final norm before
+the LM head) costs no launch and no pass of its own. Per row, rmsnorm(x) @ w.T =
+((x * norm_weight) @ w.T) * rsqrt(mean(x^2) + eps), so the sum of squares accumulates in the K
+loop that streams x and the row's scale multiplies the fp32 accumulator before the epilogue; the
+dot's operand x * norm_weight is rounded to x's dtype (a tensor-core operand). The unfused path
+rounds at another point (the normed row, then its product with the weight, `rmsnorm_ref`), so in
+fp16/bf16 the two differ by about one rounding of the operand per term: the same size as the
+unfused path's own error against exact arithmetic, which is what the tests bound. The programs of
+the first column tile (pid_n == 0) write h; K is the norm's width.
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
 fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
 code generator calls it at compile time): BLOCK_M 16 for decode-sized M, larger tiles for
@@ -26,12 +37,16 @@ tensors, because Triton's interpreter computes bf16 dots wrongly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from llmc.compiler.codegen.gemm_configs import GemmConfig, pick_config
+from llmc.compiler.dtypes import from_torch
+from llmc.compiler.ops.norms import add_rmsnorm_ref, rmsnorm_ref
 
 ACTIVATIONS = ("none", "silu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,6 +71,49 @@ def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     return y.to(x.dtype)
 
 
+def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, *, eps: float, rounding: str = "normed",
+                    norm_residual: torch.Tensor | None = None, **epilogue) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The unfused path in torch: (add_)rmsnorm_ref rounded to x's dtype, then linear_epilogue_ref;
+    returns (y, h) with h = x + norm_residual (None without one)."""
+    if norm_residual is None:
+        normed, h = rmsnorm_ref(x, norm_weight, eps, rounding), None
+    else:
+        normed, h = add_rmsnorm_ref(x, norm_residual, norm_weight, eps, rounding)
+    return linear_epilogue_ref(normed, w, bias, residual, **epilogue), h
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """The RMSNorm prologue's tensors (module docstring): weight [K]; residual [M, K] and sum_out
+    [M, K] (h = x + residual written there) for add_rmsnorm, both None for rmsnorm."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    sum_out: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> int:
+        """The kernel's NORM flag: 1 rmsnorm, 2 add_rmsnorm."""
+        return 1 if self.residual is None else 2
+
+
+@triton.jit
+def norm_prologue(a, offs_m, offs_k, K, mask, norm_w_ptr, add_ptr, sum_ptr, stride_am, stride_sm, write_sum, sq,
+                  NORM: tl.constexpr):
+    """The RMSNorm prologue on the x tile a [BM, BK] at rows offs_m, columns offs_k (absolute, of
+    K), `mask` its valid elements: with NORM 2, h = a + add rounded to a's dtype (stored to sum if
+    write_sum); then sq [BM] += the rows' squares of h and the tile becomes h * norm_w, rounded."""
+    if NORM == 2:
+        add = tl.load(add_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0)
+        a = (a.to(tl.float32) + add.to(tl.float32)).to(a.dtype)
+        tl.store(sum_ptr + offs_m[:, None] * stride_sm + offs_k[None, :], a, mask=mask & write_sum)
+    h = a.to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
+    return (h * norm_w.to(tl.float32)[None, :]).to(a.dtype), sq + tl.sum(h * h, 1)
+
+
 @triton.jit
 def _linear_kernel(
     x_ptr,         # x [M, K]: the activations
@@ -63,11 +121,16 @@ def _linear_kernel(
     bias_ptr,      # bias [N_w]; not read unless HAS_BIAS
     residual_ptr,  # residual [M, N]; not read unless HAS_RESIDUAL
     out_ptr,       # out [M, N]: the result, written once, in out's dtype
+    norm_w_ptr,    # the prologue's norm weight [K]; read only if NORM
+    add_ptr,       # add_rmsnorm's residual [M, K] (row stride stride_am, unit column stride); only if NORM == 2
+    sum_ptr,       # h = x + add [M, K] (row stride stride_sm), written by the pid_n == 0 programs if NORM == 2
     M, N, K,       # N is the output width (N_w // 2 when GATED)
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on, stride_am, stride_sm,
     softcap,       # fp32: the soft-cap, read only if SOFTCAP
+    eps,           # fp32: the norm's eps, read only if NORM
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr,
     GATED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    NORM: tl.constexpr,  # the prologue: 0 none, 1 rmsnorm, 2 add_rmsnorm
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -79,9 +142,14 @@ def _linear_kernel(
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk     # [BK, BN]: w.T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)               # used only if GATED
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)                           # used only if NORM: sum of h^2
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        a_mask = mask_m[:, None] & (offs_k[None, :] < k_left)
+        a = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        if NORM != 0:
+            a, sq = norm_prologue(a, offs_m, k * BLOCK_K + offs_k, K, a_mask, norm_w_ptr, add_ptr, sum_ptr, stride_am,
+                                  stride_sm, pid_n == 0, sq, NORM)
         w_mask = (offs_k[:, None] < k_left) & mask_n[None, :]
         b = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = dot_acc(a, b, acc, DOT_FP32, INPUT_PRECISION)
@@ -91,6 +159,9 @@ def _linear_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
+    if NORM != 0:                                                         # the rows' 1 / rms, after the sum
+        scale = tl.rsqrt(sq / K + eps)[:, None]
+        acc, acc_up = acc * scale, acc_up * scale
     store_epilogue(acc, acc_up, offs_m, offs_n, M, N, bias_ptr, residual_ptr, out_ptr,
                    stride_rm, stride_rn, stride_om, stride_on, softcap, HAS_BIAS, HAS_RESIDUAL, SILU, GELU, GATED,
                    SOFTCAP)
@@ -156,30 +227,53 @@ def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, *, activation: str = "none", gated: bool = False,
-                  softcap: float = 0.0, out: torch.Tensor | None = None, config: GemmConfig | None = None
-                  ) -> torch.Tensor:
+                  softcap: float = 0.0, out: torch.Tensor | None = None, config: GemmConfig | None = None,
+                  norm: RowNorm | None = None) -> torch.Tensor:
     """Launcher: checks the contract (ValueError naming the bad value), picks a config unless
-    given one, launches one program per output tile, returns `out`."""
+    given one, launches one program per output tile, returns `out`. `norm`: the RMSNorm prologue
+    (norm_linear_triton's, which checks it)."""
     n_out = _check_linear_inputs(x, w, bias, residual, activation, gated)
     check_softcap(softcap)
     M, K = x.shape
     out = _checked_out(out, x, (M, n_out))
     if M == 0 or n_out == 0:
         return out
-    cfg = config or pick_config(M, n_out, K, gated=gated)
+    cfg = config or pick_config(M, n_out, K, gated=gated, dtype=from_torch(x.dtype))
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_out, cfg.block_n),)
     res_strides = residual.stride() if residual is not None else (0, 0)
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
+    add, h = (norm.residual, norm.sum_out) if norm is not None and norm.kind == 2 else (x, x)   # x: unread
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, residual if residual is not None else x, out,
-        M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(), float(softcap),
+        norm.weight if norm is not None else x, add, h,
+        M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(), add.stride(0), h.stride(0),
+        float(softcap), float(norm.eps) if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
         GELU=activation == "gelu_tanh", GATED=gated, SOFTCAP=softcap > 0,
-        DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
+        DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32", NORM=norm.kind if norm is not None else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None, *, eps: float, norm_residual: torch.Tensor | None = None,
+                       **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launcher of the GEMM with the RMSNorm prologue (module docstring): (y, h), h = x +
+    norm_residual in x's dtype, or None without norm_residual. `options`: linear_triton's."""
+    K = x.shape[-1]
+    _check_operand("norm_weight", norm_weight, (K,), x)
+    if norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous; got stride {norm_weight.stride()}")
+    h = None
+    if norm_residual is not None:
+        _check_operand("norm_residual", norm_residual, tuple(x.shape), x)
+        if norm_residual.dim() != 2 or norm_residual.stride(1) != 1:
+            raise ValueError(f"norm_residual must have contiguous rows; got strides {norm_residual.stride()}")
+        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = linear_triton(x, w, bias, residual, norm=RowNorm(norm_weight, eps, norm_residual, h), **options)
+    return y, h
 
 
 def check_softcap(softcap: float) -> None:
