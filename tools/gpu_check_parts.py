@@ -76,10 +76,18 @@ def build_anchor(args: Namespace, folder: Path) -> Anchor:
     return Anchor(artifact, prompts, forced, logits_run(runner, prompts, forced, num_blocks(args, prompts)))
 
 
+def dtype_artifact(args: Namespace, folder: Path, dtype: str) -> Path:
+    """`folder` compiled for cuda in `dtype`, once: the dtype part compiles it, the bench reuses it (or
+    compiles it itself where that part failed before writing it)."""
+    path = args.work / f"artifact-{dtype}"
+    if (path / "manifest.json").is_file():
+        return path
+    return compile_model(folder, path, CompileConfig(dtype=dtype, target="cuda"))
+
+
 def check_dtype(args: Namespace, folder: Path, anchor: Anchor, dtype: str, kernels: bool) -> dict:
     """Every measurement of `folder` compiled for cuda in `dtype` (module docstring)."""
-    path = compile_model(folder, args.work / f"artifact-{dtype}", CompileConfig(dtype=dtype, target="cuda"))
-    return check_artifact(args, load_artifact(path), anchor, kernels)[0]
+    return check_artifact(args, load_artifact(dtype_artifact(args, folder, dtype)), anchor, kernels)[0]
 
 
 def check_recipe(args: Namespace, folder: Path, anchor: Anchor, name: str) -> dict:

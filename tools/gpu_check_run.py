@@ -35,7 +35,7 @@ from llmc.runtime.sampling_params import RequestError
 from . import gpu_check_measure as measure
 from .gpu_check_hf import run_bench
 from .gpu_check_model import write_random_model
-from .gpu_check_parts import Anchor, build_anchor, check_dtype, check_recipe
+from .gpu_check_parts import Anchor, build_anchor, check_dtype, check_recipe, dtype_artifact
 from .gpu_check_table import format_table
 
 USER_ERRORS = (ModelError, ArtifactError, RequestError)
@@ -90,7 +90,7 @@ def run_part(args: Namespace, folder: Path, anchor: list[Anchor], section: str, 
         anchor.append(build_anchor(args, folder))
         return {"artifact": str(anchor[0].artifact.path), "scale": max(x.abs().max().item() for x in anchor[0].logits)}
     if section == "bench":
-        return run_bench(args, args.work / f"artifact-{args.dtypes[0]}", name, save)
+        return run_bench(args, dtype_artifact(args, folder, args.dtypes[0]), name, save)
     if not anchor:
         raise RuntimeError("the fp32 anchor failed (its part shows why), so nothing can be judged against it")
     if section == "dtypes":
@@ -114,10 +114,14 @@ def save_json(path: Path | None, result: dict) -> None:
     """`result` to `path` atomically: a temporary file beside it, then a rename over it."""
     if path is None:
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(result, indent=2, default=str))
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(result, indent=2, default=str))
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _free(device: str) -> None:
