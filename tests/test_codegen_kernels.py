@@ -106,6 +106,27 @@ CASES = {
         %3 = scale(%2, factor=55.42562584220407) : {dt}[T,120]
         %4 = softcap(%3, cap=30.0) : {dt}[T,120]
         return %4""",
+    # the Triton target's norm prologues (units.py triton_units): an add+RMSNorm into the gate/up GEMM
+    # with its SwiGLU epilogue, its sum read on; an RMSNorm into a GEMM with bias and a residual
+    # epilogue; width 80: a multiple of 16, not a power of two
+    "norm_prologues": """
+        %x = input() : {dt}[T,80]
+        %r = input() : {dt}[T,80]
+        %w.n1 = weight() : {dt}[80]
+        %w.n2 = weight() : {dt}[80]
+        %w.gu = weight() : {dt}[96,80]
+        %w.p = weight() : {dt}[80,48]
+        %w.o = weight() : {dt}[80,80]
+        %w.b = weight() : {dt}[80]
+        %0 = add_rmsnorm(%x, %r, %w.n1, eps=1e-05) : {dt}[T,80], {dt}[T,80]
+        %1 = linear(%0, %w.gu) : {dt}[T,96]
+        %2 = silu_mul(%1) : {dt}[T,48]
+        %3 = linear(%2, %w.p) : {dt}[T,80]
+        %4 = add(%3, %0#1) : {dt}[T,80]
+        %5 = rmsnorm(%4, %w.n2, eps=1e-06) : {dt}[T,80]
+        %6 = linear(%5, %w.o, %w.b) : {dt}[T,80]
+        %7 = add(%6, %x) : {dt}[T,80]
+        return %7, %4""",
     # a chain feeding a norm (elementwise before a row-wise op), norm weight of another width
     "chain_into_norm": """
         %x = input() : {dt}[T,80]

@@ -1,9 +1,11 @@
 """`llmc kernels ART [--graph decode] [--group N]`: the generated kernels of every fusion group.
 
 Without --group: one line per kernel unit of the graph (its group, its ops, the Triton module it
-launches) where the artifact has Triton kernels (cuda target), then one line per CPU unit (its
-group, its ops, the generated C++ function it calls, or `template` for a hand-written kernel),
-and how many distinct modules and functions there are. With --group N: that group's IR lines
+launches, and how many kernels where more than one) where the artifact has Triton kernels (cuda
+target), the step's kernel launches in all and a layer's (from one layer's attention unit to the
+next's: what CUDA graphs replay per layer), then one line per CPU unit (its group, its ops, the
+generated C++ function it calls, or `template` for a hand-written kernel), and how many distinct
+modules and functions there are. With --group N: that group's IR lines
 and the source of its Triton module and of its C++ functions, as the artifact stores them.
 """
 
@@ -38,10 +40,15 @@ def _cpu_lowering(art: Artifact) -> CpuLowering:
 def _list(art: Artifact, graph: str, cpu: CpuLowering) -> None:
     if "triton" in art.manifest.get("backends", []):
         lowering = lower(art.graphs)
-        for unit, module in zip(lowering.units[graph], lowering.plan[graph]):
-            typer.echo(f"unit {unit.index:>4}  {_where(unit)}  {'+'.join(n.op for n in unit.nodes):<28} {module}")
+        launches = lowering.launches(graph)
+        for unit, module, n in zip(lowering.units[graph], lowering.plan[graph], launches):
+            typer.echo(f"unit {unit.index:>4}  {_where(unit)}  {'+'.join(n.op for n in unit.nodes):<28} {module}"
+                       + (f"  ({n} launches)" if n > 1 else ""))
         typer.echo(f"{len(lowering.plan[graph])} units launch {len(set(lowering.plan[graph]))} distinct kernel modules "
-                   f"(in {art.path / KERNELS_DIR})\n")
+                   f"(in {art.path / KERNELS_DIR})")
+        per_layer = lowering.launches_per_layer(graph)
+        typer.echo(f"the {graph} step launches {sum(launches)} kernels"
+                   + (f", {per_layer} a layer" if per_layer is not None else "") + "\n")
     for unit, function in zip(cpu.units[graph], cpu.plan[graph]):
         typer.echo(f"cpu unit {unit.index:>4}  {_where(unit)}  {'+'.join(n.op for n in unit.nodes):<28} "
                    f"{function or 'template'}")

@@ -30,10 +30,11 @@ from .errors import CodegenError
 from llmc.compiler.ops import OPS, Declined
 
 from .pointwise import pointwise_kernel_source, pointwise_ops
-from .templates import TEMPLATE_OPS, template_module_source
+from .templates import TEMPLATE_OPS, template_module_source, unit_launches
 from .units import KernelUnit, kernel_units, triton_units
 
 MAX_LISTED_UNITS = 6
+ATTENTION_OPS = ("paged_attention", "paged_decode_attention")     # one a layer: what launches_per_layer counts by
 __all__ = ["CodegenError", "KernelUnit", "Lowering", "TEMPLATE_OPS", "kernel_units", "lower", "pointwise_ops",
            "triton_units"]
 
@@ -48,6 +49,16 @@ class Lowering:
 
     def units_of(self, module: str) -> list[KernelUnit]:
         return [u for entry, names in self.plan.items() for u, n in zip(self.units[entry], names) if n == module]
+
+    def launches(self, entry: str) -> list[int]:
+        """Kernel launches of each unit of `entry`, in order (a module may launch more than one)."""
+        return [unit_launches(u) for u in self.units[entry]]
+
+    def launches_per_layer(self, entry: str) -> int | None:
+        """Launches of one layer: from the first layer's attention unit up to the second's (a steady
+        layer, its norms and projections included); None for a graph of fewer than two layers."""
+        at = [i for i, u in enumerate(self.units[entry]) if any(n.op in ATTENTION_OPS for n in u.nodes)]
+        return sum(self.launches(entry)[at[0]:at[1]]) if len(at) > 1 else None
 
 
 def _types(graph: Graph) -> dict[Value, TensorType]:

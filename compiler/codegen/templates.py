@@ -212,6 +212,14 @@ def _gather(unit: KernelUnit, node: Node) -> str:
 TEMPLATES = {"rope_kv_write": _rope_kv_write, "paged_attention": _attention, "paged_decode_attention": _attention,
              "embedding": _gather, "index_select": _gather, "qembedding": _qembedding}
 TEMPLATE_OPS = ("linear", "qlinear", *TEMPLATES)
+# kernel launches of a unit that starts with the op where it is more than one: decode attention's
+# split and merge stages (kernels/triton/paged_decode_attention.py)
+TEMPLATE_LAUNCHES = {"paged_decode_attention": 2}
+
+
+def unit_launches(unit: KernelUnit) -> int:
+    """How many kernels the unit's module launches in one step."""
+    return TEMPLATE_LAUNCHES.get(unit.nodes[0].op, 1)
 
 
 def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:

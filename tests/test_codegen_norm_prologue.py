@@ -1,0 +1,98 @@
+"""The Triton target's unit cut (compiler/codegen/units.py `triton_units`): each RMSNorm unit merged
+into the GEMM unit that reads its normed row, as that template's prologue, and each near miss left
+alone; the CPU units stay kernel_units'; the decode step's launches are counted per layer.
+
+The generated kernels' numbers are checked in test_codegen_kernels.py (case "norm_prologues",
+against the interpreted graph, with planted bugs) and a whole model's in test_triton_executor.py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from llmc.compiler.codegen import kernel_units, lower, triton_units
+from llmc.compiler.codegen.cpu_units import cpu_units
+from llmc.compiler.ir import parse_graph
+from llmc.compiler.ops import verify
+from llmc.passes.fusion_grouping import fusion_grouping
+from llmc.passes.rewrite import PassContext
+
+from test_codegen_kernels import graph_of
+
+# a norm, then a GEMM reading it; {extra} lines go before the return
+NEAR = """
+    %x = input() : f32[T,{width}]
+    %r = input() : f32[T,{width}]
+    %w.n = weight() : f32[{width}]
+    %w.p = weight() : f32[{n},{width}]
+    %0 = add_rmsnorm(%x, %r, %w.n, eps=1e-05) : f32[T,{width}], f32[T,{width}]
+    %1 = linear(%0, %w.p) : f32[T,{n}]
+    {extra}
+    return {returns}"""
+
+
+def grouped(body: str, **fields):
+    text = textwrap.indent(textwrap.dedent(body.format(**fields)).strip(), "  ")
+    graph = parse_graph(f"graph g {{\n{text}\n}}\n")
+    verify(graph)
+    return fusion_grouping(graph, PassContext())
+
+
+def ops(units) -> list[str]:
+    return ["+".join(n.op for n in u.nodes) for u in units]
+
+
+def test_the_near_misses_graph_merges_when_nothing_is_missed():
+    graph = grouped(NEAR, width=80, extra="", returns="%1, %0#1", n=40)
+    assert ops(triton_units(graph)) == ["add_rmsnorm+linear"]
+
+
+def test_each_norm_is_merged_into_the_gemm_that_reads_it():
+    graph = graph_of("norm_prologues", "f32")
+    assert ops(kernel_units(graph)) == ["add_rmsnorm", "linear+silu_mul", "linear+add", "rmsnorm", "linear+add"]
+    units = triton_units(graph)
+    assert ops(units) == ["add_rmsnorm+linear+silu_mul", "linear+add", "rmsnorm+linear+add"]
+    first = units[0]
+    assert [str(v) for v in first.outputs] == ["%0#1", "%2"]        # the sum read on, then the GEMM's result
+    assert [str(v) for v in first.inputs] == ["%x", "%r", "%w.n1", "%w.gu"]
+    assert [u.index for u in units] == [0, 1, 2] and units[2].group == kernel_units(graph)[4].group
+    source = lower({graph.name: graph}).modules[lower({graph.name: graph}).plan[graph.name][0]]
+    assert "norm_linear_triton(in0, in2, in3, None, None, eps=1e-05, norm_residual=in1" in source
+
+
+def test_the_cpu_target_keeps_its_norm_units():
+    graph = graph_of("norm_prologues", "f32")
+    assert {"add_rmsnorm", "rmsnorm"} <= set(ops(cpu_units(graph)))
+
+
+@pytest.mark.parametrize("why,width,extra,returns", [
+    ("the row is not a multiple of 16 wide", 72, "", "%1, %0#1"),
+    ("the normed row is a result too", 80, "", "%1, %0"),
+    ("another op reads the normed row", 80, "%2 = linear(%0, %w.p) : f32[T,40]", "%1, %2"),
+    ("the GEMM's epilogue reads the sum", 48, "%2 = add(%1, %0#1) : f32[T,48]", "%2"),
+])
+def test_a_near_miss_launches_the_norm_on_its_own(why, width, extra, returns):
+    graph = grouped(NEAR, width=width, extra=extra, returns=returns, n=48 if "sum" in why else 40)
+    assert ops(triton_units(graph)) == ops(kernel_units(graph)), why
+    assert any(u.nodes[0].op == "add_rmsnorm" and len(u.nodes) == 1 for u in triton_units(graph)), why
+
+
+def test_a_quantized_gemm_takes_no_prologue():
+    graph = grouped("""
+        %x = input() : f32[T,64]
+        %w.n = weight() : f32[64]
+        %w.p.codes = weight() : i8[40,64]
+        %w.p.scales = weight() : f16[40,1]
+        %0 = rmsnorm(%x, %w.n, eps=1e-05) : f32[T,64]
+        %1 = qlinear(%0, %w.p.codes, %w.p.scales, bits=8, group_size=64) : f32[T,40]
+        return %1""")
+    assert ops(triton_units(graph)) == ["rmsnorm", "qlinear"]
+
+
+def test_a_graph_without_two_layers_has_no_launches_per_layer():
+    """(A model's count: test_codegen_cli.py's `llmc kernels` test.)"""
+    graph = graph_of("norm_prologues", "f32")
+    lowering = lower({graph.name: graph})
+    assert lowering.launches(graph.name) == [1, 1, 1] and lowering.launches_per_layer(graph.name) is None
