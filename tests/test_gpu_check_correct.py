@@ -117,3 +117,25 @@ def test_quality_is_zero_against_itself_and_grows_with_noise():
     assert same["positions"] == 9
     noisy = quality([a + torch.randn(a.shape, generator=g) for a in anchor], anchor, forced)
     assert noisy["mean_kl"] > 0.05 and noisy["delta_perplexity_percent"] != 0 and noisy["top1_agreement"] < 1
+
+
+class Scripted:
+    """A runner that returns the given logits [prompts, vocab] step after step."""
+
+    def __init__(self, steps: list[list[list[float]]]):
+        self.steps = iter(torch.tensor(s) for s in steps)
+
+    def run(self, entry, step_inputs):
+        return next(self.steps)
+
+
+def test_greedy_forgives_a_near_tie_that_fp32_calls_close_and_flags_a_clear_miss():
+    # the candidate picks token 1, then token 2; the anchor reads those picks and prefers token 0 at step 0
+    candidate = Scripted([[[0.0, 1.0, 0.0]], [[0.0, 0.0, 1.0]]])
+    near = Scripted([[[1.00, 0.99, 0.0]], [[0.0, 0.0, 1.0]]])
+    rows = greedy_against_anchor(candidate, near, [[5, 6]], 2, 8, tie=0.05)
+    assert rows == [{"prompt": 0, "tokens": 2, "off_top": 1, "worst_step": 0, "worst_gap": pytest.approx(0.01),
+                     "tie": 0.05, "ok": True}]
+    candidate = Scripted([[[0.0, 1.0, 0.0]], [[0.0, 0.0, 1.0]]])
+    clear = Scripted([[[1.0, 0.0, 0.0]], [[0.0, 0.0, 1.0]]])
+    assert not greedy_against_anchor(candidate, clear, [[5, 6]], 2, 8, tie=0.05)[0]["ok"]

@@ -110,3 +110,21 @@ def test_the_packages_each_part_needs_are_named_up_front(monkeypatch):
         gpu_check_env.require_packages(gpu_check.parse_args(["--bundle", "b", "--backend", "torch",
                                                              "--hf", "static,continuous"]))
     assert gpu_check_env.require_packages(quiet)["transformers"] == "4.55.2"     # static needs no manager
+
+
+def test_a_part_that_fails_after_saving_keeps_what_it_saved(tiny_family, tmp_path, monkeypatch, capsys):
+    llmc = {"output_tok_s": 5.0, "ttft_s": {"p50": 0.1, "p99": 0.2}, "tpot_s": {"p50": 0.01, "p99": 0.02}}
+
+    def bench_then_fail(args, artifact, name, save):
+        save({"llmc": llmc, "baselines": {}})
+        raise RuntimeError("the harness broke after llmc's run")
+
+    monkeypatch.setattr(gpu_check_run, "run_bench", bench_then_fail)
+    monkeypatch.setattr(gpu_check_run, "dtype_artifact", lambda args, folder, dtype: tmp_path / "unused")
+    monkeypatch.setattr(gpu_check_run, "plan", lambda args: [("bench", "default")])
+    bundle = tiny_family("llama_gqa")[1]
+    args = gpu_check.parse_args(["--bundle", str(bundle), *RUN, "--json", str(tmp_path / "r.json")])
+    result = gpu_check_run.run_check(args, {"torch": "2", "triton": "3", "transformers": "5"})
+    want = {"llmc": llmc, "baselines": {}, "interrupted": "RuntimeError: the harness broke after llmc's run"}
+    assert result["bench"]["default"] == want == json.loads((tmp_path / "r.json").read_text())["bench"]["default"]
+    assert "interrupted after llmc's run: RuntimeError" in capsys.readouterr().err      # the table so far
