@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from llmc.kernels.token_bitmask import apply_token_bitmask_ref
+from llmc.runtime import batch_sampler
 from llmc.runtime.batch_sampler import NEG_INF, SamplingRow, draw_tokens, sample_rows, uniforms
 from llmc.runtime.sampler import make_generator, sample_row
 from llmc.runtime.sampling_params import SamplingParams
@@ -142,6 +143,21 @@ def test_random_mixes_match_the_reference(case):
     rng = random.Random(1000 + case)
     params = [random_params(rng, VOCAB) for _ in range(rng.randrange(1, 24))]
     run_steps(rng, params, steps=3, ties=case % 2 == 1, grammar=case % 4 >= 2)
+
+
+def test_rows_with_different_top_k_match_the_reference():
+    """Top-k alone (no top-p in the batch): one partial sort serves every row's k."""
+    rng = random.Random(5)
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=rng.randrange(2**40)) for k in (1, 3, 7, 50, 0, VOCAB - 1)]
+    run_steps(rng, params, steps=3)
+
+
+def test_rows_sampled_in_several_cpu_passes_match_the_reference(monkeypatch):
+    """A CPU samples rows in passes that fit its cache (3 rows each here): results stay in row order."""
+    monkeypatch.setattr(batch_sampler, "CPU_PASS_BYTES", 3 * 8 * VOCAB)
+    assert batch_sampler.rows_per_pass(torch.zeros(10, VOCAB)) == 3
+    rng = random.Random(77)
+    run_steps(rng, [random_params(rng, VOCAB) for _ in range(11)], steps=3, grammar=True)
 
 
 @pytest.mark.parametrize("n", range(6))
