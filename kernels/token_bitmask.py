@@ -26,7 +26,9 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: t
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Launcher: the native kernel where it is loaded and the logits are on the CPU, else the ref."""
+    """Launcher: the native kernel where it is loaded and the logits are on the CPU, else the ref on
+    the logits' device (a GPU's: the bitmask, vocab / 32 words a row, is copied there; the logits
+    never leave it)."""
     if logits.dtype != torch.float32 or logits.dim() != 2:
         raise ValueError(f"grammar masks apply to f32 logits [rows, vocab], not {logits.dtype} {tuple(logits.shape)}")
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] * 32 < logits.shape[1]:
@@ -36,4 +38,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         raise ValueError(f"{rows.numel()} row indices for {bitmask.shape[0]} bitmask rows")
     if logits.device.type == "cpu" and logits.is_contiguous() and hasattr(torch.ops.llmc, "apply_token_bitmask"):
         return torch.ops.llmc.apply_token_bitmask(logits, bitmask.contiguous(), rows.to(torch.int64))
-    return apply_token_bitmask_ref(logits, bitmask.to(logits.device), rows.to(logits.device))
+    return apply_token_bitmask_ref(logits, bitmask.to(logits.device, non_blocking=True),
+                                   rows.to(logits.device, non_blocking=True))

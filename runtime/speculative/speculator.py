@@ -21,7 +21,9 @@ as the sampler samples, and drafts are kept while they equal the samples. The ou
 target's distribution, and a seeded request gives token for token what it gives without speculation,
 whatever K the policy picks under whatever load (a draft's q would spend the stream differently).
 Penalties, top-k / top-p / min-p, logprobs and stop strings apply per row as without speculation:
-row i is processed with the drafts before it as the output so far.
+row i is processed with the drafts before it as the output so far. The engine samples all verify
+rows of a step with its other rows in one batched pass where the logits are (step_sampling.py);
+`verify_rows` here is the per-sequence reference it is tested against.
 """
 
 from __future__ import annotations
@@ -163,7 +165,9 @@ class Speculator:
 def verify_rows(rows: torch.Tensor, seq: Sequence,
                 generator: torch.Generator | None) -> tuple[Verdict, list[SampleResult]]:
     """What a sequence keeps from its verify rows [K+1, vocab] (fp32) and drafts: the verdict and
-    its tokens as the sampler reports them (with logprobs where asked)."""
+    its tokens as the sampler reports them (with logprobs where asked). The per-sequence reference:
+    the engine verifies every sequence's rows in the step's one batched pass (StepSampler.sample),
+    and tests hold that to this."""
     params, drafts = seq.params, seq.draft_ids
     plain = not needs_row_sampling(params)
     processed = rows if plain else torch.stack([
