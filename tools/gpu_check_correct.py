@@ -23,9 +23,12 @@ same source compiled in fp32, the same prompts and forced tokens.
            than 2 x the logits bound below its top (each of the two logits may be off by the bound, so
            a closer pick is a near-tie that fp32 itself calls close). Torch's own picks are judged the
            same way, for comparison.
-  quality  (quantized recipes) perplexity of the forced tokens, mean KL(anchor || run) and top-1
-           agreement, as `llmc eval` reports them (tools/quality.py); the recipe's budget bounds
-           |delta perplexity| in percent.
+  quality  (quantized recipes) as `llmc eval` measures a recipe (tools/quality.py): the first
+           HELD_TOKENS tokens of its held text (Python's help topics) in one prefill with logits at
+           every position, each predicting the next token; perplexity against the anchor's, mean
+           KL(anchor || run) and top-1 agreement. The recipe's budget bounds |delta perplexity| in
+           percent. On random weights the perplexities are near the vocabulary's size, but what the
+           recipe and its kernels do to the distribution shows the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .gpu_check_measure import Batch, greedy
 FACTOR = 2.0
 FLOOR_ULPS = 2
 TIE_FACTOR = 2.0        # a pick fails when the anchor's gap to its top exceeds this x the logits bound
+HELD_TOKENS = 512       # `llmc eval`'s window
 
 
 def forced_tokens(prompts: int, steps: int) -> list[list[int]]:
@@ -98,19 +102,24 @@ def greedy_against_anchor(runner: ModelRunner, anchor: ModelRunner, prompts: lis
     return rows
 
 
-def quality(run: list[torch.Tensor], anchor: list[torch.Tensor], forced: list[list[int]]) -> dict:
-    """Perplexity of the forced tokens (step i's logits predict forced[i]) for `run` and the anchor,
-    mean KL(anchor || run) and top-1 agreement, over every prompt and step."""
+def held_logits(runner: ModelRunner, tokens: list[int], num_blocks: int) -> torch.Tensor:
+    """Logits [len(tokens), vocab] of one prefill of `tokens`, at every position."""
+    return Batch(runner, [tokens], 1, num_blocks).prefill(every_position=True)
+
+
+def quality(run: list[torch.Tensor], anchor: list[torch.Tensor], targets: list[list[int]]) -> dict:
+    """Perplexity of the targets (row r of each run's logits predicts targets[.][r]) for `run` and the
+    anchor, mean KL(anchor || run) and top-1 agreement, over every row."""
     nll = anchor_nll = kl = agree = 0.0
     count = 0
-    for logits, want, targets in zip(run, anchor, forced):             # the last run step predicts nothing
+    for logits, want, next_tokens in zip(run, anchor, targets, strict=True):
         logp, ref_logp = torch.log_softmax(logits.double(), -1), torch.log_softmax(want.double(), -1)
-        t = torch.tensor(targets)[:, None]
+        t = torch.tensor(next_tokens)[:, None]
         nll -= float(logp.gather(1, t).sum())
         anchor_nll -= float(ref_logp.gather(1, t).sum())
         kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
         agree += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
-        count += len(targets)
+        count += len(next_tokens)
     ppl, ref_ppl = math.exp(nll / count), math.exp(anchor_nll / count)
     return {"perplexity": ppl, "anchor_perplexity": ref_ppl, "delta_perplexity_percent": 100 * (ppl / ref_ppl - 1),
             "mean_kl": kl / count, "top1_agreement": agree / count, "positions": count}

@@ -51,9 +51,10 @@ class Batch:
             self.blocks.allocate(s.seq_id, s.prompt_ids)
             self.blocks.append(s.seq_id, s.num_tokens + max_new)
 
-    def prefill(self) -> torch.Tensor:
-        return self.runner.run("prefill", build_step_inputs([Chunk(s, 0, s.num_tokens) for s in self.seqs],
-                                                            self.blocks))
+    def prefill(self, every_position: bool = False) -> torch.Tensor:
+        """Logits at each prompt's last token, or at every position of every prompt, in order."""
+        return self.runner.run("prefill", build_step_inputs(
+            [Chunk(s, 0, s.num_tokens, s.num_tokens if every_position else 1) for s in self.seqs], self.blocks))
 
     def decode(self, tokens: list[int]) -> torch.Tensor:
         for s, t in zip(self.seqs, tokens):

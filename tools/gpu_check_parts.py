@@ -6,14 +6,20 @@
            (tools/gpu_check_correct.py), greedy picks, decode step times with and without CUDA
            graphs, the batch-1 bytes floor, and (first dtype only) the per-kernel table
   recipe   the source compiled for cuda in the first dtype with a quantization recipe (`llmc compile
-           --quant/--kv-dtype`): all of a dtype part, and the candidate's quality against the anchor
-           within the recipe's budget
+           --quant/--kv-dtype`): all of a dtype part (its logits rule against the anchor judges the
+           quantized kernels), and the candidate's quality on the held text (gpu_check_correct):
+           against the anchor, and against the candidate's unquantized compile in the same dtype,
+           which is what the recipe's budget bounds (`llmc compile --quality` measures a recipe
+           against the unquantized compile of its dtype, and the budgets are tests/test_smollm2_quant.py's;
+           the dtype's own distance from fp32 is the dtype part's finding, not the recipe's). Torch's
+           quality on the same compile is shown beside: a recipe that misses its budget on torch too
+           is the recipe's doing, not the kernels'.
 """
 
 from __future__ import annotations
 
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,8 +32,10 @@ from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.tokenizer import Tokenizer
 
 from . import gpu_check_measure as measure
-from .gpu_check_correct import TIE_FACTOR, forced_tokens, greedy_against_anchor, judge_logits, logits_run, quality
+from .gpu_check_correct import (HELD_TOKENS, TIE_FACTOR, forced_tokens, greedy_against_anchor, held_logits,
+                                 judge_logits, logits_run, quality)
 from .profile_steps import decode_bytes
+from .quality import held_tokens
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about a GPU.", "List three prime numbers and say why.")
 FORCED_STEPS = 8
@@ -39,12 +47,15 @@ RECIPES = {"int8": (QuantRecipe.parse("int8"), 1.0), "int4": (QuantRecipe.parse(
 
 @dataclass
 class Anchor:
-    """The fp32 compile and its logits over the check's prompts and forced tokens."""
+    """The fp32 compile, its logits over the check's prompts and forced tokens, and over the held text."""
 
     artifact: Artifact
     prompts: list[list[int]]
     forced: list[list[int]]
     logits: list[torch.Tensor]
+    held: list[int]
+    held_logits: torch.Tensor
+    unquantized: dict[str, torch.Tensor] = field(default_factory=dict)    # dtype -> the candidate's held logits
 
 
 def prompt_ids(artifact: Artifact) -> list[list[int]]:
@@ -55,7 +66,7 @@ def prompt_ids(artifact: Artifact) -> list[list[int]]:
 def num_blocks(args: Namespace, prompts: list[list[int]]) -> int:
     """Blocks for the longest of the prompts' greedy runs and the widest timed decode batch."""
     longest = max(map(len, prompts)) + max(args.greedy_tokens, FORCED_STEPS) + 2
-    return max(measure.blocks_for(len(prompts), longest),
+    return max(measure.blocks_for(len(prompts), longest), measure.blocks_for(1, HELD_TOKENS + 1),
                measure.blocks_for(max(args.batches), args.context + args.decode_steps + 3)) + 4
 
 
@@ -70,10 +81,11 @@ def make_runner(args: Namespace, artifact: Artifact, blocks: int, backend: str, 
 def build_anchor(args: Namespace, folder: Path) -> Anchor:
     """The fp32 anchor (module docstring); the torch backend needs no generated Triton, so target cpu."""
     artifact = load_artifact(compile_model(folder, args.work / "artifact-anchor-float32", CompileConfig()))
-    prompts = prompt_ids(artifact)
-    forced = forced_tokens(len(prompts), FORCED_STEPS)
-    runner = make_runner(args, artifact, num_blocks(args, prompts), "torch", False)
-    return Anchor(artifact, prompts, forced, logits_run(runner, prompts, forced, num_blocks(args, prompts)))
+    prompts, held = prompt_ids(artifact), held_tokens(artifact.tokenizer, HELD_TOKENS)
+    forced, blocks = forced_tokens(len(prompts), FORCED_STEPS), num_blocks(args, prompts)
+    runner = make_runner(args, artifact, blocks, "torch", False)
+    return Anchor(artifact, prompts, forced, logits_run(runner, prompts, forced, blocks), held,
+                  held_logits(runner, held, blocks))
 
 
 def dtype_artifact(args: Namespace, folder: Path, dtype: str) -> Path:
@@ -95,17 +107,34 @@ def check_recipe(args: Namespace, folder: Path, anchor: Anchor, name: str) -> di
     recipe, budget = RECIPES[name]
     config = CompileConfig(dtype=args.dtypes[0], target="cuda", quant=recipe)
     artifact = load_artifact(compile_model(folder, args.work / f"artifact-{name}", config))
-    out, run = check_artifact(args, artifact, anchor, kernels=False)
-    q = quality(run, anchor.logits, anchor.forced)
-    out["quality"] = {**q, "recipe": recipe.to_dict(), "dtype": args.dtypes[0], "budget_percent": budget,
-                      "ok": abs(q["delta_perplexity_percent"]) <= budget}
+    out, runners = check_artifact(args, artifact, anchor, kernels=False)
+    blocks, targets = num_blocks(args, anchor.prompts), [anchor.held[1:]]
+    got, own = (held_logits(r, anchor.held, blocks)[:-1] for r in runners)
+    fp32, unquantized = quality([got], [anchor.held_logits[:-1]], targets), \
+        quality([got], [unquantized_held(args, folder, anchor)[:-1]], targets)
+    torch_fp32 = quality([own], [anchor.held_logits[:-1]], targets)
+    out["quality"] = {**fp32, "recipe_delta_perplexity_percent": unquantized["delta_perplexity_percent"],
+                      "recipe_mean_kl": unquantized["mean_kl"],
+                      "torch_delta_perplexity_percent": torch_fp32["delta_perplexity_percent"],
+                      "torch_mean_kl": torch_fp32["mean_kl"], "recipe": recipe.to_dict(), "dtype": args.dtypes[0],
+                      "budget_percent": budget, "ok": abs(unquantized["delta_perplexity_percent"]) <= budget}
     return out
 
 
+def unquantized_held(args: Namespace, folder: Path, anchor: Anchor) -> torch.Tensor:
+    """The candidate's held-text logits on the unquantized compile in the recipes' dtype (once a check)."""
+    dtype = args.dtypes[0]
+    if dtype not in anchor.unquantized:
+        blocks = num_blocks(args, anchor.prompts)
+        runner = make_runner(args, load_artifact(dtype_artifact(args, folder, dtype)), blocks, args.backend, False)
+        anchor.unquantized[dtype] = held_logits(runner, anchor.held, blocks)
+    return anchor.unquantized[dtype]
+
+
 def check_artifact(args: Namespace, artifact: Artifact, anchor: Anchor, kernels: bool
-                   ) -> tuple[dict, list[torch.Tensor]]:
+                   ) -> tuple[dict, tuple[ModelRunner, ModelRunner]]:
     """Correctness against the anchor, decode times, the bytes floor (and the kernel table); with the
-    candidate's logits over the anchor's prompts and forced tokens."""
+    candidate's and torch's runners."""
     dtype = to_torch(USER_DTYPES[artifact.manifest["compile"]["dtype"]])
     blocks, prompts = num_blocks(args, anchor.prompts), anchor.prompts
     reference, candidate = make_runner(args, artifact, blocks, "torch", False), \
@@ -118,9 +147,9 @@ def check_artifact(args: Namespace, artifact: Artifact, anchor: Anchor, kernels:
     tie = TIE_FACTOR * out["logits"]["bound"]
     out["greedy"] = greedy_against_anchor(candidate, fp32, prompts, args.greedy_tokens, blocks, tie)
     out["greedy_torch"] = greedy_against_anchor(reference, fp32, prompts, args.greedy_tokens, blocks, tie)
-    del reference, fp32
+    del fp32
     out |= timings(args, artifact, candidate, blocks, kernels)
-    return out, run
+    return out, (candidate, reference)
 
 
 def timings(args: Namespace, artifact: Artifact, candidate: ModelRunner, blocks: int, kernels: bool) -> dict:
