@@ -184,3 +184,25 @@ def test_a_failing_part_is_recorded_and_a_user_error_still_stops_the_check(capsy
         raise gpu_check_run.RequestError("no")
     with pytest.raises(gpu_check_run.RequestError):
         gpu_check_run._part(bad_request)
+
+
+@pytest.mark.gpu
+def test_kernel_times_on_a_gpu_come_from_events_with_one_sync_per_step(tiny_family, tmp_path, monkeypatch):
+    """On a GPU: each kernel's device time from CUDA events, the device synchronised once a step
+    (not after each launch), and the kernels' sum below the eager step's wall time."""
+    from llmc.compiler.driver import CompileConfig, compile_model
+    from llmc.runtime.artifact import load_artifact
+    from llmc.runtime.model_runner import ModelRunner
+    from llmc.tools.gpu_check_measure import decode_seconds, kernel_table
+
+    artifact = load_artifact(compile_model(tiny_family("llama_hd32")[1], tmp_path / "cuda",
+                                           CompileConfig(dtype="float16", target="cuda")))
+    runner = ModelRunner.for_backend(artifact, 64, 16, "triton", {"cuda_graphs": False}, "cuda", 4)
+    vocab = artifact.config.vocab_size
+    step = decode_seconds(runner, 1, 5, 32, vocab)
+    syncs = []
+    sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (syncs.append(a), sync(*a))[1])
+    rows = kernel_table(runner, 32, 3, vocab)
+    assert len(syncs) == 3 + 1                                       # one per step (and the warm-up step)
+    assert all(r.seconds > 0 for r in rows) and 0 < sum(r.seconds for r in rows) < step
