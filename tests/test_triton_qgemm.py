@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmc.kernels.quant import dequantize_weight, qlinear_ref, quantize_int4, quantize_int8
-from llmc.kernels.triton.gemm import GemmConfig, linear_epilogue_ref
+from llmc.kernels.triton.gemm import GemmConfig, linear_epilogue_ref, pick_config
 from llmc.kernels.triton.qgemm import pick_qconfig, qlinear_triton
 from tolerances import EPS, tolerance
 
@@ -119,8 +119,9 @@ def test_pick_qconfig_keeps_each_k_tile_in_one_group(M, bits, group, K):
     cfg = pick_qconfig(M, 4096, K, bits=bits, group_size=group)
     assert cfg.block_k >= (32 if bits == 4 else 16) and cfg.block_k & (cfg.block_k - 1) == 0
     assert group % cfg.block_k == 0 or group == K
-    assert (cfg.block_m, cfg.block_n) == (pick_qconfig(M, 4096, K, bits=8, group_size=K).block_m,
-                                          pick_qconfig(M, 4096, K, bits=8, group_size=K).block_n)
+    tile = pick_config(M, 4096, K, weight_bits=bits)                # the tile for these codes, BLOCK_K refitted
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == \
+        (tile.block_m, tile.block_n, tile.num_warps, tile.num_stages)
 
 
 def _valid(**overrides):

@@ -28,7 +28,9 @@ from . import Lowering, import_kernel_module, lower
 from .errors import CodegenError
 
 STEP_ROWS = (1, 24, 64, 200)                  # token rows of a step: one per M bucket of the GEMM configs
+STEP_ROWS_OF = {"prefill": STEP_ROWS, "decode": STEP_ROWS}
 QUICK_ROWS = {"prefill": (37,), "decode": (1,)}
+END_ROWS = {"prefill": (200,), "decode": (1,)}  # the GEMMs' prefill and decode tiles, one step each
 CACHE_BLOCKS, BLOCK_SIZE, TABLE_WIDTH = 64, 16, 8   # NB, BS (the engine's default), MB: 128 keys a sequence
 SHORT_DTYPES = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
 _DIM = re.compile(r"([A-Za-z_]\w*)([+-]\d+)?")      # a symbol, optionally plus or minus a constant: S+1
@@ -106,18 +108,17 @@ def graph_cases(graphs: dict[str, Graph], label: str, dtype: str, rows: dict[str
                                                                                   sizes))
 
 
-def artifact_cases(path: str | Path, quick: bool) -> Iterator[Case]:
+def artifact_cases(path: str | Path, rows: dict[str, tuple[int, ...]] = STEP_ROWS_OF) -> Iterator[Case]:
     """aot_compile's cases for the artifact at `path` (compiled with --target cuda): its prefill
-    and decode steps at STEP_ROWS tokens (`quick`: QUICK_ROWS). An artifact that cannot be read is
-    one failing case."""
+    and decode steps at `rows[entry]` tokens each (STEP_ROWS_OF, QUICK_ROWS or END_ROWS). An
+    artifact that cannot be read is one failing case."""
     path = Path(path)
     try:
         config = read_manifest(path)["compile"]
         quant, dtype = config.get("quant", {}), SHORT_DTYPES[USER_DTYPES.get(config.get("dtype"), "f32")]
         graphs = {entry: parse_graph((path / file).read_text()) for entry, file in ENTRY_FILES.items()}
         label = f"{path.name} (weights {quant.get('weights', 'none')}, kv {quant.get('kv_dtype', 'auto')})"
-        yield from graph_cases(graphs, label, dtype, QUICK_ROWS if quick else dict.fromkeys(graphs, STEP_ROWS),
-                               path / KERNELS_DIR)
+        yield from graph_cases(graphs, label, dtype, rows, path / KERNELS_DIR)
     except (ArtifactError, CodegenError, IRError, OSError) as exc:
         yield Case(f"{path} (load)", "?", lambda exc=exc: _raise(exc))
 

@@ -45,25 +45,36 @@ from pathlib import Path
 
 import torch
 
-from llmc.compiler.codegen.aot import Case, artifact_cases
+from llmc.compiler.codegen.aot import END_ROWS, QUICK_ROWS, STEP_ROWS_OF, Case, artifact_cases
 from llmc.compiler.quant_format import KV_SCALE_BYTES
 
-SM90 = ("cuda", 90, 32)
+from .sm90_target import SM90, NoLaunchDriver, kernel_resources
+
 # The int8 KV writer must divide exactly as torch does (scale = amax / 127, x / scale): Triton's
 # `/` on fp32 is div.full.f32 (approximate) on NVIDIA GPUs, tl.math.div_rn is div.rn.f32.
 APPROXIMATE_DIVISION = ("div.full.f32", "div.approx.f32")
 TENSOR_CORE_TYPES = {"fp16": "f16", "bf16": "bf16"}         # Triton's pointer dtype -> PTX's mma operand type
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 GEMM_ROWS = (1, 24, 64, 200)        # pick_config's buckets: decode tile, M <= 32, M <= 64, prefill tile
+# Each bucket's M specializations (Triton's: M = 1, M a multiple of 16, any other M); K 72: a width
+# not a multiple of 16 (tiny test models'), loaded element by element
+EVERY_M = (1, 8, 16, 24, 32, 37, 64, 200, 256)
+TILE_M = (1, 24, 37, 200)           # one of each bucket's tiles, M not a multiple of 16 (its masks)
 # SmolLM2-135M's GEMMs: the merged gate/up ([2 x 1536, 576]: K 576), the down projection (K 1536)
 K, N_W, QK, QN_W = 576, 3072, 1536, 1152
+UNALIGNED_K = 72
 EPILOGUES = {"none": {}, "bias": dict(bias=True), "silu": dict(activation="silu"), "gated": dict(gated=True),
              "residual": dict(residual=True), "bias+gated+residual": dict(bias=True, gated=True, residual=True),
-             "geglu": dict(activation="gelu_tanh", gated=True), "softcap": dict(softcap=30.0)}   # Gemma's
+             "geglu": dict(activation="gelu_tanh", gated=True), "softcap": dict(softcap=30.0),   # Gemma's
+             "bias+silu+residual": dict(bias=True, activation="silu", residual=True)}
+# The epilogues that hold the most registers: two accumulators and code tiles (gated), or the full
+# N tile with a residual tile beside it (not gated)
+HEAVIEST = ("bias+gated+residual", "bias+silu+residual")
 WEIGHT_FORMATS = {"int8": (8, None), "q8_0": (8, 32), "int4-g32": (4, 32), "int4-g128": (4, 128)}  # bits, group
 # (heads, KV heads, head_dim): SmolLM2-135M's, and a head_dim padded to a power of two with masks
 HEAD_SHAPES = ((9, 3, 64), (6, 2, 80))
 BLOCK_SIZE, CACHE_BLOCKS, TABLE_WIDTH = 16, 64, 8
+MODES = {"": STEP_ROWS_OF, "--quick": QUICK_ROWS, "--tiles": END_ROWS}    # mode -> an artifact's steps
 
 
 @dataclass(frozen=True)
@@ -73,22 +84,10 @@ class Compile:
     kernel: str                     # the kernel's name, or "(launcher)" if the case failed outside a compile
     details: str                    # block sizes and other constexprs of the specialization
     error: str | None
-
-
-class _NoLaunchDriver:
-    """Triton's driver for a GPU that is not here: it names the target and launches nothing."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device=None) -> int:
-        return 0
-
-    def get_current_target(self):
-        return self.target
+    shared: int | None = None       # bytes of shared memory a block takes (Triton's metadata.shared)
+    registers: int | None = None    # per thread (Triton's n_regs); None if not loaded (too much shared memory)
+    local: int | None = None        # bytes of local memory a thread takes (4 * Triton's n_spills)
+    spilled: int | None = None      # bytes of those that are register spill stores (ptxas -v)
 
 
 def _exact_division(constexprs: dict, signature: dict, ptx: str) -> str | None:
@@ -133,7 +132,7 @@ class AheadOfTime:
     def install(self) -> "AheadOfTime":
         from triton.runtime.driver import driver
 
-        driver.set_active(_NoLaunchDriver(self.target))
+        driver.set_active(NoLaunchDriver(self.target))
         run, do_compile, aot = self.jit.run, self.jit._do_compile, self
 
         def compile_only(jit, *args, grid, warmup, **kwargs):
@@ -151,17 +150,20 @@ class AheadOfTime:
                 aot.record(jit, values, options, f"{type(exc).__name__}: {str(exc)[:800]}\n     {signature}")
                 raise _Reported from exc
             check = PTX_CHECKS.get(jit.__name__)
-            aot.record(jit, values, options, check(values, signature, kernel.asm["ptx"]) if check else None)
+            used, error = kernel_resources(kernel)
+            error = error or (check(values, signature, kernel.asm["ptx"]) if check else None)
+            aot.record(jit, values, options, error, used)
             return kernel
 
         self.jit.run, self.jit._do_compile = compile_only, recorded
         return self
 
-    def record(self, jit, constexprs: dict, options, error: str | None) -> None:
+    def record(self, jit, constexprs: dict, options, error: str | None, used: dict | None = None) -> None:
+        """One compile of `jit`; `used`: its resources (kernel_resources), None if it failed."""
         shown = " ".join(f"{k}={v}" for k, v in constexprs.items() if v is not None and not isinstance(v, bool))
         flags = "+".join(k for k, v in constexprs.items() if v is True)
         details = f"{shown} {flags} w{options.num_warps} s{options.num_stages}".replace("  ", " ")
-        self.compiles.append(Compile(self.case.label, self.case.dtype, jit.__name__, details, error))
+        self.compiles.append(Compile(self.case.label, self.case.dtype, jit.__name__, details, error, **(used or {})))
 
     def run(self, case: Case) -> list[Compile]:
         self.case, first = case, len(self.compiles)
@@ -203,13 +205,40 @@ def _cache(heads: tuple[int, int, int], dtype: torch.dtype, int8: bool) -> torch
                 dtype=torch.int8 if int8 else dtype)
 
 
-def gemm_cases(dtypes, rows, epilogues) -> Iterator[Case]:
+def gemm_cases(dtypes, rows, epilogues, k: int = K) -> Iterator[Case]:
     from llmc.kernels.triton.gemm import linear_triton
 
     for dtype, m, name in product(dtypes, rows, epilogues):
         t = DTYPES[dtype]
-        yield Case(f"gemm {dtype} M={m} {name}", dtype,
-                   partial(_gemm, linear_triton, meta(m, K, dtype=t), (meta(N_W, K, dtype=t),), EPILOGUES[name]))
+        yield Case(f"gemm {dtype} M={m}{f' K={k}' * (k != K)} {name}", dtype,
+                   partial(_gemm, linear_triton, meta(m, k, dtype=t), (meta(N_W, k, dtype=t),), EPILOGUES[name]))
+
+
+def norm_gemm_cases(dtypes, rows) -> Iterator[Case]:
+    """The GEMM with its RMSNorm prologue (norm_linear_triton): add_rmsnorm into the merged gate/up
+    GEMM with its gated epilogue, a plain rmsnorm into the same weight ungated."""
+    from llmc.kernels.triton.gemm import norm_linear_triton
+
+    for dtype, m, add in product(dtypes, rows, (True, False)):
+        t = DTYPES[dtype]
+        yield Case(f"norm gemm {dtype} M={m} {'add_rmsnorm gated' if add else 'rmsnorm'}", dtype,
+                   partial(norm_linear_triton, meta(m, K, dtype=t), meta(K, dtype=t), meta(N_W, K, dtype=t), eps=1e-5,
+                           norm_residual=meta(m, K, dtype=t) if add else None, gated=add))
+
+
+def qkv_rope_cases(dtypes, rows) -> Iterator[Case]:
+    """The QKV GEMM with RoPE + KV write as its epilogue (qkv_rope_triton) and an add_rmsnorm prologue,
+    at SmolLM2-135M's heads."""
+    from llmc.kernels.triton.qkv_rope import qkv_rope_triton
+
+    h, kvh, d = HEAD_SHAPES[0]
+    for dtype, m in product(dtypes, rows):
+        t, index = DTYPES[dtype], meta(m, dtype=torch.int64)
+        yield Case(f"qkv rope {dtype} M={m} H={h}/{kvh} D={d}", dtype,
+                   partial(qkv_rope_triton, meta(m, K, dtype=t), meta((h + 2 * kvh) * d, K, dtype=t), None, index,
+                           _cache((h, kvh, d), t, False), index, layer=1, num_heads=h, num_kv_heads=kvh, head_dim=d,
+                           inv_freq=meta(d // 2, dtype=torch.float32), norm_weight=meta(K, dtype=t), eps=1e-5,
+                           norm_residual=meta(m, K, dtype=t)))
 
 
 def qgemm_cases(dtypes, rows, formats, epilogues) -> Iterator[Case]:
@@ -270,25 +299,43 @@ def template_cases(quick: bool) -> Iterator[Case]:
         dtypes = ("bf16", "fp16")
         yield from gemm_cases(dtypes, (1, 200), ("bias+gated+residual",))
         yield from gemm_cases(dtypes, (1,), ("geglu", "softcap"))
+        yield from norm_gemm_cases(dtypes, (1, 200))
+        yield from qkv_rope_cases(dtypes, (1, 200))
         yield from qgemm_cases(dtypes, (1,), ("int8",), ("bias+gated+residual",))
         yield from qgemm_cases(dtypes, (200,), ("int4-g32",), ("silu",))
         yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES[1:])
         yield from attention_cases(dtypes, (5,), HEAD_SHAPES[1:])
         yield from gather_cases(dtypes, (96,))
         return
-    dtypes = tuple(DTYPES)
-    every, middle, full = tuple(EPILOGUES), GEMM_ROWS[1:-1], "bias+gated+residual"
+    dtypes, every = tuple(DTYPES), tuple(EPILOGUES)
     yield from gemm_cases(dtypes, (GEMM_ROWS[0], GEMM_ROWS[-1]), every)        # each epilogue on both end tiles
-    yield from gemm_cases(dtypes, middle, ("none", full))
-    yield from qgemm_cases(dtypes, GEMM_ROWS, WEIGHT_FORMATS, (full,))
-    yield from qgemm_cases(dtypes, (GEMM_ROWS[0], GEMM_ROWS[-1]), WEIGHT_FORMATS, ("silu",))
+    for k in (K, UNALIGNED_K):
+        yield from gemm_cases(dtypes, EVERY_M, HEAVIEST, k)
+    yield from qgemm_cases(dtypes, EVERY_M, WEIGHT_FORMATS, HEAVIEST)
+    yield from norm_gemm_cases(dtypes, GEMM_ROWS)
+    yield from qkv_rope_cases(dtypes, GEMM_ROWS)
     yield from rope_kv_write_cases(dtypes, (1, 37), HEAD_SHAPES)
     yield from attention_cases(dtypes, (1, 37), HEAD_SHAPES)
     yield from gather_cases(dtypes, (96, 576))
 
 
+def tile_cases() -> Iterator[Case]:
+    """Each template's launch configs once per dtype, weight format and cache (`--tiles`): the
+    GEMMs at every M bucket of pick_config with the HEAVIEST epilogues, every weight format; RoPE +
+    KV write and attention over a float and an int8 cache at both head shapes; the gathers."""
+    dtypes = tuple(DTYPES)
+    yield from gemm_cases(dtypes, TILE_M, HEAVIEST)
+    yield from gemm_cases(dtypes, (1, 200), HEAVIEST, UNALIGNED_K)
+    yield from qgemm_cases(dtypes, TILE_M, WEIGHT_FORMATS, HEAVIEST)
+    yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES)
+    yield from attention_cases(dtypes, (5,), HEAD_SHAPES)
+    yield from gather_cases(dtypes, (576,))
+
+
 def report(c: Compile) -> str:
-    return f"{'OK  ' if c.error is None else 'FAIL'} {c.case}: {c.kernel} {c.details}" + \
+    used = "" if c.shared is None else \
+        f" | {c.registers or '-'} regs, {c.spilled or 0} B spilled ({c.local or 0} B local), {c.shared} B shared"
+    return f"{'OK  ' if c.error is None else 'FAIL'} {c.case}: {c.kernel} {c.details}{used}" + \
         (f"\n     {c.error}" if c.error else "")
 
 
@@ -306,17 +353,28 @@ def main(argv: list[str]) -> int:
         return 1
     from triton.backends.compiler import GPUTarget
 
-    quick = "--quick" in argv
-    artifacts = [Path(a) for a in argv if a != "--quick"]
-    cases: Iterator[Case] = template_cases(quick)
+    mode = next((a for a in argv if a in MODES), "")
+    shard, shards = _shard(next((a for a in argv if a.startswith("--shard=")), "--shard=0/1"))
+    artifacts = [Path(a) for a in argv if not a.startswith("--")]
+    cases: Iterator[Case] = tile_cases() if mode == "--tiles" else template_cases(mode == "--quick")
     if artifacts:                             # codegen knows each unit's inputs
-        cases = (case for source in (cases, *(artifact_cases(a, quick) for a in artifacts)) for case in source)
+        rows = MODES[mode]
+        cases = (case for source in (cases, *(artifact_cases(a, rows) for a in artifacts)) for case in source)
     aot = AheadOfTime(GPUTarget(*SM90)).install()
-    for case in cases:
-        for c in aot.run(case):
-            print(report(c), flush=True)
+    for i, case in enumerate(cases):
+        if i % shards == shard:
+            for c in aot.run(case):
+                print(report(c), flush=True)
     print(summary(aot.compiles))
     return min(sum(c.error is not None for c in aot.compiles), 255)
+
+
+def _shard(arg: str) -> tuple[int, int]:
+    """--shard=I/N: this process takes every N-th case from the I-th (N processes compile in parallel)."""
+    found = re.fullmatch(r"--shard=(\d+)/(\d+)", arg)
+    if found is None or not int(found.group(1)) < int(found.group(2)):
+        raise SystemExit(f"{arg} is not a shard: write --shard=I/N with 0 <= I < N")
+    return int(found.group(1)), int(found.group(2))
 
 
 if __name__ == "__main__":

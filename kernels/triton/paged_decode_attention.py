@@ -143,9 +143,22 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block
         qk_scale(scale), window, softcap_log2, split_len, q.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad, TILE=TILE,
-        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0)
+        BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad,
+        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0, **split_config(q.dtype))
     _decode_merge_kernel[(shape.num_seqs, shape.heads)](
         part_acc, part_max, part_sum, out, num_splits, out.stride(0),
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
     return out
+
+
+def split_config(dtype: torch.dtype) -> dict[str, int]:
+    """Stage 1's TILE, warps and stages, chosen so a program fits sm_90's registers without a spill
+    (kernels/triton/aot_compile.py checks every compile). fp16/bf16: TILE keys a step over 4 warps
+    in 3 stages, the tensor-core dots reading the K/V tiles from shared memory. fp32: IEEE dots are
+    FMAs whose operands a thread holds in registers (its K/V columns over the whole tile), and each
+    pipeline stage keeps a dequantized K/V tile more in flight: 8 warps and one stage take 64-102
+    registers (D_PAD 64 and 128, float or int8 cache); 4 warps in 3 stages spilled 404 B at D_PAD
+    128 over an int8 cache, and either change alone still spilled (320 B; 152 B with TILE 16)."""
+    if dtype == torch.float32:
+        return dict(TILE=TILE, num_warps=8, num_stages=1)
+    return dict(TILE=TILE, num_warps=4, num_stages=3)

@@ -33,8 +33,8 @@ from llmc.kernels.triton.paged_kv import (INDEX_DTYPES, check_index_tensor, chec
 
 __all__ = ["paged_attention_ref", "paged_prefill_attention_triton"]
 
-TILE = 32                 # keys per inner step: tl.dot's K dim in p @ v (>= 16 on a GPU)
-ROWS = 64                 # query rows (queries x heads of a group) per program
+TILE = 32                 # keys per inner step: tl.dot's K dim in p @ v (>= 16 on a GPU; fp32: half)
+ROWS = 64                 # query rows (queries x heads of a group) per program (fp32: half, prefill_config)
 
 
 @triton.jit
@@ -123,14 +123,31 @@ def paged_prefill_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, bloc
     if q.shape[0] == 0 or shape.num_seqs == 0:
         return out
     group_padded = triton.next_power_of_2(shape.group)
-    rows = ROWS if shape.head_dim_padded <= 128 else ROWS // 2
-    block_q = max(rows, group_padded) // group_padded
+    config = prefill_config(q.dtype, shape.head_dim_padded, group_padded)
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]                       # [NB, KVH, BS, D]
-    _prefill_kernel[(q.shape[0] // block_q + shape.num_seqs, shape.kv_heads)](
+    _prefill_kernel[(q.shape[0] // config['BLOCK_Q'] + shape.num_seqs, shape.kv_heads)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         shape.num_seqs, qk_scale(scale), window, softcap_log2, q.stride(0), out.stride(0), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size, G_PAD=group_padded,
-        BLOCK_Q=block_q, D_PAD=shape.head_dim_padded, TILE=TILE,
-        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0)
+        D_PAD=shape.head_dim_padded,
+        KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0, **config)
     return out
+
+
+def prefill_config(dtype: torch.dtype, head_dim_padded: int, group_padded: int) -> dict[str, int]:
+    """BLOCK_Q, TILE and the launch's warps and stages, chosen so a program fits sm_90's registers
+    without a spill (kernels/triton/aot_compile.py checks every compile).
+    fp16/bf16: ROWS query rows over 4 warps, TILE keys a step, 3 stages: the fp32 accumulator
+    [64, D_PAD] is D_PAD / 2 registers a thread (64 at D_PAD 128; rows halved for D_PAD 256), the
+    tensor-core dots read q and the K/V tile from shared memory.
+    fp32: IEEE dots are FMAs whose operands a thread holds in registers (its rows of q over all of
+    D_PAD, its K/V columns over the whole tile), and each pipeline stage keeps a dequantized K/V
+    tile more in flight: ROWS // 2 rows, TILE // 2 keys, 8 warps, one stage take 70-80 registers
+    at D_PAD 64 and 128, float or int8 cache; ROWS rows over 4 warps in 3 stages spilled 328-672 B
+    (D_PAD 64) and 6-7 KB (D_PAD 128, where ptxas fell back to 32 registers), and any of the
+    three cuts alone still spilled with an int8 cache at D_PAD 128."""
+    rows = ROWS if head_dim_padded <= 128 else ROWS // 2
+    if dtype == torch.float32:
+        return dict(BLOCK_Q=max(rows // 2, group_padded) // group_padded, TILE=TILE // 2, num_warps=8, num_stages=1)
+    return dict(BLOCK_Q=max(rows, group_padded) // group_padded, TILE=TILE, num_warps=4, num_stages=3)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from llmc.compiler.codegen.gemm_configs import GemmConfig, k_tile_fits_group, pick_qconfig
+from llmc.compiler.dtypes import from_torch
 from llmc.compiler.quant_format import INT4_BLOCK, dequantize_weight
 
 from .gemm import ACTIVATIONS, DTYPES, check_softcap, dot_acc, grouped_tile, linear_epilogue_ref, store_epilogue
@@ -151,7 +152,8 @@ def qlinear_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, m
                                                                                  device=x.device)
     if M == 0 or n_out == 0:
         return out
-    cfg = config or pick_qconfig(M, n_out, K, bits=bits, group_size=group_size, gated=gated)
+    cfg = config or pick_qconfig(M, n_out, K, bits=bits, group_size=group_size, gated=gated,
+                                 dtype=from_torch(x.dtype))
     if not k_tile_fits_group(cfg.block_k, K, bits, group_size):
         raise ValueError(f"block_k {cfg.block_k} does not fit {bits}-bit groups of {group_size} over K = {K}")
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(n_out, cfg.block_n),)
