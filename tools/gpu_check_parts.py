@@ -6,20 +6,22 @@
            (tools/gpu_check_correct.py), greedy picks, decode step times with and without CUDA
            graphs, the batch-1 bytes floor, and (first dtype only) the per-kernel table
   recipe   the source compiled for cuda in the first dtype with a quantization recipe (`llmc compile
-           --quant/--kv-dtype`): all of a dtype part (its logits rule against the anchor judges the
-           quantized kernels), and the candidate's quality on the held text (gpu_check_correct):
-           against the anchor, and against the candidate's unquantized compile in the same dtype,
-           which is what the recipe's budget bounds (`llmc compile --quality` measures a recipe
-           against the unquantized compile of its dtype, and the budgets are tests/test_smollm2_quant.py's;
-           the dtype's own distance from fp32 is the dtype part's finding, not the recipe's). Torch's
-           quality on the same compile is shown beside: a recipe that misses its budget on torch too
-           is the recipe's doing, not the kernels'.
+           --quant/--kv-dtype`), judged against the recipe's own fp32 anchor: the same recipe compiled
+           in fp32 (the same quantized weights, fp32 arithmetic; int8 KV stays int8), so the logits
+           rule measures the quantized kernels' arithmetic, not the quantization both sides share.
+           Quality on the held text as `llmc eval` measures it (gpu_check_correct), each against the
+           unquantized fp32 anchor: the candidate, torch on the same compile, and the recipe's fp32
+           anchor (the budget's own measure, tests/test_smollm2_quant.py's targets). The verdict is on
+           the kernels' share: |dppl(candidate) - dppl(torch)| within the recipe's budget. The recipe's
+           own dppl is shown against the budget too, as a finding about these weights only: on the
+           check's random weights torch's reference kernels alone miss every budget (on a CPU: int8
+           -3.5%, int4 +13.4%, kv8 +1.3% in fp16), so it cannot be a verdict on the kernels.
 """
 
 from __future__ import annotations
 
 from argparse import Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +57,6 @@ class Anchor:
     logits: list[torch.Tensor]
     held: list[int]
     held_logits: torch.Tensor
-    unquantized: dict[str, torch.Tensor] = field(default_factory=dict)    # dtype -> the candidate's held logits
 
 
 def prompt_ids(artifact: Artifact) -> list[list[int]]:
@@ -78,9 +79,9 @@ def make_runner(args: Namespace, artifact: Artifact, blocks: int, backend: str, 
                                    max(max(args.batches), 4))
 
 
-def build_anchor(args: Namespace, folder: Path) -> Anchor:
-    """The fp32 anchor (module docstring); the torch backend needs no generated Triton, so target cpu."""
-    artifact = load_artifact(compile_model(folder, args.work / "artifact-anchor-float32", CompileConfig()))
+def build_anchor(args: Namespace, folder: Path, recipe: QuantRecipe = QuantRecipe(), name: str = "float32") -> Anchor:
+    """An fp32 anchor (module docstring), of `recipe`; the torch backend needs no generated Triton, so target cpu."""
+    artifact = load_artifact(compile_model(folder, args.work / f"artifact-anchor-{name}", CompileConfig(quant=recipe)))
     prompts, held = prompt_ids(artifact), held_tokens(artifact.tokenizer, HELD_TOKENS)
     forced, blocks = forced_tokens(len(prompts), FORCED_STEPS), num_blocks(args, prompts)
     runner = make_runner(args, artifact, blocks, "torch", False)
@@ -103,32 +104,25 @@ def check_dtype(args: Namespace, folder: Path, anchor: Anchor, dtype: str, kerne
 
 
 def check_recipe(args: Namespace, folder: Path, anchor: Anchor, name: str) -> dict:
-    """A dtype part of the recipe's compile, and the candidate's quality against the anchor."""
+    """A dtype part of the recipe's compile against the recipe's fp32 anchor, and quality (module docstring)."""
     recipe, budget = RECIPES[name]
+    own_anchor = build_anchor(args, folder, recipe, name)
     config = CompileConfig(dtype=args.dtypes[0], target="cuda", quant=recipe)
     artifact = load_artifact(compile_model(folder, args.work / f"artifact-{name}", config))
-    out, runners = check_artifact(args, artifact, anchor, kernels=False)
-    blocks, targets = num_blocks(args, anchor.prompts), [anchor.held[1:]]
-    got, own = (held_logits(r, anchor.held, blocks)[:-1] for r in runners)
-    fp32, unquantized = quality([got], [anchor.held_logits[:-1]], targets), \
-        quality([got], [unquantized_held(args, folder, anchor)[:-1]], targets)
-    torch_fp32 = quality([own], [anchor.held_logits[:-1]], targets)
-    out["quality"] = {**fp32, "recipe_delta_perplexity_percent": unquantized["delta_perplexity_percent"],
-                      "recipe_mean_kl": unquantized["mean_kl"],
-                      "torch_delta_perplexity_percent": torch_fp32["delta_perplexity_percent"],
-                      "torch_mean_kl": torch_fp32["mean_kl"], "recipe": recipe.to_dict(), "dtype": args.dtypes[0],
-                      "budget_percent": budget, "ok": abs(unquantized["delta_perplexity_percent"]) <= budget}
+    out, runners = check_artifact(args, artifact, own_anchor, kernels=False)
+    blocks = num_blocks(args, anchor.prompts)
+    against_fp32 = lambda logits: quality([logits[:-1]], [anchor.held_logits[:-1]], [anchor.held[1:]])  # noqa: E731
+    got, own = (against_fp32(held_logits(r, anchor.held, blocks)) for r in runners)
+    alone = against_fp32(own_anchor.held_logits)
+    kernels = got["delta_perplexity_percent"] - own["delta_perplexity_percent"]
+    out["anchor"] = str(own_anchor.artifact.path)
+    out["quality"] = {**got, "torch_delta_perplexity_percent": own["delta_perplexity_percent"],
+                      "torch_mean_kl": own["mean_kl"],
+                      "recipe_delta_perplexity_percent": alone["delta_perplexity_percent"],
+                      "recipe_mean_kl": alone["mean_kl"], "kernels_delta_perplexity_percent": kernels,
+                      "recipe": recipe.to_dict(), "dtype": args.dtypes[0], "budget_percent": budget,
+                      "ok": abs(kernels) <= budget}
     return out
-
-
-def unquantized_held(args: Namespace, folder: Path, anchor: Anchor) -> torch.Tensor:
-    """The candidate's held-text logits on the unquantized compile in the recipes' dtype (once a check)."""
-    dtype = args.dtypes[0]
-    if dtype not in anchor.unquantized:
-        blocks = num_blocks(args, anchor.prompts)
-        runner = make_runner(args, load_artifact(dtype_artifact(args, folder, dtype)), blocks, args.backend, False)
-        anchor.unquantized[dtype] = held_logits(runner, anchor.held, blocks)
-    return anchor.unquantized[dtype]
 
 
 def check_artifact(args: Namespace, artifact: Artifact, anchor: Anchor, kernels: bool
