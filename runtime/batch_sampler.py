@@ -146,7 +146,7 @@ def draw_tokens(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     first token whose cumulative probability reaches u; past the end (u above the rounded total),
     the last token with any probability, as `sampler.draw_token` walks back to it."""
     probs = torch.softmax(logits, dim=-1)
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)                  # as probs.double().cumsum(): one pass
     index = torch.searchsorted(cdf, u[:, None]).squeeze(1)                             # [N]
     vocab = logits.shape[1]
     last_kept = vocab - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)            # [N]
