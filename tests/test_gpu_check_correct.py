@@ -9,6 +9,7 @@ runner binds each op's function when it is built, so only the candidate carries 
 from __future__ import annotations
 
 import dataclasses
+from argparse import Namespace
 
 import pytest
 import torch
@@ -139,3 +140,35 @@ def test_greedy_forgives_a_near_tie_that_fp32_calls_close_and_flags_a_clear_miss
     candidate = Scripted([[[0.0, 1.0, 0.0]], [[0.0, 0.0, 1.0]]])
     clear = Scripted([[[1.0, 0.0, 0.0]], [[0.0, 0.0, 1.0]]])
     assert not greedy_against_anchor(candidate, clear, [[5, 6]], 2, 8, tie=0.05)[0]["ok"]
+
+
+def codes_off_by_one(original):
+    """A quantized GEMM that reads every int8 code one step high (a zero point off by one)."""
+    def wrong(x, a):
+        return original(type(x)({**x, "codes": x.codes.clamp(max=126) + 1}), a)
+    return wrong
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_quantized_gemm_planted_wrong_is_flagged_against_the_recipes_fp32_anchor(check, monkeypatch, planted):
+    """check_recipe itself, its candidate (the runner it asks for with graphs=None) reading every int8
+    code one step high where planted: the int8 recipe's own fp32 anchor shares the quantization, so
+    the bound stays within 4 units of fp16 at the logits' scale and the plant shows."""
+    args, anchor = Namespace(**vars(check[0])), check[1]
+    args.decode_steps, args.context, args.dtypes, args.copy_bandwidth = 1, 8, ["float16"], 1e10
+    build = parts.make_runner
+
+    def runner(args, artifact, blocks, backend, graphs):
+        if graphs is not None or not planted:
+            return build(args, artifact, blocks, backend, graphs)
+        record = OPS["qlinear"]
+        monkeypatch.setitem(OPS, "qlinear", dataclasses.replace(record, reference=codes_off_by_one(record.reference)))
+        try:
+            return build(args, artifact, blocks, backend, graphs)
+        finally:
+            monkeypatch.setitem(OPS, "qlinear", record)
+
+    monkeypatch.setattr(parts, "make_runner", runner)
+    out = parts.check_recipe(args, args.work / "model", anchor, "int8")
+    assert out["logits"]["ok"] is not planted and out["logits"]["bound"] < 4 * (anchor.logits[0].abs().max() / 1024)
+    assert out["quality"]["ok"] and (out["quality"]["kernels_delta_perplexity_percent"] == 0) is not planted
