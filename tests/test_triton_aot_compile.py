@@ -137,9 +137,10 @@ from planted import narrow_dot_kernel
 
 def gemm(dot_fp32):      # x [16, 64] @ w.T [64, 64] in bf16; the fp32 upcast is the interpreter's workaround
     x = torch.empty(16, 64, dtype=torch.bfloat16, device="meta")
-    _linear_kernel[(1,)](x, x, x, x, x, 16, 64, 64, 64, 1, 64, 1, 0, 0, 64, 1, 0.0, HAS_BIAS=False, HAS_RESIDUAL=False,
-                         SILU=False, GELU=False, GATED=False, SOFTCAP=False, DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32",
-                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=8)
+    _linear_kernel[(1,)](x, x, x, x, x, x, x, x, 16, 64, 64, 64, 1, 64, 1, 0, 0, 64, 1, 0, 0, 0.0, 0.0, HAS_BIAS=False,
+                         HAS_RESIDUAL=False, SILU=False, GELU=False, GATED=False, SOFTCAP=False, DOT_FP32=dot_fp32,
+                         INPUT_PRECISION="ieee" if dot_fp32 else "tf32", NORM=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                         GROUP_M=8)
 
 aot = AheadOfTime(GPUTarget(*SM90)).install()
 x = torch.empty(256, dtype=torch.bfloat16, device="meta")

@@ -6,6 +6,8 @@
                     norm as its prologue (merged by units.py's triton_units: norm_linear_triton);
                     qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
+  qkv group         [rmsnorm | add_rmsnorm ->] linear -> rope_kv_write (merged by triton_units):
+                    kernels/triton/qkv_rope.py, RoPE and the K/V write as the QKV GEMM's epilogue
   paged_attention / paged_decode_attention   kernels/triton/paged_{prefill,decode}_attention.py
   embedding / index_select                   kernels/triton/gather.py
   qembedding                                 kernels/triton/qembedding.py
@@ -184,6 +186,34 @@ def _rope_kv_write(unit: KernelUnit, node: Node) -> str:
     return _module(unit, imports, prelude, call, _pick(unit, node))
 
 
+def _qkv_rope(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
+    """The QKV GEMM (with its norm prologue or none) with RoPE + KV write as its epilogue."""
+    *front, gemm, rope = unit.nodes
+    prologue = front[0] if front else None
+    x, w, bias = _gemm_operands(unit, gemm, prologue)
+    r = Operands({k: _arg(unit, v) for k, v in operands_of(rope).items() if k != "qkv"})   # qkv: the GEMM's
+    a = rope.attrs
+    norm = ""
+    if prologue is not None:
+        n = _named(unit, prologue)
+        norm = f", norm_weight={n.weight}, eps={prologue.attrs['eps']!r}, norm_residual={n.get('residual', 'None')}"
+    call = (f"qkv_rope_triton({x}, {w}, {bias}, {r.positions}, {r.kv_cache}, {r.slot_mapping}, layer={a['layer']}, "
+            f"num_heads={a['num_heads']}, num_kv_heads={a['num_kv_heads']}, head_dim={a['head_dim']}, "
+            f"inv_freq=inv_freq, attention_factor={rope_attention_factor(a['scaling'])!r}{norm}, "
+            f"config=config_for({x}.shape[0]))")
+    index = {rope.value(0): "result[0]", rope.value(1): "result[1]"}
+    if prologue is not None and prologue.op == "add_rmsnorm":
+        index[prologue.value(1)] = "result[2]"
+    if any(v not in index for v in unit.outputs):
+        raise CodegenError(f"{unit.label}: a QKV GEMM with RoPE may only be read through the rope and the norm's sum")
+    imports = ["from llmc.kernels.rope import rope_inv_freq",
+               "from llmc.kernels.triton.qkv_rope import GemmConfig, qkv_rope_triton"]
+    prelude = [f"inv_freq = rope_inv_freq({a['head_dim']}, {a['theta']!r}, {a['scaling']!r}).to(device)"]
+    pairs, k = types[gemm.value()].shape[1] // 2, types[gemm.inputs[0]].shape[1]
+    return _module(unit, imports, prelude, call, [index[v] for v in unit.outputs],
+                   _gemm_configs(gemm, pairs, k, gated=True))
+
+
 def _attention(unit: KernelUnit, node: Node) -> str:
     a, args = node.attrs, ", ".join(_named(unit, node).values())   # q, kv_cache, block_tables, seq_lens[, qsl]
     kind = "decode" if node.op == "paged_decode_attention" else "prefill"
@@ -225,6 +255,8 @@ def unit_launches(unit: KernelUnit) -> int:
 def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
     """The kernel module of a template unit (see module docstring); CodegenError if none fits."""
     first = unit.nodes[0]
+    if len(unit.nodes) > 1 and unit.nodes[-1].op == "rope_kv_write":
+        return _qkv_rope(unit, types)
     if first.op in ("linear", "qlinear") or first.op in PROLOGUE_NORMS and len(unit.nodes) > 1:
         return _gemm(unit, types)
     if len(unit.nodes) != 1:

@@ -22,13 +22,20 @@ launch fewer times. A norm unit is merged where all of these hold, else it launc
     residual and the sum) start 16-aligned and loads them as vectors; at another width each element
     takes its own 64-bit address and the prologue spills registers on sm_90 (aot_compile: 760 to
     976 bytes a thread at width 72, none at 64, 128 or 576). Real models' hidden sizes qualify.
+Then each QKV GEMM unit (a float `linear`, its norm prologue or none, no epilogue) merged with the
+rope_kv_write unit launched right after it, as the epilogue of kernels/triton/qkv_rope.py, where
+the rope reads the packed qkv that only it reads, turns whole heads (no partial rotary), has no
+q/k norms (they need a whole head in one program) and writes a float cache (an int8 cache's
+per-row scale needs the same).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmc.compiler.dtypes import FLOAT_DTYPES
 from llmc.compiler.ir import Graph, Node, Value, format_node
+from llmc.compiler.ops import operands_of
 
 
 @dataclass(frozen=True)
@@ -98,36 +105,60 @@ PROLOGUE_NORMS = ("rmsnorm", "add_rmsnorm")
 ALIGNED_WIDTH = 16
 
 
-def _takes_norm_prologue(norm_unit: KernelUnit, gemm_unit: KernelUnit, graph: Graph,
+def _takes_norm_prologue(norm_nodes: list[Node], gemm_nodes: list[Node], graph: Graph,
                          readers: dict[Value, set[str]]) -> bool:
     """Whether the GEMM unit may take the norm unit as its prologue (module docstring's rules)."""
-    if len(norm_unit.nodes) != 1 or norm_unit.nodes[0].op not in PROLOGUE_NORMS:
+    if len(norm_nodes) != 1 or norm_nodes[0].op not in PROLOGUE_NORMS:
         return False
-    norm, gemm = norm_unit.nodes[0], gemm_unit.nodes[0]
+    norm, gemm = norm_nodes[0], gemm_nodes[0]
     normed = norm.value(0)
     width = norm.types[0].shape[-1]
     if gemm.op != "linear" or gemm.inputs[0] != normed or normed in graph.outputs or width % ALIGNED_WIDTH:
         return False
-    reads = [v for node in gemm_unit.nodes for v in node.inputs]
+    reads = [v for node in gemm_nodes for v in node.inputs]
     total = norm.value(1) if norm.op == "add_rmsnorm" else None
     return readers.get(normed) == {gemm.name} and reads.count(normed) == 1 and total not in reads
 
 
-def triton_units(graph: Graph) -> list[KernelUnit]:
-    """kernel_units with each norm unit that may be merged into the GEMM unit after it merged
-    (module docstring): the units the Triton target launches."""
-    readers = _readers(graph)
-    units = kernel_units(graph)
-    merged: list[list[Node]] = []
-    groups: list[int | None] = []
-    i = 0
-    while i < len(units):
-        if i + 1 < len(units) and _takes_norm_prologue(units[i], units[i + 1], graph, readers):
-            merged.append([*units[i].nodes, *units[i + 1].nodes])
-            groups.append(units[i + 1].group)
+def _takes_rope_epilogue(gemm_nodes: list[Node], rope_nodes: list[Node], graph: Graph,
+                         readers: dict[Value, set[str]]) -> bool:
+    """Whether the rope_kv_write unit may become the epilogue of the GEMM unit (module docstring)."""
+    gemm, rope = gemm_nodes[-1], rope_nodes[0]
+    if len(rope_nodes) != 1 or rope.op != "rope_kv_write" or gemm.op != "linear" or len(gemm_nodes) > 2:
+        return False
+    if len(gemm_nodes) == 2 and gemm_nodes[0].op not in PROLOGUE_NORMS:
+        return False
+    x, a = operands_of(rope), rope.attrs
+    if "qkv" not in x or x["qkv"] != gemm.value() or gemm.value() in graph.outputs:
+        return False
+    cache = graph.node_map()[x["kv_cache"].node].types[x["kv_cache"].index]
+    whole_turn = a.get("rotary_dim", a["head_dim"]) == a["head_dim"]
+    return (readers.get(gemm.value()) == {rope.name} and not a.get("qk_norm") and whole_turn
+            and cache.dtype in FLOAT_DTYPES and x["qkv"] not in (x["positions"], x["slot_mapping"]))
+
+
+def _merged(graph: Graph, parts: list[tuple[list[Node], int | None]], readers: dict[Value, set[str]],
+            rule) -> list[tuple[list[Node], int | None]]:
+    """`parts` (nodes, group) with each part that `rule(part, next part, graph, readers)` allows
+    merged with the next one (which keeps its group)."""
+    out, i = [], 0
+    while i < len(parts):
+        if i + 1 < len(parts) and rule(parts[i][0], parts[i + 1][0], graph, readers):
+            out.append(([*parts[i][0], *parts[i + 1][0]], parts[i + 1][1] if parts[i + 1][1] is not None
+                        else parts[i][1]))
             i += 2
         else:
-            merged.append(list(units[i].nodes))
-            groups.append(units[i].group)
+            out.append(parts[i])
             i += 1
-    return [_unit(graph, index, nodes, readers, group) for index, (nodes, group) in enumerate(zip(merged, groups))]
+    return out
+
+
+def triton_units(graph: Graph) -> list[KernelUnit]:
+    """kernel_units with each norm unit merged into the GEMM unit after it, then each QKV GEMM
+    unit with the rope_kv_write after it, where the rules allow (module docstring): the units the
+    Triton target launches."""
+    readers = _readers(graph)
+    parts = [(list(u.nodes), u.group) for u in kernel_units(graph)]
+    for rule in (_takes_norm_prologue, _takes_rope_epilogue):
+        parts = _merged(graph, parts, readers, rule)
+    return [_unit(graph, index, nodes, readers, group) for index, (nodes, group) in enumerate(parts)]

@@ -96,3 +96,42 @@ def test_a_graph_without_two_layers_has_no_launches_per_layer():
     graph = graph_of("norm_prologues", "f32")
     lowering = lower({graph.name: graph})
     assert lowering.launches(graph.name) == [1, 1, 1] and lowering.launches_per_layer(graph.name) is None
+
+
+# a decode step's QKV: a norm, the merged GEMM, RoPE + KV write; {extra}: the rope's attrs; {cache}: its type
+QKV = """
+    %x = input() : f32[S,64]
+    %positions = input() : i64[S]
+    %kv_cache = input() : {cache}
+    %slot_mapping = input() : i64[S]
+    %w.n = weight() : f32[64]
+    %w.qkv = weight() : f32[128,64]
+    %0 = rmsnorm(%x, %w.n, eps=1e-05) : f32[S,64]
+    %1 = linear(%0, %w.qkv) : f32[S,128]
+    %2 = rope_kv_write(%1, %positions, %kv_cache, %slot_mapping, layer=1, num_heads=4, num_kv_heads=2, head_dim=16, \
+theta=10000.0, scaling=None{extra}) : f32[S,64], {cache}
+    return %2, %2#1"""
+FLOAT_CACHE, INT8_CACHE = "f32[2,2,NB,2,BS,16]", "i8[2,2,NB,2,BS,20]"
+
+
+def test_the_qkv_gemm_takes_rope_and_the_kv_write_as_its_epilogue():
+    graph = grouped(QKV, cache=FLOAT_CACHE, extra="")
+    assert ops(triton_units(graph)) == ["rmsnorm+linear+rope_kv_write"]
+    lowering = lower({graph.name: graph})
+    source = lowering.modules[lowering.plan[graph.name][0]]
+    assert "qkv_rope_triton(in0, in2, None, in3, in4, in5, layer=1, num_heads=4, num_kv_heads=2" in source
+    assert "norm_weight=in1, eps=1e-05, norm_residual=None" in source and "return result[0], result[1]\n" in source
+
+
+@pytest.mark.parametrize("why,cache,extra", [
+    ("a partial rotary", FLOAT_CACHE, ", rotary_dim=8"),
+    ("an int8 cache", INT8_CACHE, ""),
+])
+def test_a_rope_the_epilogue_cannot_take_launches_on_its_own(why, cache, extra):
+    graph = grouped(QKV, cache=cache, extra=extra)
+    assert ops(triton_units(graph)) == ["rmsnorm+linear", "rope_kv_write"], why
+
+
+def test_a_qkv_read_by_another_op_keeps_its_rope_apart():
+    graph = grouped(QKV.replace("return %2, %2#1", "return %2, %2#1, %1"), cache=FLOAT_CACHE, extra="")
+    assert ops(triton_units(graph)) == ["rmsnorm+linear", "rope_kv_write"]
