@@ -169,6 +169,10 @@ def test_a_quantized_gemm_planted_wrong_is_flagged_against_the_recipes_fp32_anch
             monkeypatch.setitem(OPS, "qlinear", record)
 
     monkeypatch.setattr(parts, "make_runner", runner)
+    monkeypatch.setitem(parts.RECIPES, "int8", (parts.RECIPES["int8"][0], 0.0))   # a budget of 0: the kernels' share
     out = parts.check_recipe(args, args.work / "model", anchor, "int8")
     assert out["logits"]["ok"] is not planted and out["logits"]["bound"] < 4 * (anchor.logits[0].abs().max() / 1024)
-    assert out["quality"]["ok"] and (out["quality"]["kernels_delta_perplexity_percent"] == 0) is not planted
+    quality = out["quality"]
+    assert quality["ok"] is not planted and quality["delta_perplexity_percent"] != 0   # the recipe's own cost is not
+    assert quality["kernels_delta_perplexity_percent"] == quality["delta_perplexity_percent"] - \
+        quality["torch_delta_perplexity_percent"]
