@@ -47,11 +47,12 @@ TILES = {
     # 128 in all); over 4 warps the gated epilogue with bias and residual spilled (255 + 40-64 B).
     ("16", "16"): ((16, 64, 128, 4, 3), (None, 64, 64, 4, 3), (128, 128, 32, 8, 4)),
     # fp32 x and weight: IEEE fp32 dots are FMAs, whose operands a thread holds in registers over
-    # the whole K tile, so K tiles are short and prefill tiles small. Prefill 64 x 64 over 4 warps:
-    # 32 accumulator registers a thread (164 in all); 128 x 128 x 32 took 255 and spilled 280-328 B.
-    # Decode K 64: K 128 spilled 8 B gated. M <= 64: K 32 over 8 warps, 80-148 registers; 64 x 64 x 64
-    # over 4 warps spilled 4 B at M 37 (bias + silu + residual).
-    ("32", "32"): ((16, 64, 64, 4, 3), (None, 64, 32, 8, 3), (64, 64, 32, 4, 3)),
+    # the whole K tile, so K tiles are short and M tiles small. M > 16: 64 x 64 x 32 over 8 warps,
+    # 16 accumulator registers a thread (32 gated), 80-148 in all, the add + RMSNorm prologue's
+    # too; over 4 warps that prologue's gated GEMM spilled 20 B (at 168 registers), a 64 x 64 x 64
+    # tile 4 B at M 37, and the tutorial's 128 x 128 x 32 took 255 and spilled 280-328 B. Decode:
+    # K 64, as K 128 spilled 8 B gated.
+    ("32", "32"): ((16, 64, 64, 4, 3), (None, 64, 32, 8, 3), (64, 64, 32, 8, 3)),
     # fp16/bf16 x, int8 codes: the codes widen to x's dtype in registers before the dot, one
     # [block_k, block_n] tile more a thread holds (two when gated). Prefill 128 x 64 x 32 over 4
     # warps takes 198 registers (216 gated, 128 x 32); 128 x 128 spilled 144-288 B. M <= 64 over
