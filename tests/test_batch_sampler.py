@@ -155,7 +155,8 @@ def test_rows_with_different_top_k_match_the_reference():
 def test_rows_sampled_in_several_cpu_passes_match_the_reference(monkeypatch):
     """A CPU samples rows in passes that fit its cache (3 rows each here): results stay in row order."""
     monkeypatch.setattr(batch_sampler, "CPU_PASS_BYTES", 3 * 8 * VOCAB)
-    assert batch_sampler.rows_per_pass(torch.zeros(10, VOCAB)) == 3
+    sampled = [SamplingRow(SamplingParams(temperature=1.0), [1], [], 0.5)] * 10
+    assert batch_sampler.rows_per_pass(torch.zeros(10, VOCAB), sampled) == 3
     rng = random.Random(77)
     run_steps(rng, [random_params(rng, VOCAB) for _ in range(11)], steps=3, grammar=True)
 
