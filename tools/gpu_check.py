@@ -7,7 +7,8 @@ candidate backend (triton, with CUDA graphs) against the torch backend on the sa
 logits and greedy tokens, each judged against an fp32 anchor (tools/gpu_check_correct.py), decode
 step time with and without graphs, each kernel's device time and bandwidth against a
 device-to-device copy, the batch-1 step against the bytes it must read, the quantized recipes
-(int8, int4 weights, int8 KV) against the anchor within their quality budgets, and `llmc bench`
+(int8, int4 weights, int8 KV) against the recipe compiled in fp32, their kernels' share of the
+quality loss within the recipe's budget (tools/gpu_check_parts.py), and `llmc bench`
 against transformers (each baseline in a child process with a time limit). It prints one table
 last (tools/gpu_check_table.py) and writes JSON as each part completes (tools/gpu_check_run.py).
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except MissingPackage as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    import torch
+    import torch                                        # imported (and checked) just now: no part waits on one
 
     from .gpu_check_run import USER_ERRORS, llmc_log_on_stderr, run_check, save_json
     from .gpu_check_table import format_table

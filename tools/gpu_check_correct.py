@@ -4,7 +4,8 @@ Two low-precision runs differ by the sum of their errors, so a candidate compare
 backend in the same dtype fails on correct kernels: on the check's random model in fp16 torch
 alone is ~0.3 from fp32 in the logits, and a correct Triton run as far on another side. So each
 backend is compared with the anchor instead: the torch backend in fp32 on the same device, the
-same source compiled in fp32, the same prompts and forced tokens.
+same source compiled in fp32 (for a quantized recipe, the same recipe in fp32), the same prompts
+and forced tokens.
 
   logits   error = max |logit - anchor's| over a prefill of the prompts and the forced decode steps.
            Pass when  error(candidate) <= FACTOR x error(torch, same artifact) + floor,
@@ -15,7 +16,10 @@ same source compiled in fp32, the same prompts and forced tokens.
            in fp32, in other orders, so their errors are the same kind and size, and the largest of
            tens of thousands stays well within 2x of the other's; an op wrong by a few units of the
            dtype throughout the model moves the logits by more (tests/test_gpu_check_correct.py plants
-           such bugs and sees them flagged). In fp32 the rule is the floor alone: a correct kernel
+           add_rmsnorm x (1 + 4 eps), every linear with the LM head x (1 - 4 eps), an int8 GEMM reading
+           its codes one step high, and sees each flagged; a 4-eps scale on a 2-layer model's inner
+           GEMMs alone moves its logits ~2 units of fp16 and passes, a 16-eps one is flagged). In
+           fp32 the rule is the floor alone: a correct kernel
            that sums a long row in another order can exceed it there, which the table then shows as
            a finding about fp32 exactness, not a verdict on the half-precision kernels.
   greedy   the candidate decodes greedily; the anchor reads the tokens it picked. A step is off when
@@ -26,9 +30,9 @@ same source compiled in fp32, the same prompts and forced tokens.
   quality  (quantized recipes) as `llmc eval` measures a recipe (tools/quality.py): the first
            HELD_TOKENS tokens of its held text (Python's help topics) in one prefill with logits at
            every position, each predicting the next token; perplexity against the anchor's, mean
-           KL(anchor || run) and top-1 agreement. The recipe's budget bounds |delta perplexity| in
-           percent. On random weights the perplexities are near the vocabulary's size, but what the
-           recipe and its kernels do to the distribution shows the same way.
+           KL(anchor || run) and top-1 agreement. On random weights the perplexities are near the
+           vocabulary's size, but what a recipe and its kernels do to the distribution shows the
+           same way (gpu_check_parts says which share of it a recipe's budget bounds).
 """
 
 from __future__ import annotations
