@@ -79,16 +79,13 @@ def test_a_near_miss_launches_the_norm_on_its_own(why, width, extra, returns):
     assert any(u.nodes[0].op == "add_rmsnorm" and len(u.nodes) == 1 for u in triton_units(graph)), why
 
 
-def test_a_quantized_gemm_takes_no_prologue():
-    graph = grouped("""
-        %x = input() : f32[T,64]
-        %w.n = weight() : f32[64]
-        %w.p.codes = weight() : i8[40,64]
-        %w.p.scales = weight() : f16[40,1]
-        %0 = rmsnorm(%x, %w.n, eps=1e-05) : f32[T,64]
-        %1 = qlinear(%0, %w.p.codes, %w.p.scales, bits=8, group_size=64) : f32[T,40]
-        return %1""")
-    assert ops(triton_units(graph)) == ["rmsnorm", "qlinear"]
+def test_a_quantized_gemm_takes_neither_the_norm_nor_the_rope():
+    """qgemm.py has no prologue and no RoPE epilogue: the norm and the rope launch on their own."""
+    graph = grouped(QKV.replace("%w.qkv = weight() : f32[128,64]", "%w.qkv.codes = weight() : i8[128,64]\n"
+                                "    %w.qkv.scales = weight() : f16[128,1]")
+                    .replace("linear(%0, %w.qkv)", "qlinear(%0, %w.qkv.codes, %w.qkv.scales, bits=8, group_size=64)"),
+                    cache=FLOAT_CACHE, extra="")
+    assert ops(triton_units(graph)) == ["rmsnorm", "qlinear", "rope_kv_write"]
 
 
 def test_a_graph_without_two_layers_has_no_launches_per_layer():

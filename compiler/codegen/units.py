@@ -15,7 +15,8 @@ units fuse differently, and are checked on their own) stay as they are; only the
 launch fewer times. A norm unit is merged where all of these hold, else it launches on its own:
   - it is one rmsnorm or add_rmsnorm node, launched right before the GEMM unit;
   - that unit starts with a float `linear` whose x is the normed row (the int8/int4 template,
-    qgemm.py, has no prologue: its int4 tile reads x as two gathers of nibble positions);
+    qgemm.py, takes no prologue: with it, its int8 and Q8_0 prefill tiles spilled registers on
+    sm_90, 4 to 72 bytes a thread under aot_compile, and no one launch config fixed every bucket);
   - nothing else reads the normed row (it is never stored), and no node of the GEMM unit reads
     add_rmsnorm's sum (the pid_n == 0 programs write it while the others run);
   - the row's width is a multiple of ALIGNED_WIDTH (16): Triton then knows the rows (of x, the

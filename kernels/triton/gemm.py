@@ -262,18 +262,24 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tens
                        **options) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launcher of the GEMM with the RMSNorm prologue (module docstring): (y, h), h = x +
     norm_residual in x's dtype, or None without norm_residual. `options`: linear_triton's."""
-    K = x.shape[-1]
-    _check_operand("norm_weight", norm_weight, (K,), x)
-    if norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be contiguous; got stride {norm_weight.stride()}")
-    h = None
-    if norm_residual is not None:
-        _check_operand("norm_residual", norm_residual, tuple(x.shape), x)
-        if norm_residual.dim() != 2 or norm_residual.stride(1) != 1:
-            raise ValueError(f"norm_residual must have contiguous rows; got strides {norm_residual.stride()}")
-        h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y = linear_triton(x, w, bias, residual, norm=RowNorm(norm_weight, eps, norm_residual, h), **options)
-    return y, h
+    norm = row_norm(x, norm_weight, eps, norm_residual)
+    return linear_triton(x, w, bias, residual, norm=norm, **options), norm.sum_out
+
+
+def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> RowNorm:
+    """The prologue's RowNorm for x [M, K] after checking its operands (ValueError naming the bad
+    one), with a fresh sum_out [M, K] where there is a residual (add_rmsnorm)."""
+    if x.dim() != 2:
+        raise ValueError(f"the norm prologue takes x [M, K]; got {tuple(x.shape)}")
+    _check_operand("norm_weight", weight, (x.shape[1],), x)
+    if weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous; got stride {weight.stride()}")
+    if residual is None:
+        return RowNorm(weight, eps)
+    _check_operand("norm_residual", residual, tuple(x.shape), x)
+    if residual.stride(1) != 1:
+        raise ValueError(f"norm_residual must have contiguous rows; got strides {residual.stride()}")
+    return RowNorm(weight, eps, residual, torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def check_softcap(softcap: float) -> None:

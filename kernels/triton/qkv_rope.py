@@ -35,7 +35,7 @@ from llmc.compiler.codegen.gemm_configs import GemmConfig, pick_config
 from llmc.compiler.dtypes import from_torch
 
 from ..rope_kv_write import rope_kv_write_ref
-from .gemm import DTYPES, RowNorm, dot_acc, grouped_tile, linear_epilogue_ref, norm_linear_ref, norm_prologue
+from .gemm import DTYPES, dot_acc, grouped_tile, linear_epilogue_ref, norm_linear_ref, norm_prologue, row_norm
 
 __all__ = ["qkv_rope_ref", "qkv_rope_triton"]
 
@@ -153,7 +153,9 @@ def qkv_rope_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     devices only, launches one program per tile of column pairs; (q_rot, kv_cache[, h])."""
     _check_qkv_rope(x, w, bias, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim,
                     inv_freq)
-    norm = _norm(x, norm_weight, eps, norm_residual)
+    if norm_weight is None and norm_residual is not None:
+        raise ValueError("norm_residual needs norm_weight (add_rmsnorm's weight); got none")
+    norm = None if norm_weight is None else row_norm(x, norm_weight, eps, norm_residual)
     M, K = x.shape
     q_out = torch.empty(M, num_heads * head_dim, dtype=x.dtype, device=x.device)
     pairs = w.shape[0] // 2
@@ -175,22 +177,6 @@ def qkv_rope_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     if norm is not None and norm.kind == 2:
         return q_out, kv_cache, norm.sum_out
     return q_out, kv_cache
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> RowNorm | None:
-    """The prologue's RowNorm, after checking its operands as gemm.py's norm_linear_triton does."""
-    if weight is None:
-        if residual is not None:
-            raise ValueError("norm_residual needs norm_weight (add_rmsnorm's weight); got none")
-        return None
-    if tuple(weight.shape) != (x.shape[1],) or weight.dtype != x.dtype or weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be a contiguous [{x.shape[1]}] {x.dtype}; got {tuple(weight.shape)} "
-                         f"{weight.dtype} strides {weight.stride()}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"norm_residual must be {list(x.shape)} {x.dtype} with contiguous rows; got "
-                         f"{list(residual.shape)} {residual.dtype} strides {residual.stride()}")
-    total = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return RowNorm(weight, eps, residual, total)
 
 
 def _check_qkv_rope(x, w, bias, positions, kv_cache, slot_mapping, layer, num_heads, num_kv_heads, head_dim,
