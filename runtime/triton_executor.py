@@ -17,7 +17,8 @@ from types import ModuleType
 
 import torch
 
-from llmc.compiler.codegen import Lowering, import_kernel_module, lower
+from llmc.compiler.codegen import KernelUnit, Lowering, import_kernel_module, lower
+from llmc.compiler.codegen.units import PROLOGUE_NORMS
 from llmc.compiler.ops import OPS
 
 from .artifact import KERNELS_DIR, Artifact, ArtifactError
@@ -40,6 +41,13 @@ def load_kernel_modules(artifact: Artifact, lowering: Lowering) -> dict[str, Mod
                                 "IR; recompile it with `llmc compile --target cuda`")
         modules[name] = import_kernel_module(path, name)
     return modules
+
+
+def unit_kind(unit: KernelUnit) -> str:
+    """The op kind a profile files the unit's launch under: its first op's, past a norm that codegen
+    merged into a GEMM as its prologue (units.py triton_units), so a norm + GEMM unit counts as a GEMM."""
+    nodes = [n for n in unit.nodes if n.op not in PROLOGUE_NORMS] or list(unit.nodes)
+    return OPS[nodes[0].op].kind
 
 
 def _launch(launcher):
@@ -86,8 +94,7 @@ class TritonExecutor(Executor):
         self.lowering = lowering
         self.programs = {
             entry: SlotProgram(graph, weights, [
-                LaunchSpec(_launch(launchers[module]), {}, unit.inputs, unit.outputs, module,
-                           OPS[unit.nodes[0].op].kind)
+                LaunchSpec(_launch(launchers[module]), {}, unit.inputs, unit.outputs, module, unit_kind(unit))
                 for unit, module in zip(lowering.units[entry], lowering.plan[entry])])
             for entry, graph in artifact.graphs.items()}
         self.graph_runs = {entry: GraphRun(entry, False, "the triton backend launches one kernel per fusion unit")

@@ -132,3 +132,13 @@ def test_a_rope_the_epilogue_cannot_take_launches_on_its_own(why, cache, extra):
 def test_a_qkv_read_by_another_op_keeps_its_rope_apart():
     graph = grouped(QKV.replace("return %2, %2#1", "return %2, %2#1, %1"), cache=FLOAT_CACHE, extra="")
     assert ops(triton_units(graph)) == ["rmsnorm+linear", "rope_kv_write"]
+
+
+def test_a_profile_files_a_norm_and_gemm_unit_under_gemm():
+    """The triton executor's launch kind (llmc profile's GEMM/GEMV column) is the GEMM's, not the merged norm's."""
+    from llmc.runtime.triton_executor import unit_kind
+
+    merged = triton_units(grouped(QKV, cache=FLOAT_CACHE, extra=""))
+    alone = triton_units(grouped(QKV, cache=FLOAT_CACHE, extra=", rotary_dim=8"))
+    assert [unit_kind(u) for u in merged] == ["gemm"]
+    assert [unit_kind(u) for u in alone] == ["gemm", "data_movement"]          # rmsnorm+linear, rope_kv_write
