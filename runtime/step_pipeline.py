@@ -43,7 +43,7 @@ class PlannedStep:
 @dataclass
 class LaunchedStep:
     planned: PlannedStep
-    result: Future                   # (logit rows [R, vocab] fp32 on the host, seconds the forward took)
+    result: Future                   # (logit rows [R, vocab] fp32 on the runner's device, seconds the forward took)
 
 
 def run_on(worker: ThreadPoolExecutor | None, fn, *args) -> Future:

@@ -134,7 +134,7 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     """One decode step as a serving engine runs it (no per-launch timing), then a greedy pick; its seconds."""
     start = time.perf_counter()
-    logits = engine.runner.run("decode", build_step_inputs(chunks, engine.blocks))
+    logits = engine.runner.run_on_device("decode", build_step_inputs(chunks, engine.blocks))
     for c in chunks:
         c.seq.num_computed = c.end
     on_token(int(logits[-1].argmax()))
