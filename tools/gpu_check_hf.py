@@ -72,13 +72,13 @@ def hf_baseline(artifact_path: Path, requests: list[BenchRequest], mode: str, ar
     spec.write_text(json.dumps({"artifact": str(artifact_path), "device": args.device, "mode": mode,
                                 "stall_seconds": args.hf_timeout, "requests": [asdict(r) for r in requests]}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}   # llmc as this process finds it
-    child = subprocess.Popen(child_command(spec, result), stderr=subprocess.PIPE, text=True, env=env,
-                             start_new_session=True)
+    child = subprocess.Popen(child_command(spec, result), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=env, start_new_session=True)     # its own group: killed whole
     try:
         _, err = child.communicate(timeout=args.hf_timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
-        child.communicate()
+        sys.stderr.write(child.communicate()[1])
         return {"error": f"timed out after {args.hf_timeout:g} s (--hf-timeout); the child was killed"}
     sys.stderr.write(err)
     if child.returncode != 0 or not result.is_file():
