@@ -31,7 +31,6 @@ from llmc.runtime.engine import Engine, EngineConfig
 from .bench import BenchRequest, Workload, parse_range, run_llmc
 from .bench_hf import load_hf_model, run_hf_continuous, run_hf_static
 
-MODES = ("static", "continuous")
 STDERR_TAIL = 300                  # characters of a failed child's stderr kept in its error
 
 
