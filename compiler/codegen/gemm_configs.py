@@ -45,7 +45,8 @@ TILES = {
     # fp16/bf16 x, float weight: tensor-core dots (wgmma) read both operands from shared memory.
     # Prefill 128 x 128 over 8 warps: 64 accumulator registers a thread (two 128 x 64 when gated:
     # 128 in all); over 4 warps the gated epilogue with bias and residual spilled (255 + 40-64 B).
-    ("16", "16"): ((16, 64, 128, 4, 3), (None, 64, 64, 4, 3), (128, 128, 32, 8, 4)),
+    # M <= 64: K 32, as with K 64 the add + RMSNorm prologue's gated GEMM spilled 8 B at M 24.
+    ("16", "16"): ((16, 64, 128, 4, 3), (None, 64, 32, 4, 3), (128, 128, 32, 8, 4)),
     # fp32 x and weight: IEEE fp32 dots are FMAs, whose operands a thread holds in registers over
     # the whole K tile, so K tiles are short and M tiles small. M > 16: 64 x 64 x 32 over 8 warps,
     # 16 accumulator registers a thread (32 gated), 80-148 in all, the add + RMSNorm prologue's

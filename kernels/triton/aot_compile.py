@@ -326,6 +326,8 @@ def tile_cases() -> Iterator[Case]:
     dtypes = tuple(DTYPES)
     yield from gemm_cases(dtypes, TILE_M, HEAVIEST)
     yield from gemm_cases(dtypes, (1, 200), HEAVIEST, UNALIGNED_K)
+    yield from norm_gemm_cases(dtypes, TILE_M)
+    yield from qkv_rope_cases(dtypes, TILE_M)
     yield from qgemm_cases(dtypes, TILE_M, WEIGHT_FORMATS, HEAVIEST)
     yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES)
     yield from attention_cases(dtypes, (5,), HEAD_SHAPES)
