@@ -13,7 +13,7 @@ multiple of 16; then the generated kernels of tiny Llama artifacts: fp32 (the CL
 dtype), int8 weights with an int8 KV cache (bf16), int4 weights and embeddings with an int8 KV
 cache (fp16). Two child processes share the cases (CI machines have two cores). Every M
 specialization of every bucket, and every epilogue, is the slow sweep's
-(tests/test_triton_aot_compile.py). ~60-90 s with a cold Triton cache on two busy cores, ~15 s warm.
+(tests/test_triton_aot_compile.py). ~95 s with a cold Triton cache on two busy cores, ~20 s warm.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def compile_in_shards(*argv: str) -> list[tuple[str, ...]]:
     """aot_compile `argv` in SHARDS child processes at once; each compile's (status, case, kernel,
     registers, spilled, local, shared), after asserting every child ran and every compile is OK."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    children = [subprocess.Popen([sys.executable, "-m", "llmc.kernels.triton.aot_compile", *argv, f"--shard={i}/{SHARDS}"],
-                                 env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for i in range(SHARDS)]
+    command = [sys.executable, "-m", "llmc.kernels.triton.aot_compile", *argv]
+    children = [subprocess.Popen([*command, f"--shard={i}/{SHARDS}"], env=env, cwd=REPO, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(SHARDS)]
     outputs = [child.communicate(timeout=900) for child in children]
     stdout = "".join(out for out, _ in outputs)
     done = [tuple(s.strip() if i == 0 else s for i, s in enumerate(row)) for row in RESOURCES.findall(stdout)]
@@ -115,7 +115,8 @@ def test_a_spilling_or_oversized_config_fails():
     assert compiled(run.stdout) == [("FAIL", "fp32 tutorial tile", "_linear_kernel"),
                                     ("FAIL", "bf16 six stages of 256 x 256 x 64", "_linear_kernel"),
                                     ("OK", "fp32 picked", "_linear_kernel")], run.stdout
-    spilled = re.search(r"ptxas spills (\d+) bytes a thread of registers to local memory at (\d+) registers", run.stdout)
+    spilled = re.search(r"ptxas spills (\d+) bytes a thread of registers to local memory at (\d+) registers",
+                        run.stdout)
     assert spilled and int(spilled.group(1)) > 0 and int(spilled.group(2)) == 255, run.stdout
     shared = re.search(r"out of resource: shared memory, Required: (\d+), Hardware limit: (\d+)", run.stdout)
     assert shared and int(shared.group(1)) == 6 * (256 * 64 + 64 * 256) * 2 and int(shared.group(2)) == 232448, \

@@ -1,5 +1,5 @@
-"""Compile every Triton kernel for a GPU on a machine without one:
-`python -m llmc.kernels.triton.aot_compile [--quick] [ARTIFACT ...]`.
+"""Compile every Triton kernel for a GPU on a machine without one, and check it fits the GPU:
+`python -m llmc.kernels.triton.aot_compile [--quick | --tiles] [--shard=I/N] [ARTIFACT ...]`.
 
 Triton's interpreter runs any shapes and types numpy accepts, so a kernel that passes every
 interpreter test can still fail to compile for a GPU (a dot below 16 on K, a broadcast the IR
@@ -7,28 +7,38 @@ rejects, a pointer cast, a dtype a GPU op does not take), and the interpreter's 
 so the bf16 tests take fp32 dots on CPU tensors and the GPU's bf16 path runs nowhere here.
 
 How: the launchers themselves run, on tensors of the `meta` device (shapes, dtypes and strides, no
-memory), while Triton's driver is one that names an sm_90 GPU (H100/H200) and launches nothing.
-Every `kernel[grid](...)` then goes through Triton's own argument specialization (pointer dtypes,
-16-byte divisibility, ints equal to 1) and its first-call compile, TTIR -> TTGIR -> LLVM -> PTX ->
-cubin with the wheel's own ptxas, with the launcher's own choices: block sizes per M bucket,
-num_warps and num_stages, and tensor-core dots for bf16 and fp16 (the launchers upcast bf16 on CPU
-tensors only). What is compiled is what a GPU step compiles first; a kernel already compiled for
-the same specialization is compiled once.
+memory), while Triton's driver is one that names an sm_90 GPU (H100/H200) and launches nothing
+(sm90_target.py). Every `kernel[grid](...)` then goes through Triton's own argument specialization
+(pointer dtypes, 16-byte divisibility, ints equal to 1) and its first-call compile, TTIR -> TTGIR
+-> LLVM -> PTX -> cubin with the wheel's own ptxas, with the launcher's own choices: block sizes
+per M bucket, dtype and weight format, num_warps and num_stages, and tensor-core dots for bf16
+and fp16 (the launchers upcast bf16 on CPU tensors only). What is compiled is what a GPU step
+compiles first; a kernel already compiled for the same specialization is compiled once.
 
-Cases: every template in fp16 and bf16 (fp32 too unless --quick), at SmolLM2-135M's sizes: the
-GEMM with each epilogue on the decode and the prefill tile (and two on the tiles between), the
-dequantizing GEMM for every weight format at each of pick_config's M buckets, the RoPE + KV write,
-paged decode (both stages) and prefill attention over a float and an int8 cache, with a head_dim
-that is a power of two and one that is not, the row gather and the quantized gather; --quick keeps
-one or two of each. Each ARTIFACT (compiled with `llmc compile --target cuda`) adds every kernel
-its generated modules launch in prefill and decode steps of several sizes (compiler/codegen/aot.py;
---quick: one of each). Each compile prints OK or FAIL, then a count by dtype; the exit status is
-the number of failures. Two checks read the PTX: the int8 KV writer divides with div.rn.f32 only
-(rounding as torch does), and the GEMMs' and attention's fp16/bf16 dots are tensor-core
-instructions on fp16/bf16 operands (mma.sync, or wgmma on sm_90), not fp32 FMAs. It must run
-without TRITON_INTERPRET=1 (the kernels are decorated as interpreted functions otherwise), and it
-changes Triton's driver for the rest of the process.
-It proves compilation only, not numbers or speed: those need the GPU tests.
+Resources: each compiled kernel is loaded as on a GPU (Triton's CompiledKernel._init_handles, the
+stand-in driver answering from the cubin), and its line shows Triton's n_regs, its local memory
+(4 * n_spills), the bytes of it that ptxas -v counts as register spills, and metadata.shared. A
+spill, or shared memory over sm_90's 227 KiB a block (Triton's own OutOfResources), FAILs like a
+compile error; local memory that is no spill (sin/cos's range reduction keeps a 28-byte array
+there) passes.
+
+Cases: every template in fp16, bf16 and fp32 at SmolLM2-135M's sizes: the GEMM with each epilogue
+on the decode and the prefill tile, and with the heaviest epilogues at every M specialization of
+every bucket of pick_config (and a K that is not a multiple of 16), the GEMM with its RMSNorm
+prologue and the QKV GEMM with RoPE + KV write, the dequantizing GEMM for every weight format
+likewise, the RoPE + KV write, paged decode (both stages) and prefill attention over a float and
+an int8 cache, with a head_dim that is a power of two and one that is not, the row gather and the
+quantized gather. --quick keeps fp16 and bf16, one or two of each; --tiles (tile_cases) each
+template's launch configs once per dtype, weight format and cache. Each ARTIFACT (compiled with
+`llmc compile --target cuda`) adds every kernel its generated modules launch in prefill and decode
+steps (compiler/codegen/aot.py: every M bucket; --quick one step of each; --tiles the prefill and
+decode tiles). --shard=I/N takes every N-th case from the I-th, for N processes at once. Each
+compile prints OK or FAIL, then a count by dtype; the exit status is the number of failures. Two
+checks read the PTX: the int8 KV writer divides with div.rn.f32 only (rounding as torch does), and
+the GEMMs' and attention's fp16/bf16 dots are tensor-core instructions on fp16/bf16 operands
+(mma.sync, or wgmma on sm_90), not fp32 FMAs. It must run without TRITON_INTERPRET=1 (the kernels
+are decorated as interpreted functions otherwise), and it changes Triton's driver for the rest of
+the process. It proves compilation and fit only, not numbers or speed: those need the GPU tests.
 """
 
 from __future__ import annotations
