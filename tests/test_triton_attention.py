@@ -115,6 +115,22 @@ def test_decode_in_one_split_matches_ref(dtype, lens, block_size):
     assert_attention_close(got, want, exact, dtype, max(lens))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_in_one_split_writes_the_output_itself(dtype, monkeypatch):
+    """One split: stage 1 normalises and writes out (no merge launch), a padding row comes out zero."""
+    import llmc.kernels.triton.paged_decode_attention as attention
+
+    merges = []
+    launch = attention._decode_merge_kernel.__getitem__
+    monkeypatch.setattr(attention, "_decode_merge_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: merges.append(grid) or launch(grid)})())
+    lens = [0, 45, 3]
+    assert decode_splits(len(lens), 2, 48)[0] == 1
+    got, want, exact = decode_case(lens, 6, 2, 64, dtype)
+    assert merges == [] and got[0].eq(0).all()
+    assert_attention_close(got[[1, 2]], want, exact, dtype, max(lens))
+
+
 def test_decode_splits_come_from_shapes_and_cover_the_context():
     for seqs, kv_heads, context in [(1, 1, 16), (1, 8, 4096), (256, 8, 4096), (3, 2, 304), (1, 1, 10**6)]:
         splits, split_len = decode_splits(seqs, kv_heads, context)

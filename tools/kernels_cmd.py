@@ -3,7 +3,8 @@
 Without --group: one line per kernel unit of the graph (its group, its ops, the Triton module it
 launches, and how many kernels where more than one) where the artifact has Triton kernels (cuda
 target), the step's kernel launches in all and a layer's (from one layer's attention unit to the
-next's: what CUDA graphs replay per layer), then one line per CPU unit (its group, its ops, the
+next's: what CUDA graphs replay per layer; the most a step launches: decode attention skips its
+merge stage where one split covers the context), then one line per CPU unit (its group, its ops, the
 generated C++ function it calls, or `template` for a hand-written kernel), and how many distinct
 modules and functions there are. With --group N: that group's IR lines
 and the source of its Triton module and of its C++ functions, as the artifact stores them.
@@ -42,7 +43,7 @@ def _list(art: Artifact, graph: str, cpu: CpuLowering) -> None:
         lowering = lower(art.graphs)
         launches = lowering.launches(graph)
         for unit, module, n in zip(lowering.units[graph], lowering.plan[graph], launches):
-            typer.echo(f"unit {unit.index:>4}  {_where(unit)}  {'+'.join(n.op for n in unit.nodes):<28} {module}"
+            typer.echo(f"unit {unit.index:>4}  {_where(unit)}  {'+'.join(n.op for n in unit.nodes):<34} {module}"
                        + (f"  ({n} launches)" if n > 1 else ""))
         typer.echo(f"{len(lowering.plan[graph])} units launch {len(set(lowering.plan[graph]))} distinct kernel modules "
                    f"(in {art.path / KERNELS_DIR})")

@@ -243,7 +243,8 @@ TEMPLATES = {"rope_kv_write": _rope_kv_write, "paged_attention": _attention, "pa
              "embedding": _gather, "index_select": _gather, "qembedding": _qembedding}
 TEMPLATE_OPS = ("linear", "qlinear", *TEMPLATES)
 # kernel launches of a unit that starts with the op where it is more than one: decode attention's
-# split and merge stages (kernels/triton/paged_decode_attention.py)
+# split and merge stages (kernels/triton/paged_decode_attention.py; one launch where a single split
+# covers the context, a choice from the step's shapes, so the count here is the most a step launches)
 TEMPLATE_LAUNCHES = {"paged_decode_attention": 2}
 
 

@@ -16,6 +16,10 @@ Tiling:
            window, reads nothing and writes acc 0, max -inf, sum 0).
   stage 2  grid (S, H): rescales each split by exp2(max_j - max), sums, divides by the total
            exp-sum (0 for an empty sequence: divides by 1 instead and writes zeros).
+  one split  where `decode_splits` gives one (a large batch fills the GPU, or the block table is
+           short), stage 1 divides by its own exp-sum and writes the output itself (SINGLE): the
+           merge of one split is that division (weight exp2(max - max) = 1), so the result is the
+           same and the step launches one kernel, not two. The choice is the shapes' (no sync).
 Split rule (`decode_splits`), from shapes only so nothing syncs with the device and the launch
 can be captured in a CUDA graph: the most context any row may have is MB * BS (block table
 width times block size); use enough splits to put ~TARGET_PROGRAMS programs in flight, no more
@@ -61,9 +65,12 @@ def _decode_split_kernel(
     part_acc_ptr,     # [S, H, splits, D_PAD] fp32 out: unnormalised sum of p * v per split
     part_max_ptr,     # [S, H, splits] fp32 out: the split's max score (log2 domain)
     part_sum_ptr,     # [S, H, splits] fp32 out: sum of exp2(score - max) over the split
+    out_ptr,          # [S, H * D] out, q's dtype (row stride stride_out): written instead if SINGLE
     qk_scale, window, softcap_log2, split_len, stride_q, stride_table, stride_block, stride_head, stride_offset,
+    stride_out,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     D_PAD: tl.constexpr, TILE: tl.constexpr, KV_INT8: tl.constexpr, SOFTCAP: tl.constexpr,
+    SINGLE: tl.constexpr,  # one split: normalise and write out (module docstring)
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads, num_splits = GROUP * tl.num_programs(1), tl.num_programs(2)
@@ -89,10 +96,15 @@ def _decode_split_kernel(
         k, v = k.to(q.dtype), v.to(q.dtype)                                           # no-op for a float cache
         m, l, acc = online_softmax_step(q, k, v, key_mask[None, :], m, l, acc, qk_scale, softcap_log2, SOFTCAP)
 
-    part = (seq * num_heads + heads) * num_splits + split                            # [BLOCK_G]
-    tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
-    tl.store(part_max_ptr + part, m, mask=row_mask)
-    tl.store(part_sum_ptr + part, l, mask=row_mask)
+    if SINGLE:                                                                        # the merge of one split
+        o = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_out + heads[:, None] * HEAD_DIM + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        part = (seq * num_heads + heads) * num_splits + split                        # [BLOCK_G]
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_max_ptr + part, m, mask=row_mask)
+        tl.store(part_sum_ptr + part, l, mask=row_mask)
 
 
 @triton.jit
@@ -139,12 +151,14 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block
     part_sum = torch.empty_like(part_max)
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]                       # [NB, KVH, BS, D]
     _decode_split_kernel[(shape.num_seqs, shape.kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum,
+        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_max, part_sum, out,
         qk_scale(scale), window, softcap_log2, split_len, q.stride(0), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), SINGLE=num_splits == 1,
         GROUP=shape.group, HEAD_DIM=shape.head_dim, BLOCK_SIZE=shape.block_size,
         BLOCK_G=max(16, triton.next_power_of_2(shape.group)), D_PAD=d_pad,
         KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0, **split_config(q.dtype))
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(shape.num_seqs, shape.heads)](
         part_acc, part_max, part_sum, out, num_splits, out.stride(0),
         HEAD_DIM=shape.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
