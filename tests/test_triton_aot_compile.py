@@ -7,10 +7,13 @@ with the arguments a GPU step gives it. That catches what the interpreter lets t
 operand types and sizes, broadcasts, pointer casts), and it is the only check of the bf16 GPU path
 on a CPU: the interpreter's bf16 dot is wrong, so the interpreted tests give bf16 fp32 dots.
 Each check runs in a child process because conftest puts this one's Triton in interpreter mode.
-Two checks read the PTX: the int8 KV writer's exact division, and fp16/bf16 dots on tensor cores.
+Two checks read the PTX: the int8 KV writer's exact division, and fp16/bf16 dots on tensor cores;
+and every compile is loaded as on a GPU, failing on a register spill or shared memory over 227 KiB
+(tests/test_triton_spills.py tests that check on its own).
 Default: one or two shapes of each template and a tiny model's kernels, in bf16 and fp16, and two
 planted bugs (~40-70 s with a cold Triton cache on two busy cores, ~10 s warm); `slow`: every
-shape, fp32 too, and six tiny artifacts (338 compiles, ~7 minutes cold, ~10 s warm).
+shape, fp32 too, every M specialization of every GEMM tile, and six tiny artifacts (about 570
+compiles, ~4 minutes cold, ~30 s warm).
 """
 
 from __future__ import annotations
