@@ -27,6 +27,19 @@ rounds at another point (the normed row, then its product with the weight, `rmsn
 fp16/bf16 the two differ by about one rounding of the operand per term: the same size as the
 unfused path's own error against exact arithmetic, which is what the tests bound. The programs of
 the first column tile (pid_n == 0) write h; K is the norm's width.
+Decode attention's merge prologue (`merge_linear_triton`: the O projection after split decode
+attention, kernels/triton/paged_decode_attention.py): A[m, h * D + d] = sum_j w_j acc_j[d] /
+sum_j w_j sum_j, w_j = exp2(max_j - max_j' max_j') over the splits j of row m's head h, stage 2's
+arithmetic (an empty sequence: divide by 1, zeros), formed per K tile in fp32 from a [BLOCK_M,
+SPLITS, BLOCK_K] tile of the workspace reduced over the splits, then rounded to w's dtype as the
+unfused path rounds the attention output: one launch less a layer. The K tile lies in one head
+(BLOCK_K divides D: the config's K tile, capped at the largest power of two dividing D and at
+MERGE_TILE values in the 3-D tile). Every column-tile program merges its rows again: for
+SmolLM2-135M's O projection (576 x 576, 9 heads of 64, N / BLOCK_N = 9 column tiles) at S = 1 (16
+splits) a program re-reads 1 x 9 x 16 x 64 x 4 B = 36 KiB of acc, half the 72 KiB fp16 weight tile
+(64 x 576) it streams; at S = 16 (6 splits) 216 KiB, three times the tile, read from L2 (stage 1
+wrote it just before) where the weight comes from HBM. From 88 sequences on one split covers the
+context: stage 1 writes the output and the GEMM has no prologue.
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
 fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
 code generator calls it at compile time): BLOCK_M 16 for decode-sized M, larger tiles for
@@ -37,6 +50,7 @@ tensors, because Triton's interpreter computes bf16 dots wrongly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +61,11 @@ import triton.language as tl
 from llmc.compiler.codegen.gemm_configs import GemmConfig, pick_config
 from llmc.compiler.dtypes import from_torch
 from llmc.compiler.ops.norms import add_rmsnorm_ref, rmsnorm_ref
+from llmc.kernels.triton.paged_decode_attention import DecodeParts, decode_merge_ref
 
 ACTIVATIONS = ("none", "silu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MERGE_TILE = 4096         # most fp32 values of the merge prologue's [BLOCK_M, SPLITS, BLOCK_K] tile: 32 a thread
 
 
 def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,6 +97,14 @@ def norm_linear_ref(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor,
     else:
         normed, h = add_rmsnorm_ref(x, norm_residual, norm_weight, eps, rounding)
     return linear_epilogue_ref(normed, w, bias, residual, **epilogue), h
+
+
+def merge_linear_ref(attn: torch.Tensor | DecodeParts, w: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None, **epilogue) -> torch.Tensor:
+    """The unfused path in torch: decode_merge_ref (stage 2's arithmetic, rounded to the dtype) where
+    `attn` is the split workspace, then linear_epilogue_ref."""
+    x = decode_merge_ref(attn) if isinstance(attn, DecodeParts) else attn
+    return linear_epilogue_ref(x, w, bias, residual, **epilogue)
 
 
 @dataclass(frozen=True)
@@ -115,6 +139,25 @@ def norm_prologue(a, offs_m, offs_k, K, mask, norm_w_ptr, add_ptr, sum_ptr, stri
 
 
 @triton.jit
+def merge_prologue(acc_ptr, max_ptr, sum_ptr, offs_m, mask_m, k_start, num_splits, num_heads, dtype,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The A tile [BM, BK] at rows offs_m, columns [k_start, k_start + BK) (inside one head):
+    stage 2's merge of the rows' splits in fp32 (module docstring), rounded to `dtype`."""
+    head, offs_d = k_start // HEAD_DIM, k_start % HEAD_DIM + tl.arange(0, BLOCK_K)          # [BK]
+    splits = tl.arange(0, SPLITS_PAD)
+    mask = mask_m[:, None] & (splits < num_splits)[None, :]                                 # [BM, SP]
+    part = (offs_m[:, None] * num_heads + head) * num_splits + splits[None, :]             # [BM, SP]
+    m = tl.load(max_ptr + part, mask=mask, other=float("-inf"))
+    l = tl.load(sum_ptr + part, mask=mask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, :, None] * D_PAD + offs_d[None, None, :], mask=mask[:, :, None], other=0.0)
+    m_max = tl.max(m, 1)                                                                    # [BM]
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)[:, None])            # empty split -> 0
+    total = tl.sum(weight * l, 1)
+    o = tl.sum(weight[:, :, None] * acc, 1) / tl.where(total == 0.0, 1.0, total)[:, None]  # [BM, BK]
+    return o.to(dtype)
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,         # x [M, K]: the activations
     w_ptr,         # w [N_w, K]: the weight, rows are output columns (gate rows, then up rows if GATED)
@@ -124,6 +167,10 @@ def _linear_kernel(
     norm_w_ptr,    # the prologue's norm weight [K]; read only if NORM
     add_ptr,       # add_rmsnorm's residual [M, K] (row stride stride_am, unit column stride); only if NORM == 2
     sum_ptr,       # h = x + add [M, K] (row stride stride_sm), written by the pid_n == 0 programs if NORM == 2
+    part_acc_ptr,  # decode attention's split acc [M, K / HEAD_DIM, splits, D_PAD] fp32; read instead of x if MERGE
+    part_max_ptr,  # its max scores [M, K / HEAD_DIM, splits] fp32; only if MERGE
+    part_sum_ptr,  # its exp-sums, likewise
+    num_splits,    # splits of the workspace; only if MERGE
     M, N, K,       # N is the output width (N_w // 2 when GATED)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on, stride_am, stride_sm,
     softcap,       # fp32: the soft-cap, read only if SOFTCAP
@@ -131,6 +178,7 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr,
     GATED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     NORM: tl.constexpr,  # the prologue: 0 none, 1 rmsnorm, 2 add_rmsnorm
+    MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # the merge prologue
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -146,7 +194,11 @@ def _linear_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a_mask = mask_m[:, None] & (offs_k[None, :] < k_left)
-        a = tl.load(x_ptrs, mask=a_mask, other=0.0)
+        if MERGE:
+            a = merge_prologue(part_acc_ptr, part_max_ptr, part_sum_ptr, offs_m, mask_m, k * BLOCK_K, num_splits,
+                               K // HEAD_DIM, w_ptr.dtype.element_ty, HEAD_DIM, D_PAD, SPLITS_PAD, BLOCK_K)
+        else:
+            a = tl.load(x_ptrs, mask=a_mask, other=0.0)
         if NORM != 0:
             a, sq = norm_prologue(a, offs_m, k * BLOCK_K + offs_k, K, a_mask, norm_w_ptr, add_ptr, sum_ptr, stride_am,
                                   stride_sm, pid_n == 0, sq, NORM)
@@ -228,10 +280,11 @@ def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, *, activation: str = "none", gated: bool = False,
                   softcap: float = 0.0, out: torch.Tensor | None = None, config: GemmConfig | None = None,
-                  norm: RowNorm | None = None) -> torch.Tensor:
+                  norm: RowNorm | None = None, merge: DecodeParts | None = None) -> torch.Tensor:
     """Launcher: checks the contract (ValueError naming the bad value), picks a config unless
     given one, launches one program per output tile, returns `out`. `norm`: the RMSNorm prologue
-    (norm_linear_triton's, which checks it)."""
+    (norm_linear_triton's, which checks it); `merge`: the merge prologue, x an unread stand-in
+    (merge_linear_triton's, which checks it and fits the config's K tile)."""
     n_out = _check_linear_inputs(x, w, bias, residual, activation, gated)
     check_softcap(softcap)
     M, K = x.shape
@@ -243,14 +296,18 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     res_strides = residual.stride() if residual is not None else (0, 0)
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
     add, h = (norm.residual, norm.sum_out) if norm is not None and norm.kind == 2 else (x, x)   # x: unread
+    parts = (merge.acc, merge.max, merge.sum, merge.acc.shape[2]) if merge is not None else (x, x, x, 1)
+    d_pad = merge.acc.shape[3] if merge is not None else 1
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, residual if residual is not None else x, out,
-        norm.weight if norm is not None else x, add, h,
+        norm.weight if norm is not None else x, add, h, *parts,
         M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(), add.stride(0), h.stride(0),
         float(softcap), float(norm.eps) if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
         GELU=activation == "gelu_tanh", GATED=gated, SOFTCAP=softcap > 0,
         DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32", NORM=norm.kind if norm is not None else 0,
+        MERGE=merge is not None, HEAD_DIM=merge.head_dim if merge is not None else 1, D_PAD=d_pad,
+        SPLITS_PAD=triton.next_power_of_2(parts[3]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -264,6 +321,36 @@ def norm_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tens
     norm_residual in x's dtype, or None without norm_residual. `options`: linear_triton's."""
     norm = row_norm(x, norm_weight, eps, norm_residual)
     return linear_triton(x, w, bias, residual, norm=norm, **options), norm.sum_out
+
+
+def merge_linear_triton(attn: torch.Tensor | DecodeParts, w: torch.Tensor, bias: torch.Tensor | None = None,
+                        residual: torch.Tensor | None = None, *, config: GemmConfig | None = None,
+                        **options) -> torch.Tensor:
+    """Launcher of the O projection after decode attention's stage 1 (paged_decode_attention_parts):
+    with its output (one split) the plain GEMM; with its workspace the GEMM whose prologue is the
+    merge (module docstring). `options`: linear_triton's."""
+    if not isinstance(attn, DecodeParts):
+        return linear_triton(attn, w, bias, residual, config=config, **options)
+    num_seqs, heads, _, _ = attn.acc.shape
+    if attn.dtype != w.dtype or heads * attn.head_dim != w.shape[-1]:
+        raise ValueError(f"the merge prologue takes w [N, {heads} heads x {attn.head_dim}] {attn.dtype}; got w "
+                         f"{tuple(w.shape)} {w.dtype}")
+    x = w.new_empty(()).expand(num_seqs, heads * attn.head_dim)          # [M, K]: shape and dtype only, unread
+    n_out = w.shape[0] // 2 if options.get("gated") else w.shape[0]
+    cfg = config or pick_config(num_seqs, n_out, x.shape[1], gated=options.get("gated", False), dtype=from_torch(w.dtype))
+    return linear_triton(x, w, bias, residual, config=merge_config(cfg, attn), merge=attn, **options)
+
+
+def merge_config(cfg: GemmConfig, attn: DecodeParts) -> GemmConfig:
+    """cfg with a K tile inside one head (the largest power of two <= cfg's dividing head_dim) and a
+    merge tile [BLOCK_M, SPLITS, BLOCK_K] of at most MERGE_TILE values; ValueError where head_dim
+    has no K tile of 16 (the GPU's smallest dot)."""
+    splits = triton.next_power_of_2(attn.acc.shape[2])
+    block_k = min(cfg.block_k, attn.head_dim & -attn.head_dim, max(16, MERGE_TILE // (cfg.block_m * splits)))
+    if attn.head_dim % 16:
+        raise ValueError(f"the merge prologue takes a head_dim that is a multiple of 16; got {attn.head_dim}: "
+                         "run the merge stage on its own (paged_decode_attention_triton)")
+    return dataclasses.replace(cfg, block_k=block_k)
 
 
 def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> RowNorm:

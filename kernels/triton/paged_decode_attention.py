@@ -20,6 +20,9 @@ Tiling:
            short), stage 1 divides by its own exp-sum and writes the output itself (SINGLE): the
            merge of one split is that division (weight exp2(max - max) = 1), so the result is the
            same and the step launches one kernel, not two. The choice is the shapes' (no sync).
+  stage 1 alone  `paged_decode_attention_parts` launches stage 1 and returns the output (one split)
+           or the workspace (`DecodeParts`), whose merge the O projection then takes as its GEMM's
+           prologue (kernels/triton/gemm.py `merge_linear_triton`): attention and O in two launches.
 Split rule (`decode_splits`), from shapes only so nothing syncs with the device and the launch
 can be captured in a CUDA graph: the most context any row may have is MB * BS (block table
 width times block size); use enough splits to put ~TARGET_PROGRAMS programs in flight, no more
@@ -29,6 +32,8 @@ Workspace: fp32 [S, H, splits, D_PAD] plus two [S, H, splits], allocated per cal
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +42,8 @@ from llmc.kernels.attention import paged_decode_attention_ref
 from llmc.kernels.triton.paged_kv import (check_options, check_paged_inputs, load_kv_tile, online_softmax_step,
                                           qk_scale, window_start)
 
-__all__ = ["paged_decode_attention_ref", "paged_decode_attention_triton", "decode_splits"]
+__all__ = ["DecodeParts", "decode_merge_ref", "decode_splits", "paged_decode_attention_parts", "paged_decode_attention_ref",
+           "paged_decode_attention_triton"]
 
 TILE = 32                 # keys per inner step: tl.dot's K dim in p @ v (>= 16 on a GPU)
 MIN_SPLIT_KEYS = 64       # a split shorter than this costs more to merge than it saves
@@ -131,17 +137,60 @@ def _decode_merge_kernel(
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class DecodeParts:
+    """Stage 1's workspace where the context takes more than one split: what the merge reads (stage
+    2, or the O projection's prologue: kernels/triton/gemm.py `merge_linear_triton`)."""
+
+    acc: torch.Tensor     # [S, H, splits, D_PAD] fp32: each split's unnormalised sum of p * v
+    max: torch.Tensor     # [S, H, splits] fp32: its max score (log2 domain), -inf where it read no key
+    sum: torch.Tensor     # [S, H, splits] fp32: its exp-sum
+    head_dim: int         # D (D_PAD: the next power of two)
+    dtype: torch.dtype    # the attention output's (q's): the merge rounds to it
+
+
+def decode_merge_ref(parts: DecodeParts) -> torch.Tensor:
+    """Stage 2's arithmetic in torch: the attention output [S, H * D] in parts.dtype (empty
+    sequence: every split's max -inf and sum 0, so it divides by 1 and writes zeros)."""
+    m_max = parts.max.amax(-1, keepdim=True)                                      # [S, H, 1]
+    weight = torch.exp2(parts.max - torch.where(m_max == float("-inf"), 0.0, m_max))   # [S, H, splits]
+    total = (weight * parts.sum).sum(-1, keepdim=True)                           # [S, H, 1]
+    o = (weight[..., None] * parts.acc).sum(-2) / torch.where(total == 0.0, 1.0, total)   # [S, H, D_PAD]
+    return o[..., :parts.head_dim].reshape(o.shape[0], -1).to(parts.dtype)
+
+
 def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                                   seq_lens: torch.Tensor, layer: int, scale: float,
                                   out: torch.Tensor | None = None, *, window: int = 0,
                                   softcap: float = 0.0) -> torch.Tensor:
     """paged_decode_attention_ref's result [S, H * D] in q's dtype, written into `out` if given."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    parts = _split_stage(q, kv_cache, block_tables, seq_lens, layer, scale, out, window, softcap)
+    if isinstance(parts, DecodeParts):
+        num_seqs, heads, num_splits, d_pad = parts.acc.shape
+        _decode_merge_kernel[(num_seqs, heads)](
+            parts.acc, parts.max, parts.sum, out, num_splits, out.stride(0),
+            HEAD_DIM=parts.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out
+
+
+def paged_decode_attention_parts(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 seq_lens: torch.Tensor, layer: int, scale: float, *, window: int = 0,
+                                 softcap: float = 0.0) -> torch.Tensor | DecodeParts:
+    """Stage 1 alone (one launch): the output [S, H * D] where one split covers the context (SINGLE),
+    else the workspace that the merge reads. Which one is the shapes' (`decode_splits`), never the
+    data's, so a CUDA graph captures the same launches every replay."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _split_stage(q, kv_cache, block_tables, seq_lens, layer, scale, out, window, softcap)
+
+
+def _split_stage(q, kv_cache, block_tables, seq_lens, layer, scale, out, window, softcap) -> torch.Tensor | DecodeParts:
+    """Checks the inputs, launches stage 1: `out` written (one split or no sequence) or the workspace."""
     shape = check_paged_inputs(q, kv_cache, block_tables, seq_lens, layer, out)
     window, softcap_log2 = check_options(window, softcap)
     if q.shape[0] != shape.num_seqs:
         raise ValueError(f"decode takes one query per sequence: q has {q.shape[0]} rows, block_tables "
                          f"{shape.num_seqs}")
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if shape.num_seqs == 0:
         return out
     num_splits, split_len = decode_splits(shape.num_seqs, shape.kv_heads, shape.max_blocks * shape.block_size)
@@ -159,10 +208,7 @@ def paged_decode_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block
         KV_INT8=kv_cache.dtype == torch.int8, SOFTCAP=softcap_log2 > 0, **split_config(q.dtype))
     if num_splits == 1:
         return out
-    _decode_merge_kernel[(shape.num_seqs, shape.heads)](
-        part_acc, part_max, part_sum, out, num_splits, out.stride(0),
-        HEAD_DIM=shape.head_dim, D_PAD=d_pad, SPLITS_PAD=triton.next_power_of_2(num_splits))
-    return out
+    return DecodeParts(part_acc, part_max, part_sum, shape.head_dim, q.dtype)
 
 
 def split_config(dtype: torch.dtype) -> dict[str, int]:
