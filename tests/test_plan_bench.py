@@ -146,3 +146,24 @@ def test_bench_against_itself_without_async_scheduling(tiny_family, tmp_path):
         assert ms["host"] == pytest.approx(sum(ms[p] for p in ("schedule", "build", "sample", "commit", "output")))
         assert ms["compute"] > 0
     assert "ms per step: host" in result.output and "llmc_sync" in result.output
+
+
+def test_a_sampled_workload_seeds_each_request_and_says_how_it_samples(tiny_family, tmp_path):
+    a, b = (Workload(4, (4, 12), (3, 6), seed=2, temperature=0.8, top_p=0.9).requests(300) for _ in range(2))
+    assert [r.params() for r in a] == [r.params() for r in b]
+    assert len({r.seed for r in a}) == 4 and all(r.params().temperature == 0.8 for r in a)
+    assert all(r.seed is None and r.params().greedy for r in Workload(2).requests(300))
+    _, _, artifact = tiny_family("llama_gqa")
+    result = CliRunner().invoke(app, ["bench", str(artifact), "--num-requests", "3", "--prompt-len", "4:12",
+                                      "--output-len", "3:6", "--temperature", "0.8", "--top-p", "0.9"])
+    assert result.exit_code == 0, result.output
+    assert "sampled at temperature 0.8, top-p 0.9" in result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--temperature", "0.7", "--baseline", "hf"], "decodes greedily"),
+    (["--top-p", "1.5"], "top_p=1.5"),
+])
+def test_bench_refuses_bad_sampling_in_one_sentence(tiny_family, args, words):
+    result = CliRunner().invoke(app, ["bench", str(tiny_family("llama_gqa")[2]), *args])
+    assert result.exit_code == 1 and words in result.output and "Traceback" not in result.output

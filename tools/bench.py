@@ -34,6 +34,14 @@ class BenchRequest:
     prompt_ids: list[int]
     max_tokens: int
     arrival: float            # seconds after the start
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None   # the request's sampling seed (a sampled workload's runs draw the same tokens)
+
+    def params(self) -> SamplingParams:
+        """The request's sampling parameters; it runs to max_tokens whatever it samples."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=self.seed, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -44,17 +52,20 @@ class Workload:
     shared_prefix: int = 0
     request_rate: float = math.inf
     seed: int = 0
+    temperature: float = 0.0    # > 0: every request samples, seeded from the workload's seed and its index
+    top_p: float = 1.0
 
     def requests(self, vocab_size: int) -> list[BenchRequest]:
         rng = random.Random(self.seed)
         prefix = [rng.randrange(3, vocab_size) for _ in range(self.shared_prefix)]
         out, clock = [], 0.0
-        for _ in range(self.num_requests):
+        for index in range(self.num_requests):
             n = rng.randint(*self.prompt_len)
             prompt = prefix + [rng.randrange(3, vocab_size) for _ in range(n)]
             if math.isfinite(self.request_rate):
                 clock += rng.expovariate(self.request_rate)
-            out.append(BenchRequest(prompt, rng.randint(*self.output_len), clock))
+            seed = self.seed * self.num_requests + index if self.temperature > 0 else None
+            out.append(BenchRequest(prompt, rng.randint(*self.output_len), clock, self.temperature, self.top_p, seed))
         return out
 
 
@@ -97,8 +108,7 @@ def run_llmc(engine: Engine, requests: list[BenchRequest], on_done: Callable[[],
         start = time.perf_counter()
         for r in sorted(requests, key=lambda r: r.arrival):
             time.sleep(max(0.0, start + r.arrival - time.perf_counter()))
-            loop.submit(r.prompt_ids, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
-                        lambda out: finished.put(out) if out.finished else None)
+            loop.submit(r.prompt_ids, r.params(), lambda out: finished.put(out) if out.finished else None)
         for _ in requests:
             metrics.append(finished.get().metrics)
             on_done()
@@ -155,6 +165,13 @@ def format_step_times(run: dict) -> str:
             f"async scheduling {'on' if run['async_scheduling'] else 'off'}")
 
 
+def _sampling(workload: dict) -> str:
+    """How the workload's requests pick tokens, in words."""
+    if not workload.get("temperature"):
+        return "greedy"
+    return f"sampled at temperature {workload['temperature']:g}, top-p {workload.get('top_p', 1.0):g}"
+
+
 def format_report(result: dict) -> str:
     llmc = result["llmc"]
     ms = lambda d: " / ".join(f"{1000 * d[k]:.0f}" for k in ("p50", "p90", "p99"))  # noqa: E731
@@ -163,7 +180,7 @@ def format_report(result: dict) -> str:
         f"({llmc['output_tokens']} output tokens in {llmc['seconds']:.1f} s)",
         f"              TTFT p50/p90/p99 {ms(llmc['ttft_s'])} ms   TPOT p50/p90/p99 {ms(llmc['tpot_s'])} ms",
         f"              prefix-cache hit rate {llmc['prefix_cache_hit_rate']:.0%}, preemptions {llmc['preemptions']}, "
-        f"{llmc['kernels']} kernels",
+        f"{llmc['kernels']} kernels, {_sampling(result.get('workload', {}))}",
     ]
     lines.append(format_step_times(llmc))
     if "speculation" in llmc:
@@ -219,7 +236,9 @@ def bench_cmd(
     output_len: str = typer.Option("16:192", help="output length: N or a uniform range LO:HI"),
     shared_prefix: int = typer.Option(0, help="tokens of a prefix every prompt shares (a system prompt)"),
     request_rate: float = typer.Option(math.inf, help="Poisson arrivals per second (default: all at once)"),
-    seed: int = typer.Option(0, help="seed of the workload draw"),
+    seed: int = typer.Option(0, help="seed of the workload draw (and of each request's sampling)"),
+    temperature: float = typer.Option(0.0, help="sampling temperature of every request (0: greedy)"),
+    top_p: float = typer.Option(1.0, help="top-p of every request (with --temperature above 0)"),
     kv_memory: str = typer.Option("1GiB", help="KV cache memory for llmc"),
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
@@ -242,8 +261,11 @@ def bench_cmd(
         raise RequestError(f"baseline {baseline!r} is unknown; choose 'hf' or 'sync'")
     if baseline == "hf" and math.isfinite(request_rate):
         raise RequestError("--baseline hf runs static batches and needs all requests at once; drop --request-rate")
+    if baseline == "hf" and temperature > 0:
+        raise RequestError("--baseline hf decodes greedily; drop --temperature to compare with it")
+    SamplingParams(temperature=temperature, top_p=top_p)         # refuses a bad value in one sentence
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
-                        parse_range(output_len, "output length"), shared_prefix, request_rate, seed)
+                        parse_range(output_len, "output length"), shared_prefix, request_rate, seed, temperature, top_p)
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                           max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
