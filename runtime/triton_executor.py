@@ -45,7 +45,8 @@ def load_kernel_modules(artifact: Artifact, lowering: Lowering) -> dict[str, Mod
 
 def unit_kind(unit: KernelUnit) -> str:
     """The op kind a profile files the unit's launch under: its first op's, past a norm that codegen
-    merged into a GEMM as its prologue (units.py triton_units), so a norm + GEMM unit counts as a GEMM."""
+    merged into a GEMM as its prologue (units.py triton_units), so a norm + GEMM unit counts as a GEMM;
+    decode attention with the O projection that merges its splits (two launches) counts as attention."""
     nodes = [n for n in unit.nodes if n.op not in PROLOGUE_NORMS] or list(unit.nodes)
     return OPS[nodes[0].op].kind
 

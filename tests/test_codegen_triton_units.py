@@ -14,6 +14,7 @@ import pytest
 
 from llmc.compiler.codegen import kernel_units, lower, triton_units
 from llmc.compiler.codegen.cpu_units import cpu_units
+from llmc.compiler.codegen.templates import unit_launches
 from llmc.compiler.ir import parse_graph
 from llmc.compiler.ops import verify
 from llmc.passes.fusion_grouping import fusion_grouping
@@ -142,3 +143,38 @@ def test_a_profile_files_a_norm_and_gemm_unit_under_gemm():
     alone = triton_units(grouped(QKV, cache=FLOAT_CACHE, extra=", rotary_dim=8"))
     assert [unit_kind(u) for u in merged] == ["gemm"]
     assert [unit_kind(u) for u in alone] == ["gemm", "data_movement"]          # rmsnorm+linear, rope_kv_write
+
+
+def test_decode_attention_merges_into_the_o_projection():
+    """The split stage and the O GEMM whose prologue is the merge: 2 launches for attention and O, not 3."""
+    from test_triton_merge_gemm import attention_o_graph
+
+    graph = attention_o_graph("f32")
+    assert ops(kernel_units(graph)) == ["paged_decode_attention", "linear+add"]
+    units = triton_units(graph)
+    assert ops(units) == ["paged_decode_attention+linear+add"]
+    lowering = lower({graph.name: graph})
+    assert lowering.launches(graph.name) == [2] and sum(unit_launches(u) for u in kernel_units(graph)) == 3
+    source = lowering.modules[lowering.plan[graph.name][0]]
+    assert ("merge_linear_triton(paged_decode_attention_parts(in0, in1, in2, in3, 1, 0.125), in4, None, in5, "
+            "activation='none', gated=False, config=config_for(in0.shape[0]))") in source
+    assert "paged_decode_attention" in ops(cpu_units(graph))             # the CPU target keeps its own cut
+
+
+@pytest.mark.parametrize("why,edit", [
+    ("the attention output is a result too", lambda t: t.replace("return %2", "return %2, %0")),
+    ("another op reads the attention output", lambda t: t.replace("return %2", "%3 = linear(%0, %w.o) : f32[S,40]\n"
+                                                                 "    return %2, %3")),
+    ("a quantized O projection", lambda t: t.replace("%w.o = weight() : f32[40,480]", "%w.o.codes = weight() : "
+                                                     "i8[40,480]\n    %w.o.scales = weight() : f16[40,1]")
+     .replace("linear(%0, %w.o)", "qlinear(%0, %w.o.codes, %w.o.scales, bits=8, group_size=480)")),
+    ("a head_dim that is not a multiple of 16", lambda t: t.replace("480", "432").replace(",80]", ",72]")
+     .replace("head_dim=80", "head_dim=72")),
+])
+def test_an_o_projection_the_merge_cannot_join_leaves_the_merge_stage_alone(why, edit):
+    from test_triton_merge_gemm import ATTENTION_O
+
+    body = edit(ATTENTION_O.replace("{dt}", "f32").replace("{width}", "480").replace("{head_dim}", "80"))
+    graph = grouped(body)
+    assert ops(triton_units(graph))[0] == "paged_decode_attention", why
+    assert ops(triton_units(graph)) == ops(kernel_units(graph)), why

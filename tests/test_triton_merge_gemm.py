@@ -139,3 +139,44 @@ def test_launcher_refuses_a_head_dim_without_a_k_tile():
         merge_linear_triton(parts, torch.zeros(8, 216))
     with pytest.raises(ValueError, match="takes w \\[N, 3 heads x 72\\]"):
         merge_linear_triton(parts, torch.zeros(8, 200))
+
+
+# decode attention, then its O projection with a residual epilogue (units.py triton_units merges them)
+ATTENTION_O = """
+    %q = input() : {dt}[S,{width}]
+    %kv_cache = input() : {dt}[2,2,NB,2,BS,{head_dim}]
+    %block_tables = input() : i32[S,MB]
+    %seq_lens = input() : i32[S]
+    %r = input() : {dt}[S,40]
+    %w.o = weight() : {dt}[40,{width}]
+    %0 = paged_decode_attention(%q, %kv_cache, %block_tables, %seq_lens, layer=1, num_heads=6, num_kv_heads=2, \
+head_dim={head_dim}, scale=0.125) : {dt}[S,{width}]
+    %1 = linear(%0, %w.o) : {dt}[S,40]
+    %2 = add(%1, %r) : {dt}[S,40]
+    return %2"""
+
+
+def attention_o_graph(dtype: str, head_dim: int = 80):
+    from test_codegen_triton_units import grouped
+
+    return grouped(ATTENTION_O, dt=dtype, width=6 * head_dim, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("lens", [[300], [1, 32, 37, 300, 45]], ids=["T=1", "odd S"])
+def test_the_generated_module_equals_the_interpreted_graph(dtype, lens, tmp_path):
+    """The codegen's merged unit (split stage + the O GEMM with the merge prologue) against the torch
+    backend's graph (whose attention gives NaN for a seq_len 0 row: no padding row here); f16 as
+    close to the f32 graph as the interpreted f16 graph is."""
+    from llmc.compiler.codegen import lower
+    from test_codegen_kernels import assert_generated_equals_interpreted
+
+    graph = attention_o_graph(dtype)
+    units = lower({graph.name: graph}).units[graph.name]
+    assert ["+".join(n.op for n in u.nodes) for u in units] == ["paged_decode_attention+linear+add"]
+    t = {"f32": torch.float32, "f16": torch.float16}[dtype]
+    q, cache, tables, seq_lens, _ = attention_inputs(lens, 6, 2, 80, t)
+    w, res = projection(480, t, residual_rows=len(lens))
+    feeds = dict(q=q, kv_cache=cache.nan_to_num(0.0), block_tables=tables, seq_lens=seq_lens, r=res)
+    assert_generated_equals_interpreted(graph, {"o": w}, feeds, tmp_path,
+                                        attention_o_graph("f32") if dtype == "f16" else None, reduction=480)

@@ -5,6 +5,9 @@
                     kernels/triton/gemm.py, the epilogue as the template's constexpr flags, the
                     norm as its prologue (merged by units.py's triton_units: norm_linear_triton);
                     qlinear (int8/int4 weight) with the same epilogues: kernels/triton/qgemm.py
+  attention + O     paged_decode_attention -> linear (+ the gemm group's epilogues), merged by
+                    triton_units: stage 1 (paged_decode_attention_parts), then the GEMM whose
+                    prologue is the merge (merge_linear_triton): 2 launches, not 3
   rope_kv_write     kernels/triton/rope_kv_write.py (inv_freq made once per executor, on its device)
   qkv group         [rmsnorm | add_rmsnorm ->] linear -> rope_kv_write (merged by triton_units):
                     kernels/triton/qkv_rope.py, RoPE and the K/V write as the QKV GEMM's epilogue
@@ -29,7 +32,8 @@ from llmc.compiler.ops.rope import rope_attention_factor
 
 from .errors import CodegenError
 from .gemm_configs import pick_config, pick_qconfig
-from .units import PROLOGUE_NORMS, KernelUnit
+from .units import MERGE_ATTENTION, PROLOGUE_NORMS, KernelUnit
+
 
 def _module(unit: KernelUnit, imports: list[str], prelude: list[str], call: str, results: list[str],
             constants: list[str] = ()) -> str:
@@ -84,21 +88,27 @@ def _named(unit: KernelUnit, node: Node) -> Operands:
 def _gemm_operands(unit: KernelUnit, gemm: Node, prologue: Node | None) -> tuple[str, str, str]:
     """(x, weight arguments, bias) of a linear or qlinear node as launch() expressions: a float
     weight `w`, or the quantized weight's `codes, scales, mins`; x is the prologue norm's x where
-    the unit has one (the normed row is the kernel's own)."""
+    the unit has one (the normed row is the kernel's own), decode attention's stage 1 (its parts)
+    where the unit starts with one."""
     x = Operands({k: _arg(unit, v) for k, v in operands_of(gemm).items() if not (prologue and k == "x")})
     weight = x.weight if gemm.op == "linear" else f"{x.codes}, {x.scales}, {x.get('mins', 'None')}"
+    if prologue is not None and prologue.op == MERGE_ATTENTION:
+        return _attention_call(unit, prologue, "paged_decode_attention_parts"), weight, x.get("bias", "None")
     return (_named(unit, prologue).x if prologue else x.x), weight, x.get("bias", "None")
 
 
 def _gemm_call(gemm: Node, operands: tuple[str, str, str], residual: str, activation: str, gated: bool,
-               softcap: float, norm: Operands | None, eps: float) -> str:
+               softcap: float, norm: Operands | None, eps: float, merge: Operands | None = None) -> str:
+    """The launcher call; `merge`: decode attention's operands where x is its stage 1 (q: its rows)."""
     x, weight, bias = operands
     capped = f", softcap={softcap!r}" if softcap else ""
-    options = f"activation={activation!r}, gated={gated}{capped}, config=config_for({x}.shape[0])"
+    options = f"activation={activation!r}, gated={gated}{capped}, config=config_for({merge.q if merge else x}.shape[0])"
     if gemm.op == "qlinear":
         a = gemm.attrs
         return (f"qlinear_triton({x}, {weight}, {bias}, {residual}, bits={a['bits']}, "
                 f"group_size={a['group_size']}, {options})")
+    if merge is not None:
+        return f"merge_linear_triton({x}, {weight}, {bias}, {residual}, {options})"
     if norm is not None:
         return (f"norm_linear_triton({x}, {norm.weight}, {weight}, {bias}, {residual}, eps={eps!r}, "
                 f"norm_residual={norm.get('residual', 'None')}, {options})")
@@ -111,7 +121,7 @@ _GATED = {"silu_mul": "none", "gelu_tanh_mul": "gelu_tanh"}          # "none": t
 
 
 def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
-    prologue = unit.nodes[0] if unit.nodes[0].op in PROLOGUE_NORMS else None
+    prologue = unit.nodes[0] if unit.nodes[0].op in (*PROLOGUE_NORMS, MERGE_ATTENTION) else None
     gemm, *epilogue = unit.nodes[1:] if prologue else unit.nodes
     activation, gated, residual, last, split, softcap = "none", False, "None", gemm.value(), None, 0.0
     for node in epilogue:
@@ -137,18 +147,27 @@ def _gemm(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
         last = node.value()
     results = _gemm_results(unit, prologue, last, split)
     n_out, k = types[gemm.value()].shape[1], types[gemm.inputs[0]].shape[1]
-    norm = _named(unit, prologue) if prologue else None
+    norm = _named(unit, prologue) if prologue and prologue.op in PROLOGUE_NORMS else None
+    merge = _named(unit, prologue) if prologue and prologue.op == MERGE_ATTENTION else None
     call = _gemm_call(gemm, _gemm_operands(unit, gemm, prologue), residual, activation, gated, softcap, norm,
-                      prologue.attrs["eps"] if prologue else 0.0)
-    imports = ["from llmc.kernels.triton.qgemm import GemmConfig, qlinear_triton" if gemm.op == "qlinear"
-               else f"from llmc.kernels.triton.gemm import GemmConfig, {'norm_' if prologue else ''}linear_triton"]
+                      prologue.attrs["eps"] if norm else 0.0, merge)
+    imports = [_gemm_import(gemm, prologue)]
     return _module(unit, imports, [], call, results, _gemm_configs(gemm, n_out // 2 if gated else n_out, k, gated))
+
+
+def _gemm_import(gemm: Node, prologue: Node | None) -> str:
+    if gemm.op == "qlinear":
+        return "from llmc.kernels.triton.qgemm import GemmConfig, qlinear_triton"
+    if prologue is not None and prologue.op == MERGE_ATTENTION:
+        return ("from llmc.kernels.triton.gemm import GemmConfig, merge_linear_triton\n"
+                "from llmc.kernels.triton.paged_decode_attention import paged_decode_attention_parts")
+    return f"from llmc.kernels.triton.gemm import GemmConfig, {'norm_' if prologue else ''}linear_triton"
 
 
 def _gemm_results(unit: KernelUnit, prologue: Node | None, last: Value, split: Node | None) -> list[str]:
     """Expressions for the unit's outputs: the GEMM's result (`result`, or `result[0]` beside the
-    prologue's sum `result[1]`), or the split's column views of it."""
-    y = "result[0]" if prologue else "result"
+    norm prologue's sum `result[1]`), or the split's column views of it."""
+    y = "result[0]" if prologue is not None and prologue.op in PROLOGUE_NORMS else "result"
     total = prologue.value(1) if prologue and prologue.op == "add_rmsnorm" else None
     if split is not None:
         return _split_views(unit, split, y, total)
@@ -214,12 +233,16 @@ def _qkv_rope(unit: KernelUnit, types: dict[Value, TensorType]) -> str:
                    _gemm_configs(gemm, pairs, k, gated=True))
 
 
-def _attention(unit: KernelUnit, node: Node) -> str:
+def _attention_call(unit: KernelUnit, node: Node, function: str) -> str:
     a, args = node.attrs, ", ".join(_named(unit, node).values())   # q, kv_cache, block_tables, seq_lens[, qsl]
+    options = "".join(f", {k}={a[k]!r}" for k in ATTN_OPTIONS if k in a)        # window, softcap: where set
+    return f"{function}({args}, {a['layer']}, {a['scale']!r}{options})"
+
+
+def _attention(unit: KernelUnit, node: Node) -> str:
     kind = "decode" if node.op == "paged_decode_attention" else "prefill"
     function = f"paged_{kind}_attention_triton"
-    options = "".join(f", {k}={a[k]!r}" for k in ATTN_OPTIONS if k in a)        # window, softcap: where set
-    call = f"{function}({args}, {a['layer']}, {a['scale']!r}{options})"
+    call = _attention_call(unit, node, function)
     return _module(unit, [f"from llmc.kernels.triton.paged_{kind}_attention import {function}"], [], call, ["result"])
 
 
@@ -244,7 +267,8 @@ TEMPLATES = {"rope_kv_write": _rope_kv_write, "paged_attention": _attention, "pa
 TEMPLATE_OPS = ("linear", "qlinear", *TEMPLATES)
 # kernel launches of a unit that starts with the op where it is more than one: decode attention's
 # split and merge stages (kernels/triton/paged_decode_attention.py; one launch where a single split
-# covers the context, a choice from the step's shapes, so the count here is the most a step launches)
+# covers the context, a choice from the step's shapes, so the count here is the most a step launches),
+# or, merged with the O projection (triton_units), its split stage and the GEMM that merges as its prologue
 TEMPLATE_LAUNCHES = {"paged_decode_attention": 2}
 
 
@@ -258,7 +282,7 @@ def template_module_source(unit: KernelUnit, types: dict[Value, TensorType]) -> 
     first = unit.nodes[0]
     if len(unit.nodes) > 1 and unit.nodes[-1].op == "rope_kv_write":
         return _qkv_rope(unit, types)
-    if first.op in ("linear", "qlinear") or first.op in PROLOGUE_NORMS and len(unit.nodes) > 1:
+    if first.op in ("linear", "qlinear") or first.op in (*PROLOGUE_NORMS, MERGE_ATTENTION) and len(unit.nodes) > 1:
         return _gemm(unit, types)
     if len(unit.nodes) != 1:
         raise CodegenError(f"{unit.label}: codegen has no template for a group starting with {first.op!r}")

@@ -28,6 +28,15 @@ rope_kv_write unit launched right after it, as the epilogue of kernels/triton/qk
 the rope reads the packed qkv that only it reads, turns whole heads (no partial rotary), has no
 q/k norms (they need a whole head in one program) and writes a float cache (an int8 cache's
 per-row scale needs the same).
+Then each decode attention unit merged with the GEMM unit launched right after it, whose prologue
+becomes the attention's merge stage (kernels/triton/gemm.py `merge_linear_triton`): a layer's
+attention and O projection launch split + GEMM, 2 kernels, not split + merge + GEMM. Where:
+  - the attention unit is one paged_decode_attention node (stage 1 handles windows and softcaps,
+    so neither restricts the merge);
+  - that unit starts with a float `linear` whose x is the attention output (the quantized
+    template takes no prologue: see above), and nothing else reads the attention output;
+  - the head_dim is a multiple of MERGE_K_TILE (16): the merge's K tiles lie inside one head and
+    the GPU's smallest dot is 16 deep.
 """
 
 from __future__ import annotations
@@ -104,6 +113,8 @@ def kernel_units(graph: Graph) -> list[KernelUnit]:
 
 PROLOGUE_NORMS = ("rmsnorm", "add_rmsnorm")
 ALIGNED_WIDTH = 16
+MERGE_ATTENTION = "paged_decode_attention"       # the attention whose merge a GEMM takes as its prologue
+MERGE_K_TILE = 16
 
 
 def _takes_norm_prologue(norm_nodes: list[Node], gemm_nodes: list[Node], graph: Graph,
@@ -138,6 +149,18 @@ def _takes_rope_epilogue(gemm_nodes: list[Node], rope_nodes: list[Node], graph: 
             and cache.dtype in FLOAT_DTYPES and x["qkv"] not in (x["positions"], x["slot_mapping"]))
 
 
+def _takes_merge_prologue(attn_nodes: list[Node], gemm_nodes: list[Node], graph: Graph,
+                          readers: dict[Value, set[str]]) -> bool:
+    """Whether the GEMM unit may take the decode attention unit's merge as its prologue (module docstring)."""
+    attn, gemm = attn_nodes[0], gemm_nodes[0]
+    if len(attn_nodes) != 1 or attn.op != MERGE_ATTENTION or gemm.op != "linear":
+        return False
+    out = attn.value()
+    reads = [v for node in gemm_nodes for v in node.inputs]
+    return (gemm.inputs[0] == out and out not in graph.outputs and readers.get(out) == {gemm.name}
+            and reads.count(out) == 1 and attn.attrs["head_dim"] % MERGE_K_TILE == 0)
+
+
 def _merged(graph: Graph, parts: list[tuple[list[Node], int | None]], readers: dict[Value, set[str]],
             rule) -> list[tuple[list[Node], int | None]]:
     """`parts` (nodes, group) with each part that `rule(part, next part, graph, readers)` allows
@@ -156,10 +179,10 @@ def _merged(graph: Graph, parts: list[tuple[list[Node], int | None]], readers: d
 
 def triton_units(graph: Graph) -> list[KernelUnit]:
     """kernel_units with each norm unit merged into the GEMM unit after it, then each QKV GEMM
-    unit with the rope_kv_write after it, where the rules allow (module docstring): the units the
-    Triton target launches."""
+    unit with the rope_kv_write after it, then each decode attention unit with the GEMM after it,
+    where the rules allow (module docstring): the units the Triton target launches."""
     readers = _readers(graph)
     parts = [(list(u.nodes), u.group) for u in kernel_units(graph)]
-    for rule in (_takes_norm_prologue, _takes_rope_epilogue):
+    for rule in (_takes_norm_prologue, _takes_rope_epilogue, _takes_merge_prologue):
         parts = _merged(graph, parts, readers, rule)
     return [_unit(graph, index, nodes, readers, group) for index, (nodes, group) in enumerate(parts)]
