@@ -251,6 +251,21 @@ def qkv_rope_cases(dtypes, rows) -> Iterator[Case]:
                            norm_residual=meta(m, K, dtype=t)))
 
 
+def merge_gemm_cases(dtypes, rows) -> Iterator[Case]:
+    """The O projection with decode attention's merge as its prologue (merge_linear_triton) and a
+    residual epilogue, over as many splits as decode_splits gives M sequences of a 4096-key context
+    (2 at least: with one there is no prologue), at both head shapes."""
+    from llmc.kernels.triton.gemm import merge_linear_triton
+    from llmc.kernels.triton.paged_decode_attention import DecodeParts, decode_splits
+
+    for dtype, m, (h, kvh, d) in product(dtypes, rows, HEAD_SHAPES):
+        t, splits, d_pad = DTYPES[dtype], max(2, decode_splits(m, kvh, 4096)[0]), 1 << (d - 1).bit_length()
+        parts = DecodeParts(meta(m, h, splits, d_pad, dtype=torch.float32), meta(m, h, splits, dtype=torch.float32),
+                            meta(m, h, splits, dtype=torch.float32), d, t)
+        yield Case(f"merge gemm {dtype} M={m} H={h} D={d} splits={splits}", dtype,
+                   partial(merge_linear_triton, parts, meta(K, h * d, dtype=t), None, meta(m, K, dtype=t)))
+
+
 def qgemm_cases(dtypes, rows, formats, epilogues) -> Iterator[Case]:
     from llmc.kernels.triton.qgemm import qlinear_triton
 
@@ -311,6 +326,7 @@ def template_cases(quick: bool) -> Iterator[Case]:
         yield from gemm_cases(dtypes, (1,), ("geglu", "softcap"))
         yield from norm_gemm_cases(dtypes, (1, 200))
         yield from qkv_rope_cases(dtypes, (1, 200))
+        yield from merge_gemm_cases(dtypes, (1, 87))
         yield from qgemm_cases(dtypes, (1,), ("int8",), ("bias+gated+residual",))
         yield from qgemm_cases(dtypes, (200,), ("int4-g32",), ("silu",))
         yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES[1:])
@@ -324,6 +340,7 @@ def template_cases(quick: bool) -> Iterator[Case]:
     yield from qgemm_cases(dtypes, EVERY_M, WEIGHT_FORMATS, HEAVIEST)
     yield from norm_gemm_cases(dtypes, GEMM_ROWS)
     yield from qkv_rope_cases(dtypes, GEMM_ROWS)
+    yield from merge_gemm_cases(dtypes, EVERY_M)
     yield from rope_kv_write_cases(dtypes, (1, 37), HEAD_SHAPES)
     yield from attention_cases(dtypes, (1, 37), HEAD_SHAPES)
     yield from gather_cases(dtypes, (96, 576))
@@ -338,6 +355,7 @@ def tile_cases() -> Iterator[Case]:
     yield from gemm_cases(dtypes, (1, 200), HEAVIEST, UNALIGNED_K)
     yield from norm_gemm_cases(dtypes, TILE_M)
     yield from qkv_rope_cases(dtypes, TILE_M)
+    yield from merge_gemm_cases(dtypes, (1, 24, 37, 87))
     yield from qgemm_cases(dtypes, TILE_M, WEIGHT_FORMATS, HEAVIEST)
     yield from rope_kv_write_cases(dtypes, (5,), HEAD_SHAPES)
     yield from attention_cases(dtypes, (5,), HEAD_SHAPES)
