@@ -34,7 +34,7 @@ arithmetic (an empty sequence: divide by 1, zeros), formed per K tile in fp32 fr
 SPLITS, BLOCK_K] tile of the workspace reduced over the splits, then rounded to w's dtype as the
 unfused path rounds the attention output: one launch less a layer. The K tile lies in one head
 (BLOCK_K divides D: the config's K tile, capped at the largest power of two dividing D and at
-MERGE_TILE values in the 3-D tile). Every column-tile program merges its rows again: for
+MERGE_TILE values in the 3-D tile, 8 warps where a K tile of 16 holds more: `merge_config`). Every column-tile program merges its rows again: for
 SmolLM2-135M's O projection (576 x 576, 9 heads of 64, N / BLOCK_N = 9 column tiles) at S = 1 (16
 splits) a program re-reads 1 x 9 x 16 x 64 x 4 B = 36 KiB of acc, half the 72 KiB fp16 weight tile
 (64 x 576) it streams; at S = 16 (6 splits) 216 KiB, three times the tile, read from L2 (stage 1
@@ -65,7 +65,7 @@ from llmc.kernels.triton.paged_decode_attention import DecodeParts, decode_merge
 
 ACTIVATIONS = ("none", "silu", "gelu_tanh")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MERGE_TILE = 4096         # most fp32 values of the merge prologue's [BLOCK_M, SPLITS, BLOCK_K] tile: 32 a thread
+MERGE_TILE = 2048         # fp32 values of the merge prologue's [BLOCK_M, SPLITS, BLOCK_K] tile per 4 warps: 16 a thread
 
 
 def linear_epilogue_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -343,14 +343,17 @@ def merge_linear_triton(attn: torch.Tensor | DecodeParts, w: torch.Tensor, bias:
 
 def merge_config(cfg: GemmConfig, attn: DecodeParts) -> GemmConfig:
     """cfg with a K tile inside one head (the largest power of two <= cfg's dividing head_dim) and a
-    merge tile [BLOCK_M, SPLITS, BLOCK_K] of at most MERGE_TILE values; ValueError where head_dim
-    has no K tile of 16 (the GPU's smallest dot)."""
-    splits = triton.next_power_of_2(attn.acc.shape[2])
-    block_k = min(cfg.block_k, attn.head_dim & -attn.head_dim, max(16, MERGE_TILE // (cfg.block_m * splits)))
+    merge tile [BLOCK_M, SPLITS, BLOCK_K] of at most MERGE_TILE values, or, where a K tile of 16
+    holds more, 8 warps; ValueError where head_dim has no K tile of 16 (the GPU's smallest dot). On
+    sm_90 (aot_compile) tiles of 4096 values over 4 warps spilled 20-104 B at M 24-37 in fp16/bf16
+    (255 registers), and fp32's 32 x 4 x 32 over 8 warps 4 B."""
     if attn.head_dim % 16:
         raise ValueError(f"the merge prologue takes a head_dim that is a multiple of 16; got {attn.head_dim}: "
                          "run the merge stage on its own (paged_decode_attention_triton)")
-    return dataclasses.replace(cfg, block_k=block_k)
+    rows_splits = cfg.block_m * triton.next_power_of_2(attn.acc.shape[2])
+    block_k = min(cfg.block_k, attn.head_dim & -attn.head_dim, max(16, MERGE_TILE // rows_splits))
+    warps = cfg.num_warps if rows_splits * block_k <= MERGE_TILE else max(cfg.num_warps, 8)
+    return dataclasses.replace(cfg, block_k=block_k, num_warps=warps)
 
 
 def row_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None) -> RowNorm:
