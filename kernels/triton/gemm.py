@@ -34,12 +34,13 @@ arithmetic (an empty sequence: divide by 1, zeros), formed per K tile in fp32 fr
 SPLITS, BLOCK_K] tile of the workspace reduced over the splits, then rounded to w's dtype as the
 unfused path rounds the attention output: one launch less a layer. The K tile lies in one head
 (BLOCK_K divides D: the config's K tile, capped at the largest power of two dividing D and at
-MERGE_TILE values in the 3-D tile, 8 warps where a K tile of 16 holds more: `merge_config`). Every column-tile program merges its rows again: for
-SmolLM2-135M's O projection (576 x 576, 9 heads of 64, N / BLOCK_N = 9 column tiles) at S = 1 (16
-splits) a program re-reads 1 x 9 x 16 x 64 x 4 B = 36 KiB of acc, half the 72 KiB fp16 weight tile
-(64 x 576) it streams; at S = 16 (6 splits) 216 KiB, three times the tile, read from L2 (stage 1
-wrote it just before) where the weight comes from HBM. From 88 sequences on one split covers the
-context: stage 1 writes the output and the GEMM has no prologue.
+MERGE_TILE values in the 3-D tile, 8 warps where a K tile of 16 holds more: `merge_config`).
+Every column-tile program merges its rows again: for SmolLM2-135M's O projection (576 x 576, 9
+heads of 64, N / BLOCK_N = 9 column tiles) at S = 1 (16 splits) a program re-reads 1 x 9 x 16 x 64
+x 4 B = 36 KiB of acc, half the 72 KiB fp16 weight tile (64 x 576) it streams; at S = 16 (6
+splits) 216 KiB, three times the tile, read from L2 (stage 1 wrote it just before) where the
+weight comes from HBM. From 88 sequences on one split covers the context: stage 1 writes the
+output and the GEMM has no prologue.
 Each option is a `tl.constexpr` flag of one kernel, so the codegen instantiates one kernel per
 fused group. Block sizes come from `pick_config(M, N, K)` (compiler/codegen/gemm_configs.py; the
 code generator calls it at compile time): BLOCK_M 16 for decode-sized M, larger tiles for
@@ -167,10 +168,6 @@ def _linear_kernel(
     norm_w_ptr,    # the prologue's norm weight [K]; read only if NORM
     add_ptr,       # add_rmsnorm's residual [M, K] (row stride stride_am, unit column stride); only if NORM == 2
     sum_ptr,       # h = x + add [M, K] (row stride stride_sm), written by the pid_n == 0 programs if NORM == 2
-    part_acc_ptr,  # decode attention's split acc [M, K / HEAD_DIM, splits, D_PAD] fp32; read instead of x if MERGE
-    part_max_ptr,  # its max scores [M, K / HEAD_DIM, splits] fp32; only if MERGE
-    part_sum_ptr,  # its exp-sums, likewise
-    num_splits,    # splits of the workspace; only if MERGE
     M, N, K,       # N is the output width (N_w // 2 when GATED)
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on, stride_am, stride_sm,
     softcap,       # fp32: the soft-cap, read only if SOFTCAP
@@ -178,8 +175,13 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SILU: tl.constexpr, GELU: tl.constexpr,
     GATED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     NORM: tl.constexpr,  # the prologue: 0 none, 1 rmsnorm, 2 add_rmsnorm
-    MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,  # the merge prologue
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    # the merge prologue, last and with defaults (off) so a launch without it need not name it:
+    part_acc_ptr=None,  # decode attention's split acc [M, K / HEAD_DIM, splits, D_PAD] fp32, read instead of x
+    part_max_ptr=None,  # its max scores [M, K / HEAD_DIM, splits] fp32
+    part_sum_ptr=None,  # its exp-sums, likewise
+    num_splits=1,       # splits of the workspace
+    MERGE: tl.constexpr = False, HEAD_DIM: tl.constexpr = 1, D_PAD: tl.constexpr = 1, SPLITS_PAD: tl.constexpr = 1,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)       # [BM]
@@ -296,20 +298,20 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     res_strides = residual.stride() if residual is not None else (0, 0)
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.device.type == "cpu")
     add, h = (norm.residual, norm.sum_out) if norm is not None and norm.kind == 2 else (x, x)   # x: unread
-    parts = (merge.acc, merge.max, merge.sum, merge.acc.shape[2]) if merge is not None else (x, x, x, 1)
-    d_pad = merge.acc.shape[3] if merge is not None else 1
+    merging = {} if merge is None else dict(
+        part_acc_ptr=merge.acc, part_max_ptr=merge.max, part_sum_ptr=merge.sum, num_splits=merge.acc.shape[2],
+        MERGE=True, HEAD_DIM=merge.head_dim, D_PAD=merge.acc.shape[3],
+        SPLITS_PAD=triton.next_power_of_2(merge.acc.shape[2]))
     _linear_kernel[grid](
         x, w, bias if bias is not None else x, residual if residual is not None else x, out,
-        norm.weight if norm is not None else x, add, h, *parts,
+        norm.weight if norm is not None else x, add, h,
         M, n_out, K, *x.stride(), *w.stride(), *res_strides, *out.stride(), add.stride(0), h.stride(0),
         float(softcap), float(norm.eps) if norm is not None else 0.0,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SILU=activation == "silu",
         GELU=activation == "gelu_tanh", GATED=gated, SOFTCAP=softcap > 0,
         DOT_FP32=dot_fp32, INPUT_PRECISION="ieee" if dot_fp32 else "tf32", NORM=norm.kind if norm is not None else 0,
-        MERGE=merge is not None, HEAD_DIM=merge.head_dim if merge is not None else 1, D_PAD=d_pad,
-        SPLITS_PAD=triton.next_power_of_2(parts[3]),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **merging,
     )
     return out
 
@@ -337,7 +339,8 @@ def merge_linear_triton(attn: torch.Tensor | DecodeParts, w: torch.Tensor, bias:
                          f"{tuple(w.shape)} {w.dtype}")
     x = w.new_empty(()).expand(num_seqs, heads * attn.head_dim)          # [M, K]: shape and dtype only, unread
     n_out = w.shape[0] // 2 if options.get("gated") else w.shape[0]
-    cfg = config or pick_config(num_seqs, n_out, x.shape[1], gated=options.get("gated", False), dtype=from_torch(w.dtype))
+    gated = options.get("gated", False)
+    cfg = config or pick_config(num_seqs, n_out, x.shape[1], gated=gated, dtype=from_torch(w.dtype))
     return linear_triton(x, w, bias, residual, config=merge_config(cfg, attn), merge=attn, **options)
 
 

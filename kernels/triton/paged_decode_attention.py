@@ -42,8 +42,8 @@ from llmc.kernels.attention import paged_decode_attention_ref
 from llmc.kernels.triton.paged_kv import (check_options, check_paged_inputs, load_kv_tile, online_softmax_step,
                                           qk_scale, window_start)
 
-__all__ = ["DecodeParts", "decode_merge_ref", "decode_splits", "paged_decode_attention_parts", "paged_decode_attention_ref",
-           "paged_decode_attention_triton"]
+__all__ = ["DecodeParts", "decode_merge_ref", "decode_splits", "paged_decode_attention_parts",
+           "paged_decode_attention_ref", "paged_decode_attention_triton"]
 
 TILE = 32                 # keys per inner step: tl.dot's K dim in p @ v (>= 16 on a GPU)
 MIN_SPLIT_KEYS = 64       # a split shorter than this costs more to merge than it saves
