@@ -180,3 +180,28 @@ def test_the_generated_module_equals_the_interpreted_graph(dtype, lens, tmp_path
     feeds = dict(q=q, kv_cache=cache.nan_to_num(0.0), block_tables=tables, seq_lens=seq_lens, r=res)
     assert_generated_equals_interpreted(graph, {"o": w}, feeds, tmp_path,
                                         attention_o_graph("f32") if dtype == "f16" else None, reduction=480)
+
+
+def test_a_whole_model_merges_in_every_decode_layer_as_the_torch_executor_computes(tiny_family, tmp_path,
+                                                                                   monkeypatch):
+    """test_triton_executor's run of a tiny Llama (head_dim 32) with splits of 16 keys: its 48-key
+    block tables take two splits (the short sequences' second one empty), so each decode layer's O
+    projection merges as its prologue; its logits stay the torch executor's within fp32 tolerance."""
+    import llmc.kernels.triton.gemm as gemm
+    import llmc.kernels.triton.paged_decode_attention as decode
+    from llmc.compiler.driver import CompileConfig, compile_model
+    from llmc.runtime.artifact import load_artifact
+    from test_triton_executor import run_backend
+
+    artifact = compile_model(tiny_family("llama_hd32")[1], tmp_path / "cuda", CompileConfig(target="cuda"))
+    monkeypatch.setattr(decode, "MIN_SPLIT_KEYS", 16)
+    merged, launch = [], gemm.linear_triton
+    monkeypatch.setattr(gemm, "linear_triton", lambda *a, merge=None, **k: merged.append(merge is not None)
+                        or launch(*a, merge=merge, **k))
+    want, got = run_backend(artifact, "torch"), run_backend(artifact, "triton")
+    layers = load_artifact(artifact).config.num_layers
+    assert sum(merged) == 8 * layers                                   # 8 decode steps, every layer
+    tol = tolerance(torch.float32, load_artifact(artifact).config.intermediate_size, scale=4.0)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert not g.isnan().any(), f"step {step}"
+        torch.testing.assert_close(g, w, **tol, msg=lambda m: f"step {step}: {m}")
