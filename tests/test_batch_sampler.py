@@ -19,7 +19,9 @@ import torch
 
 from llmc.kernels.token_bitmask import apply_token_bitmask_ref
 from llmc.runtime import batch_sampler
-from llmc.runtime.batch_sampler import NEG_INF, SamplingRow, draw_tokens, sample_rows, uniforms
+from llmc.runtime.batch_sampler import (NEG_INF, TOP_P_CANDIDATES, SamplingRow, draw_tokens, filter_logits,
+                                        sample_rows, uniforms)
+from llmc.runtime.sampler import filter_logits as filter_logits_ref
 from llmc.runtime.sampler import make_generator, sample_row
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk
@@ -249,3 +251,27 @@ def test_on_a_gpu_the_tokens_are_the_cpu_references_up_to_float_sums():
     for g, w, s in zip(got, want, same):
         if s and w.logprob is not None:
             assert abs(g.logprob - w.logprob) <= tol
+
+
+TOP_P_VOCAB = 5003              # more tokens than TOP_P_CANDIDATES: the partial sort can stop short of a row
+
+
+@pytest.mark.parametrize("shape", ["peaked", "medium", "flat", "tied"])
+def test_top_p_cuts_each_row_where_the_reference_does_from_a_partial_or_a_full_sort(shape, monkeypatch):
+    """The batched top-p's kept tokens equal the per-row reference's exactly: from partial sorts of
+    the most likely tokens where they reach p (peaked rows within the first 64; medium ones need up to
+    1024: a full sort would fail the test), from a full sort of the rows whose nucleus is wider (flat),
+    and with tied probabilities."""
+    gen = torch.Generator().manual_seed(7)
+    scale = {"peaked": 8.0, "medium": 4.0, "flat": 0.05, "tied": 3.0}[shape]
+    logits = torch.randn(12, TOP_P_VOCAB, generator=gen) * scale
+    logits = logits.round(decimals=0) if shape == "tied" else logits
+    params = [SamplingParams(temperature=1.0, top_p=p, top_k=k) for p in (0.3, 0.9, 0.99) for k in (0, 0, 0, 50)]
+    want = torch.stack([filter_logits_ref(logits[i], p) for i, p in enumerate(params)])
+    if shape in ("peaked", "medium"):
+        monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail(f"a {shape} batch took a full sort"))
+    got = filter_logits(logits, [SamplingRow(p, [], [], 0.5) for p in params])
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    kept = (~torch.isinf(want)).sum(dim=-1)
+    assert shape != "medium" or kept.max() > min(TOP_P_CANDIDATES)        # the wider partial sort was needed
+    assert shape != "flat" or kept.max() > max(TOP_P_CANDIDATES)          # the full sort was needed
