@@ -5,10 +5,11 @@ launches, and how many kernels where more than one) where the artifact has Trito
 target), the step's kernel launches in all and a layer's (from one layer's attention unit to the
 next's: what CUDA graphs replay per layer; the most a step launches: decode attention on its own
 skips its merge stage where one split covers the context; merged with the O projection, whose GEMM
-then takes the merge as its prologue, it launches its split stage and that GEMM either way), then one line per CPU unit (its group, its ops, the
-generated C++ function it calls, or `template` for a hand-written kernel), and how many distinct
-modules and functions there are. With --group N: that group's IR lines
-and the source of its Triton module and of its C++ functions, as the artifact stores them.
+then takes the merge as its prologue, it launches its split stage and that GEMM either way), then
+one line per CPU unit (its group, its ops, the generated C++ function it calls, or `template` for a
+hand-written kernel), and how many distinct modules and functions there are. With --group N: that
+group's IR lines and the source of its Triton module and of its C++ functions, as the artifact
+stores them.
 """
 
 from __future__ import annotations
