@@ -37,13 +37,12 @@ and forced tokens.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from llmc.runtime.model_runner import ModelRunner
 
 from .gpu_check_measure import Batch, greedy
+from .quality import score
 
 FACTOR = 2.0
 FLOOR_ULPS = 2
@@ -113,17 +112,8 @@ def held_logits(runner: ModelRunner, tokens: list[int], num_blocks: int) -> torc
 
 def quality(run: list[torch.Tensor], anchor: list[torch.Tensor], targets: list[list[int]]) -> dict:
     """Perplexity of the targets (row r of each run's logits predicts targets[.][r]) for `run` and the
-    anchor, mean KL(anchor || run) and top-1 agreement, over every row."""
-    nll = anchor_nll = kl = agree = 0.0
-    count = 0
-    for logits, want, next_tokens in zip(run, anchor, targets, strict=True):
-        logp, ref_logp = torch.log_softmax(logits.double(), -1), torch.log_softmax(want.double(), -1)
-        t = torch.tensor(next_tokens)[:, None]
-        nll -= float(logp.gather(1, t).sum())
-        anchor_nll -= float(ref_logp.gather(1, t).sum())
-        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
-        agree += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
-        count += len(next_tokens)
-    ppl, ref_ppl = math.exp(nll / count), math.exp(anchor_nll / count)
-    return {"perplexity": ppl, "anchor_perplexity": ref_ppl, "delta_perplexity_percent": 100 * (ppl / ref_ppl - 1),
-            "mean_kl": kl / count, "top1_agreement": agree / count, "positions": count}
+    anchor, mean KL(anchor || run) and top-1 agreement, over every row, in float64 (`llmc eval`'s
+    quality.score)."""
+    s = score(zip(run, anchor, targets, strict=True), torch.float64)
+    s["anchor_perplexity"] = s.pop("reference_perplexity")
+    return s

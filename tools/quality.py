@@ -87,27 +87,33 @@ class WindowScorer:
         return logits.float()
 
 
+def score(windows, dtype: torch.dtype = torch.float32) -> dict:
+    """Over windows of (logits [n, V], the reference's logits [n, V], the n next tokens), log-softmax
+    in `dtype`: both perplexities of the next tokens, mean KL(reference || model) and top-1
+    agreement per position, and the positions counted."""
+    nll = ref_nll = kl = agree = 0.0
+    count = 0
+    for logits, ref_logits, next_tokens in windows:
+        logp, ref_logp = torch.log_softmax(logits.to(dtype), -1), torch.log_softmax(ref_logits.to(dtype), -1)
+        targets = torch.as_tensor(next_tokens)[:, None]
+        nll -= float(logp.gather(1, targets).sum())
+        ref_nll -= float(ref_logp.gather(1, targets).sum())
+        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
+        agree += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        count += len(next_tokens)
+    ppl, ref_ppl = math.exp(nll / count), math.exp(ref_nll / count)
+    return {"perplexity": ppl, "reference_perplexity": ref_ppl, "delta_perplexity_percent": 100 * (ppl / ref_ppl - 1),
+            "mean_kl": kl / count, "top1_agreement": agree / count, "positions": count}
+
+
 def compare(model: WindowScorer, reference: WindowScorer, tokens: list[int], window: int,
             against: str) -> Quality:
     """Perplexities, mean KL and top-1 agreement of `model` against `reference` on `tokens`."""
-    nll = ref_nll = kl = agree = 0.0
-    count = 0
-    for start in range(0, len(tokens) - 1, window):
-        chunk = tokens[start:start + window + 1]
-        if len(chunk) < 2:
-            break
-        logp = torch.log_softmax(model(chunk[:-1]), -1)                     # [n, V]
-        ref_logp = torch.log_softmax(reference(chunk[:-1]), -1)
-        targets = torch.tensor(chunk[1:])
-        nll -= float(logp.gather(1, targets[:, None]).sum())
-        ref_nll -= float(ref_logp.gather(1, targets[:, None]).sum())
-        kl += float((ref_logp.exp() * (ref_logp - logp)).sum())
-        agree += float((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
-        count += len(targets)
-    ppl, ref_ppl = math.exp(nll / count), math.exp(ref_nll / count)
+    chunks = [tokens[start:start + window + 1] for start in range(0, len(tokens) - 1, window)]
+    s = score((model(c[:-1]), reference(c[:-1]), c[1:]) for c in chunks if len(c) >= 2)
     digest = hashlib.sha256(str(tokens).encode()).hexdigest()[:16]
-    return Quality(against, HELD_TEXT, count, digest, ppl, ref_ppl, 100 * (ppl / ref_ppl - 1), kl / count,
-                   agree / count)
+    return Quality(against, HELD_TEXT, s["positions"], digest, s["perplexity"], s["reference_perplexity"],
+                   s["delta_perplexity_percent"], s["mean_kl"], s["top1_agreement"])
 
 
 def reference_prefill(model: LoadedModel, config: CompileConfig, weights: dict) -> Graph:
