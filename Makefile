@@ -31,7 +31,7 @@ run: $(ARTIFACT)/manifest.json
 
 # Every test, the slow ones on the real model included (CI runs exactly this).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
