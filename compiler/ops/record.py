@@ -24,7 +24,7 @@ from ..ir import IRError, TensorType
 
 TypeRule = Callable[["Operands", dict], tuple[TensorType, ...]]
 Reference = Callable[["Operands", dict], Any]
-OP_KINDS = ("leaf", "gemm", "elementwise", "rowwise", "attention", "data_movement")
+OP_KINDS = ("leaf", "gemm", "elementwise", "rowwise", "attention", "data_movement", "collective")
 # torch: the references (the meaning); native: the op-by-op CPU table; step_plan: one native call
 # per step; triton: codegen for a GPU; onnx: graph export. A profile's kind is the op's kind.
 BACKENDS = ("torch", "native", "step_plan", "triton", "onnx")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from . import attention, elementwise, gathers, gemm, norms, rope
+from . import attention, collectives, elementwise, gathers, gemm, norms, rope
 from .record import OpRecord
 
-OPS: dict[str, OpRecord] = {r.name: r for m in (gathers, gemm, elementwise, norms, rope, attention)
+OPS: dict[str, OpRecord] = {r.name: r for m in (gathers, gemm, elementwise, norms, rope, attention, collectives)
                             for r in m.RECORDS}
 
 
