@@ -30,6 +30,7 @@ from llmc.models.config import LoadedModel
 from .artifact_format import (ALL_ENTRY_FILES, CPU_KERNELS_FILE, FORMAT, FORMAT_VERSION, KERNELS_DIR, MANIFEST,
                               REPORT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHTS_FILE, ArtifactError,
                               check_file_list, file_entries, is_artifact_manifest)
+from .tensor_parallel import TensorParallelPlan
 
 
 def package_version(name: str) -> str | None:
@@ -63,10 +64,12 @@ def stale_code(manifest: dict) -> str | None:
             f"{this}); compile it again for figures of this code")
 
 
-def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def graph_weights(graphs: dict[str, Graph], weights: dict[str, torch.Tensor],
+                  plan: TensorParallelPlan = TensorParallelPlan()) -> dict[str, torch.Tensor]:
     """The weights the graphs reference, each in the element type its weight node declares (the
-    compute dtype for float weights; quantized codes stay integers), contiguous and unshared."""
-    declared = {n.name[2:]: n.type.dtype for g in graphs.values() for n in g.weights()}
+    compute dtype for float weights; quantized codes stay integers), contiguous and unshared; of a
+    sharded graph, the whole tensors each rank's part is cut from (`plan`)."""
+    declared = {plan.source(n.name[2:]): n.type.dtype for g in graphs.values() for n in g.weights()}
     return {name: weights[name].to(to_torch(declared[name])).contiguous().clone() for name in sorted(declared)}
 
 
@@ -118,19 +121,20 @@ def _replace(out: Path, staging: Path) -> None:
 def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph],
                    compile_info: dict[str, Any], report: dict[str, Any],
                    weights: dict[str, torch.Tensor] | None = None, kernels: dict[str, str] | None = None,
-                   cpu_kernels: str | None = None) -> Path:
+                   cpu_kernels: str | None = None, plan: TensorParallelPlan = TensorParallelPlan()) -> Path:
     """Write graphs, weights, tokenizer, report and a manifest hashing them all.
 
     `weights` (default: the model's) holds every tensor the graphs name, including those that
     fold_weights computed. `kernels` (cuda target) maps kernel module names to their generated
     source, written as kernels/<name>.py; the artifact then lists the triton backend too.
-    `cpu_kernels` (every target) is the generated C++ of the CPU units, kernels/cpu/generated.cpp."""
+    `cpu_kernels` (every target) is the generated C++ of the CPU units, kernels/cpu/generated.cpp.
+    `plan` (a --tp compile's) goes into the manifest as "tensor_parallel"."""
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _sibling(out, "partial")
     staging.mkdir()
     try:
-        _write_files(staging, model, graphs, compile_info, report, weights, kernels, cpu_kernels)
+        _write_files(staging, model, graphs, compile_info, report, weights, kernels, cpu_kernels, plan)
         check_target(out)          # again: the folder may have changed during the compile
         _replace(out, staging)
     except BaseException:
@@ -141,7 +145,7 @@ def write_artifact(out: Path, model: LoadedModel, graphs: dict[str, Graph],
 
 def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
                  compile_info: dict[str, Any], report: dict[str, Any], weights: dict[str, torch.Tensor] | None,
-                 kernels: dict[str, str] | None, cpu_kernels: str | None) -> None:
+                 kernels: dict[str, str] | None, cpu_kernels: str | None, plan: TensorParallelPlan) -> None:
     if kernels:
         (staging / KERNELS_DIR).mkdir()
         for name, source in kernels.items():
@@ -151,7 +155,7 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
         (staging / CPU_KERNELS_FILE).write_text(cpu_kernels)
     for entry, graph in graphs.items():
         (staging / ALL_ENTRY_FILES[entry]).write_text(print_graph(graph))
-    save_file(graph_weights(graphs, model.weights if weights is None else weights),
+    save_file(graph_weights(graphs, model.weights if weights is None else weights, plan),
               str(staging / WEIGHTS_FILE))
     (staging / TOKENIZER_FILE).write_text(model.tokenizer.tokenizer_json)
     (staging / TOKENIZER_CONFIG_FILE).write_text(json.dumps(model.tokenizer.config_dict(), indent=2))
@@ -170,4 +174,6 @@ def _write_files(staging: Path, model: LoadedModel, graphs: dict[str, Graph],
         "entries": {entry: ALL_ENTRY_FILES[entry] for entry in graphs},
         "files": files,
     }
+    if plan.size > 1:
+        manifest["tensor_parallel"] = plan.to_manifest()
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))

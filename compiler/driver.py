@@ -37,6 +37,7 @@ from llmc.passes.skip_layers import skip_layers
 
 from .artifact import check_target, write_artifact
 from .quant_recipe import QuantRecipe
+from .tensor_parallel import TensorParallelPlan
 from .codegen import Lowering, lower
 from .codegen.cpu_lowering import CpuLowering, lower_cpu
 
@@ -58,10 +59,16 @@ class CompileConfig:
     target: str = "cpu"
     quant: QuantRecipe = QuantRecipe()
     draft_skip: int = 0         # N > 0: also a self-speculative `draft` graph skipping N layers
+    tp: int = 1                 # N > 1: the graphs one of N tensor-parallel ranks runs (passes/shard.py)
 
     def __post_init__(self) -> None:
         if self.draft_skip < 0:
             raise ModelError(f"--draft-skip {self.draft_skip} is negative; give the number of layers the draft skips")
+        if self.tp < 1:
+            raise ModelError(f"--tp {self.tp} is not a rank count; give 1 or more")
+        if self.tp > 1 and self.draft_skip:
+            raise ModelError(f"--draft-skip {self.draft_skip} cannot go with --tp {self.tp}: the draft graph is not "
+                             f"sharded; drop one of them")
         if self.target not in TARGETS:
             raise ModelError(f"target {self.target!r} is unknown; choose one of {', '.join(TARGETS)}")
         if self.dtype not in USER_DTYPES:
@@ -169,7 +176,7 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
         if dumper:
             dumper.traced(traced)
         stage(f"running passes on {entry}")
-        ctx = PassContext(options={"quant": config.quant}, weights=weights, quantized=quantized)
+        ctx = PassContext(options={"quant": config.quant, "tp": config.tp}, weights=weights, quantized=quantized)
         graphs[entry], entry_records = run_pipeline(traced, ctx, config.disabled_passes, config.stop_after,
                                                     on_pass=dumper)
         records += entry_records
@@ -196,9 +203,10 @@ def compile_model(source: str | Path | None, out: str | Path, config: CompileCon
     compile_info = {"dtype": config.dtype, "target": config.target,
                     "passes": [r.name for r in records if r.graph == "prefill"],
                     "disabled_passes": list(config.disabled_passes), "stop_after": config.stop_after,
-                    "quant": config.quant.to_dict(), "draft_skip": config.draft_skip}
+                    "quant": config.quant.to_dict(), "draft_skip": config.draft_skip, "tp": config.tp}
+    plan = TensorParallelPlan(config.tp, report.pop("shard", {}).get("weights", {}))
     return write_artifact(Path(out), model, graphs, compile_info, report, weights,
-                          kernels.modules if kernels is not None else None, cpu_kernels.source())
+                          kernels.modules if kernels is not None else None, cpu_kernels.source(), plan)
 
 
 def _choose_draft(model: LoadedModel, traced_prefill: Graph, n: int, seconds: dict[str, float]) -> DraftChoice:

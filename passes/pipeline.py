@@ -31,6 +31,7 @@ from .merge_qkv import merge_qkv
 from .quantize_kv import quantize_kv
 from .quantize_weights import quantize_weights
 from .rewrite import PassContext, PassError  # noqa: F401  (PassError is re-exported)
+from .shard import shard
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ PIPELINE: list[Pass] = [
     Pass("quantize_kv", quantize_kv, "float KV cache -> int8 codes + a scale per token and head (--kv-dtype)"),
     # --- clean up
     Pass("dce", dce, "remove nodes that reach no output or side effect"),
+    # --- split over tensor-parallel ranks, when the compile asks (off otherwise)
+    Pass("shard", shard, "heads and MLP columns split over --tp N ranks, all_reduce / all_gather between (--tp)"),
     # --- prepare code generation
     Pass("fusion_grouping", fusion_grouping, "partition ops into kernels: group=N attributes"),
 ]

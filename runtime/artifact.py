@@ -23,6 +23,7 @@ from llmc.compiler.artifact_format import (ALL_ENTRY_FILES, ENTRY_FILES, FORMAT,
                                            verify_files)
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Graph, IRError, parse_graph
+from llmc.compiler.tensor_parallel import TensorParallelPlan
 from llmc.compiler.ops import verify
 from llmc.models.config import ModelConfig, ModelError, TokenizerFiles
 
@@ -49,7 +50,9 @@ def load_graph(path: Path, entry: str) -> Graph:
     return graph
 
 
-def _load_weights(path: Path, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:
+def _load_weights(path: Path, graphs: dict[str, Graph], plan: TensorParallelPlan) -> dict[str, torch.Tensor]:
+    """The whole tensors; each graph weight checked as the graph declares it (a sharded graph: one
+    rank's part, cut from its stored tensor as `plan` says)."""
     try:
         weights = load_file(str(path / WEIGHTS_FILE))
     except (SafetensorError, OSError) as exc:
@@ -57,13 +60,19 @@ def _load_weights(path: Path, graphs: dict[str, Graph]) -> dict[str, torch.Tenso
     for graph in graphs.values():
         for node in graph.weights():
             name = node.name[2:]
-            if name not in weights:
-                raise ArtifactError(f"{WEIGHTS_FILE} lacks weight {name!r} that {graph.name}.ir uses; recompile")
-            if weights[name].dtype != to_torch(node.type.dtype):
-                raise ArtifactError(f"weight {name!r} is {weights[name].dtype} but {graph.name}.ir declares "
+            stored = plan.source(name)
+            if stored not in weights:
+                raise ArtifactError(f"{WEIGHTS_FILE} lacks weight {stored!r} that {graph.name}.ir uses; recompile")
+            if weights[stored].dtype != to_torch(node.type.dtype):
+                raise ArtifactError(f"weight {name!r} is {weights[stored].dtype} but {graph.name}.ir declares "
                                     f"{node.type.dtype}; recompile")
-            if tuple(weights[name].shape) != node.type.shape:
-                raise ArtifactError(f"weight {name!r} has shape {tuple(weights[name].shape)} but "
+            try:
+                shape = plan.rank_shape(name, tuple(weights[stored].shape))
+            except ValueError as exc:
+                raise ArtifactError(f"weight {name!r} cannot be cut for {plan.size} ranks ({exc}); recompile") from None
+            if shape != node.type.shape:
+                ranks = f" on each of {plan.size} ranks" if plan.size > 1 else ""
+                raise ArtifactError(f"weight {name!r} has shape {shape}{ranks} but "
                                     f"{graph.name}.ir declares {node.type}; recompile")
     return weights
 
@@ -92,5 +101,5 @@ def load_artifact(path: str | Path) -> Artifact:
     except (ModelError, TypeError, KeyError) as exc:
         raise ArtifactError(f"{MANIFEST} has an unreadable model config ({exc}); recompile") from None
     graphs = {entry: load_graph(path, entry) for entry in artifact_entries(manifest)}
-    weights = _load_weights(path, graphs)
+    weights = _load_weights(path, graphs, TensorParallelPlan.from_manifest(manifest))
     return Artifact(path, manifest, config, graphs, weights, _load_tokenizer(path))
