@@ -15,11 +15,13 @@ Produces: column-parallel QKV (each rank H / N query heads and its KV heads: KV 
   Column-parallel biases are split with their rows; a row-parallel bias (no supported family has
   one) is refused. OLMo-2's q/k norm over all heads (rope_kv_write qk_norm='all') becomes
   `qk_sum_squares` -> `all_reduce` -> `qk_rms_norm` before a rope_kv_write without the norm; per-head
-  norms (Qwen3, Gemma 3) need nothing. `ctx.records["shard"]` holds the plan (compiler/tensor_parallel.py):
-  a rule for every weight the graph declares. The hit counter counts the rewritten nodes.
+  norms (Qwen3, Gemma 3) need nothing. `ctx.records["shard"]` holds the plan
+  (compiler/tensor_parallel.py): a rule for every weight the graph declares. The hit counter counts
+  the rewritten nodes.
 Requires: merge_qkv, merge_gate_up, fuse_rope_kv_write, fold_weights, quantize_weights (it cuts the
-  merged weights, and quantized ones along their groups) and dce (every GEMM left has a role). Preserves: each rank's share of the
-  numerics; the sum over ranks equals the unsharded graph up to the order of the all_reduce's sums.
+  merged weights, and quantized ones along their groups) and dce (every GEMM left has a role).
+Preserves: the unsharded graph's numerics up to the order of the all_reduces' sums (each rank
+  computes its share; the sum over ranks is the whole).
 Off unless `ctx.options["tp"]` is 2 or more. Head, intermediate or group counts N does not divide
   are refused in one sentence naming the counts.
 """
@@ -138,9 +140,10 @@ def _row_rules(node: Node, graph: Graph, n: int, layout: ShardLayout) -> dict[st
             rules |= {names["scales"]: replicate()}
             layout.gemm_attrs[node.name] = {**node.attrs, "group_size": k // n}
         else:
-            raise PassError(f"--tp {n} would cut the quantization groups of {names['codes']}: its {k} input features "
-                            f"hold {groups} groups of {group}, which {n} ranks cannot share; choose a --tp that "
-                            f"divides {groups} or another --quant group size")
+            weight = names["codes"].removesuffix(".codes")
+            raise PassError(f"--tp {n} would cut the quantization groups of {weight}: its {k} input features hold "
+                            f"{groups} groups of {group}, which {n} ranks cannot share; choose a --tp that divides "
+                            f"{groups} or another --quant group size")
     return rules
 
 
