@@ -110,6 +110,8 @@ def compile_cmd(
     draft_skip: int = typer.Option(0, "--draft-skip", help="also build a self-speculative `draft` graph: the "
                                    "model without the N layers whose skipping keeps its next-token choices "
                                    "closest on a calibration text (measured and recorded in report.json)"),
+    tp: int = typer.Option(1, "--tp", help="shard over N tensor-parallel ranks: the graphs one rank runs, with "
+                           "all_reduce / all_gather between them, and the shard plan in the manifest (llmc inspect)"),
 ) -> None:
     """Compile MODEL into an artifact directory."""
     from llmc.compiler.driver import CompileConfig, compile_model
@@ -117,7 +119,7 @@ def compile_cmd(
 
     recipe = QuantRecipe.parse(quant, kv_dtype, quant_embeddings, requantize)
     config = CompileConfig(dtype=dtype, disabled_passes=tuple(disable_pass), stop_after=stop_after, dump_ir=dump_ir,
-                           target=target, quant=recipe, draft_skip=draft_skip)
+                           target=target, quant=recipe, draft_skip=draft_skip, tp=tp)
     console = Console(stderr=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description:<28}"), BarColumn(), TimeElapsedColumn(),

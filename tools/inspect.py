@@ -11,6 +11,7 @@ from pathlib import Path
 from llmc.compiler.dtypes import dtype_info
 from llmc.compiler.ir import Graph
 from llmc.compiler.quant_format import weight_format
+from llmc.compiler.tensor_parallel import TensorParallelPlan, describe
 from llmc.kernels.native import EXTENSION_NAME, NativeBuildError, cache_dir, load_native_kernels, native_kernels_loaded
 from llmc.runtime.artifact import REPORT_FILE, load_artifact, verify_artifact
 
@@ -46,11 +47,14 @@ def artifact_summary(path: str | Path) -> str:
         body = sum(v for k, v in ops.items() if k not in ("input", "weight"))
         lines.append(f"graph      {entry}: {body} ops, {ops.get('weight', 0)} weights, inputs "
                      + ", ".join(f"{n.name}:{n.type}" for n in graph.inputs()))
-    lines.append(f"torch      on this CPU, native kernels: {torch_plans(path)}")
+    plan = TensorParallelPlan.from_manifest(manifest)
+    plans = torch_plans(path) if plan.size == 1 else f"step plans built by each of the {plan.size} ranks (--tp)"
+    lines.append(f"torch      on this CPU, native kernels: {plans}")
     report = json.loads((path / REPORT_FILE).read_text())
     lines += quant_lines(compile_info.get("quant"), graphs, report)
     if draft := report.get("draft"):
         lines.append(draft_line(draft))
+    lines += tensor_parallel_lines(plan, graphs)
     for name, entry in manifest["files"].items():
         lines.append(f"file       {name:<24} {human_bytes(entry['bytes']):>10}  sha256 {entry['sha256'][:16]}")
     return "\n".join(lines)
@@ -120,6 +124,27 @@ def quant_lines(recipe: dict | None, graphs: dict[str, Graph], report: dict) -> 
         lines.append(f"weights    {fmt:<10} {human_bytes(size):>10}  {count} tensors")
     if quality := report.get("quality"):
         lines.append(quality_line(quality))
+    return lines
+
+
+def tensor_parallel_lines(plan: TensorParallelPlan, graphs: dict[str, Graph]) -> list[str]:
+    """The shard plan: the rank count, each rank's weight bytes, and per kind of weight (its layer
+    number left out) the rule that cuts it and its bytes on a rank."""
+    if plan.size == 1:
+        return []
+    kinds: dict[str, tuple[str, int, int]] = {}          # kind -> (rule, tensors, bytes a rank)
+    for node in {n.name: n for g in graphs.values() for n in g.weights()}.values():
+        name = node.name[2:]
+        kind = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+        size = dtype_info(node.type.dtype).element_size
+        for d in node.type.shape:
+            size *= d
+        rule, count, total = kinds.get(kind, (describe(plan.weights.get(name, {"rule": "replicate"}), plan.size), 0, 0))
+        kinds[kind] = (rule, count + 1, total + size)
+    lines = [f"tensor-par {plan.size} ranks, {human_bytes(sum(b for _, _, b in kinds.values()))} of weights on each"]
+    width = max(len(k) for k in kinds)
+    lines += [f"           {kind:<{width}} {human_bytes(b):>10} a rank  {rule}" + (f"  ({n} tensors)" if n > 1 else "")
+              for kind, (rule, n, b) in kinds.items()]
     return lines
 
 
