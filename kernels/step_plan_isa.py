@@ -175,6 +175,12 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("generated", _args("fn:address num_inputs:int values:values",
                                    fn="a generated kernel's C function (its ABI: runtime/step_plan.py)",
                                    values="the unit's inputs, then its outputs")),
+    Instruction("qembedding", _args("out codes scales mins:optional ids layout:int vocab:int width:int bits:int "
+                                    "group:int",
+                                    layout="0: codes, scales, mins as the artifact stores them [V, ...]; "
+                                           "1: quantized panels (kernels/panels.py)",
+                                    mins="-1: int8 codes have none"),
+                doc="out row t = row ids[t] of the table, dequantized in fp32 (qembedding_ref), then rounded"),
 ]
 STEP_PLAN_ISA = InstructionSet(STEP_PLAN_INSTRUCTIONS)
 

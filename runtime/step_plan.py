@@ -8,7 +8,8 @@ kernels (runtime/cpu_program.py); it walks the graph's CPU units (compiler/codeg
 and returns a `StepPlanProgram` when every unit has a plan kernel that takes it, else raises
 `NotPlannable` with the first reason. Plan kernels: a generated unit's C++ function (every
 elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding
-(a table of rows, or a tied float table kept as panels), linear (float panels) and qlinear (int8 /
+(a table of rows, or a tied float table kept as panels), qembedding (int8 / int4 codes as the
+artifact stores them, or a tied table kept as quantized panels), linear (float panels) and qlinear (int8 /
 int4 panels), each with an optional bias, rope_kv_write (a packed qkv), paged_attention and
 paged_decode_attention, and index_select (of rows), over activations [rows, W] of one float dtype (f32 or
 bf16), rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
@@ -49,6 +50,7 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
+from llmc.kernels.panels import PANEL
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
@@ -223,6 +225,25 @@ def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
                   vocab=vocab, width=width)
 
 
+def _lower_qembedding(lo: _Lowering, node: Node) -> Encoded:
+    x = operands_of(node)
+    codes, scales, mins = lo.weight(x.codes), lo.weight(x.scales), lo.weight(x.mins) if "mins" in x else None
+    bits, group = node.attrs["bits"], node.attrs["group_size"]
+    vocab, width = lo.graph.type_of(x.codes).shape[0], node.type.shape[1]            # [V, ...] codes, [T, W] rows
+    if to_torch(node.attrs["dtype"]) != lo.dtype:
+        raise NotPlannable(f"{node.name} (qembedding) gives {node.attrs['dtype']} rows in a {lo.dtype} plan")
+    panels = (width * bits // 8, PANEL)                              # a tied table kept as the LM head's panels
+    if isinstance(codes, GemvWeight) and codes.bits == bits and codes.weight.shape[1:] == panels:
+        layout, (codes_id, scales_id, mins_id) = 1, lo.panels(codes)
+    elif all(isinstance(t, torch.Tensor) for t in (codes, scales, *([mins] if "mins" in x else []))):
+        layout, codes_id, scales_id = 0, lo.constant(codes.contiguous()), lo.constant(scales.contiguous())
+        mins_id = lo.constant(mins.contiguous()) if "mins" in x else -1
+    else:
+        raise NotPlannable(f"{node.name} (qembedding) reads a table the plan does not take")
+    return encode("qembedding", out=lo.result(node), codes=codes_id, scales=scales_id, mins=mins_id,
+                  ids=lo.graph_input(x.ids, node), layout=layout, vocab=vocab, width=width, bits=bits, group=group)
+
+
 def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
     named = operands_of(node)
     x, bias = named.x, named.get("bias")
@@ -360,9 +381,10 @@ def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
 
 
 # the template ops' lowerings (elementwise and row-wise ops run as generated units, lower_generated)
-LOWERINGS = {"embedding": _lower_embedding, "linear": _lower_linear, "qlinear": _lower_qlinear,
-             "rope_kv_write": _lower_rope_kv_write, "paged_decode_attention": _lower_attention,
-             "paged_attention": _lower_attention, "index_select": _lower_index_select}
+LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,
+             "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
+             "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
+             "index_select": _lower_index_select}
 
 
 Lowering = Callable[[_Lowering, Node], Encoded]

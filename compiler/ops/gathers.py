@@ -73,8 +73,8 @@ RECORDS = [
              reference=lambda x, a: qembedding_ref(x.codes, x.scales, x.get("mins"), x.ids, bits=a["bits"],
                                                    dtype=to_torch(a["dtype"])),
              backends={"native": Lowered("rows of a quantized table, or of a tied one kept as panels"),
-                       "step_plan": Declined("the plan has no quantized-table gather: a graph with a quantized "
-                                             "embedding runs op by op"),
+                       "step_plan": Lowered("instruction qembedding (the artifact's rows, or a tied table's "
+                                            "quantized panels)"),
                        "triton": Lowered("template kernels/triton/qembedding.py")}),
     OpRecord("index_select", (operands("x", "indices"),), (), _index_select_types, "data_movement",
              "rows of x at indices", reference=lambda x, a: torch.index_select(x.x, 0, x.indices),

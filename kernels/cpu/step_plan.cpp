@@ -116,6 +116,7 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
   void note(const Instr& in);
   void check_generated(const Instr& in) const;
+  void check_qembedding(const Instr& in) const;
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
                                                                    int64_t seqs, bool timed);
@@ -197,6 +198,26 @@ void StepPlan::note(const Instr& in) {
     attention_meta_ = meta;
   }
   if (in.op == kGenerated) check_generated(in);
+  if (in.op == kQembedding) check_qembedding(in);
+}
+
+// A quantized table's constants hold every row the instruction may read, in its layout.
+void StepPlan::check_qembedding(const Instr& in) const {
+  namespace A = arg::qembedding;
+  const auto& a = in.a;
+  const int64_t bits = a[A::bits], width = a[A::width], group = a[A::group], layout = a[A::layout];
+  TORCH_CHECK((bits == 8 || (bits == 4 && width % 32 == 0)) && group > 0 && width % group == 0 &&
+                  (layout == 0 || layout == 1) && a[A::vocab] > 0,
+              "qembedding of ", bits, " bits, width ", width, ", group ", group, " and layout ", layout,
+              " is not a quantized table the plan reads");
+  const int64_t rows = layout == 0 ? a[A::vocab] : (a[A::vocab] + llmc_panels::kPanel - 1) / llmc_panels::kPanel *
+                                                        llmc_panels::kPanel;
+  const auto bytes = [&](int64_t id) {   // a constant's bytes, -1 for any other value
+    return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].nbytes() : int64_t{-1};
+  };
+  TORCH_CHECK(bytes(a[A::codes]) == rows * width * bits / 8 && bytes(a[A::scales]) == rows * (width / group) * 2 &&
+                  (a[A::mins] < 0 ? bits == 8 : bytes(a[A::mins]) == rows * (width / group) * 2),
+              "qembedding's codes, scales and mins are not constants of ", rows, " rows of ", width, " values");
 }
 
 // A generated kernel writes temporaries or outputs, and every activation it touches has the rows
@@ -219,13 +240,14 @@ void StepPlan::check_generated(const Instr& in) const {
 // What instruction `index` (`in`) will touch, checked against this run's inputs.
 void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
   const auto& a = in.a;
-  if (in.op == kEmbedding) {
-    namespace A = arg::embedding;
-    const at::Tensor& ids = *b.tensor_at[a[A::ids]];
+  if (in.op == kEmbedding || in.op == kQembedding) {
+    const bool q = in.op == kQembedding;
+    const int64_t vocab = q ? a[arg::qembedding::vocab] : a[arg::embedding::vocab];
+    const at::Tensor& ids = *b.tensor_at[q ? a[arg::qembedding::ids] : a[arg::embedding::ids]];
     TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " tokens but ", ids.numel(), " token ids");
     const int64_t* p = ids.const_data_ptr<int64_t>();
     for (int64_t t = 0; t < b.rows; ++t)
-      TORCH_CHECK(p[t] >= 0 && p[t] < a[A::vocab], "token id ", p[t], " is outside the vocabulary of ", a[A::vocab]);
+      TORCH_CHECK(p[t] >= 0 && p[t] < vocab, "token id ", p[t], " is outside the vocabulary of ", vocab);
   } else if (in.op == kIndexSelect) {
     namespace A = arg::index_select;
     const at::Tensor& indices = *b.tensor_at[a[A::indices]];

@@ -79,6 +79,7 @@ inline int64_t result_of(const Instr& in) {
   const auto& a = in.a;
   switch (in.op) {
     case kEmbedding: return a[arg::embedding::out];
+    case kQembedding: return a[arg::qembedding::out];
     case kLinear: return a[arg::linear::out];
     case kQlinear: return a[arg::qlinear::out];
     case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
@@ -156,6 +157,50 @@ void embed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   }
 }
 
+// A quantized table's code `j` of row `id` and its group's index into scales and mins, in either
+// layout of the qembedding instruction: 0 the artifact's rows (int4 in GGUF's block order: byte b
+// of a 32-code block holds code b low, b + 16 high), 1 the quantized panels (kernels/panels.py:
+// codes [P, W, 32] or int4 pairs [P, W/2, 32] with input 2i low, 2i + 1 high; scales [P, W/G, 32]).
+struct QTable {
+  const uint8_t* codes;
+  int64_t layout, width, bits, group;
+
+  int code(int64_t id, int64_t j) const {
+    const int64_t bytes = width * bits / 8, lane = id % llmc_panels::kPanel;
+    const uint8_t* panel = codes + id / llmc_panels::kPanel * bytes * llmc_panels::kPanel;
+    if (bits == 8)
+      return static_cast<int8_t>(layout == 0 ? codes[id * bytes + j] : panel[j * llmc_panels::kPanel + lane]);
+    const uint8_t pair = layout == 0 ? codes[id * bytes + j / 32 * 16 + j % 16]
+                                     : panel[j / 2 * llmc_panels::kPanel + lane];
+    return (layout == 0 ? j % 32 >= 16 : j % 2 == 1) ? pair >> 4 : pair & 0xF;
+  }
+  int64_t group_at(int64_t id, int64_t j) const {
+    const int64_t groups = width / group, lane = id % llmc_panels::kPanel;
+    return layout == 0 ? id * groups + j / group
+                       : (id / llmc_panels::kPanel * groups + j / group) * llmc_panels::kPanel + lane;
+  }
+};
+
+// Rows of a quantized table: scale * code (+ min) in fp32, rounded once to X, as qembedding_ref.
+template <typename X>
+void qembed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
+  namespace A = arg::qembedding;
+  const auto& a = in.a;
+  const QTable table{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]), a[A::layout], a[A::width], a[A::bits],
+                     a[A::group]};
+  const auto* scales = reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]);
+  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
+  const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[A::ids]]);
+  for (int64_t t = first; t < last; ++t) {
+    X* out = reinterpret_cast<X*>(b.at[a[A::out]]) + t * table.width;
+    for (int64_t j = 0; j < table.width; ++j) {
+      const int64_t g = table.group_at(ids[t], j);
+      const float w = static_cast<float>(table.code(ids[t], j)) * static_cast<float>(scales[g]);
+      out[j] = static_cast<X>(mins ? w + static_cast<float>(mins[g]) : w);
+    }
+  }
+}
+
 // A quantized GEMM: x widened to fp32 (tokens split, then a barrier), then the panels split.
 template <typename X>
 void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
@@ -212,6 +257,9 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
   switch (in.op) {
     case kEmbedding:
       embed_rows<X>(in, b, first, last);
+      break;
+    case kQembedding:
+      qembed_rows<X>(in, b, first, last);
       break;
     case kLinear: {
       namespace A = arg::linear;
