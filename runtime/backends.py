@@ -97,6 +97,7 @@ class BackendChoice:
     executor: type[Executor]
     device: torch.device
     options: ExecutorOptions
+    ranks: object = None        # the tensor-parallel ranks (runtime/tensor_parallel.Ranks) this is rank 0 of
 
     @property
     def name(self) -> str:
@@ -107,13 +108,19 @@ class BackendChoice:
         return self.executor.kv_bytes_per_block(KVCacheSpec.from_graph_type(cache_type, 1, block_size))
 
     def build(self, artifact: Artifact, kv: KVCacheSpec) -> Executor:
-        return self.executor(artifact, self.device, kv, self.options)
+        """The executor; with ranks (or a sharded artifact), rank 0's behind the step broadcast."""
+        from .tensor_parallel import plan_size, rank_executor
+
+        if self.ranks is None and plan_size(artifact) == 1:
+            return self.executor(artifact, self.device, kv, self.options)
+        return rank_executor(self, artifact, kv, self.ranks)
 
 
 def choose_backend(backend: str, artifact: Artifact, device: str = "auto",
-                   options: Mapping[str, object] | None = None) -> BackendChoice:
-    """The backend, device and options `backend`, `device` and `options` mean for `artifact` here;
-    another backend's options are ignored with one INFO line (module docstring)."""
+                   options: Mapping[str, object] | None = None, ranks: object = None) -> BackendChoice:
+    """The backend, device and options `backend`, `device` and `options` mean for `artifact` here, on
+    the tensor-parallel `ranks` if given; another backend's options are ignored with one INFO line
+    (module docstring)."""
     name, where = resolve_backend(backend, artifact, device)
     executor = BACKENDS[name]
     own, ignored = _options_for(executor, options or {})
@@ -121,7 +128,7 @@ def choose_backend(backend: str, artifact: Artifact, device: str = "auto",
         owners = sorted({cls.backend for cls in BACKENDS.values() for n in ignored if n in cls.options_type.names()})
         log.info("the %s backend has no option %s (an option of %s); ignoring it", name, ", ".join(ignored),
                  " and ".join(owners))
-    return BackendChoice(executor, where, own)
+    return BackendChoice(executor, where, own, ranks)
 
 
 # The built-in backends, in the order --backend lists them.

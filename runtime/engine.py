@@ -68,6 +68,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None   # draft and verify several tokens a step (speculative/)
     prefix_cache_salt: str | None = None   # every request's prefix-cache keys start from it (with its own cache_salt)
     async_scheduling: bool | None = None  # an EngineLoop plans step N+1 while N computes; None: where it pays
+    ranks: object = None            # tensor-parallel ranks this engine is rank 0 of (runtime/tensor_parallel)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -109,7 +110,7 @@ class Engine:
         self.artifact = artifact if isinstance(artifact, Artifact) else load_artifact(artifact)
         self.config = config
         self.tokenizer = Tokenizer(self.artifact.tokenizer)
-        backend = choose_backend(config.backend, self.artifact, config.device, config.backend_options)
+        backend = choose_backend(config.backend, self.artifact, config.device, config.backend_options, config.ranks)
         cache_type = self.artifact.graphs["prefill"].node_map()["kv_cache"].type
         per_block = backend.kv_bytes_per_block(cache_type, config.block_size)    # the backend's layout
         num_blocks = config.kv_cache_bytes // per_block

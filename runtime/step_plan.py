@@ -57,6 +57,7 @@ from llmc.kernels.step_plan_isa import Encoded, encode
 from .cpu_program import CpuKernels
 from .liveness import dying_after
 from .slot_program import LaunchTime
+from .tensor_parallel.plan_collectives import COLLECTIVE_LOWERINGS
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -384,7 +385,7 @@ def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
 LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,
              "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
              "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
-             "index_select": _lower_index_select}
+             "index_select": _lower_index_select, **COLLECTIVE_LOWERINGS}
 
 
 Lowering = Callable[[_Lowering, Node], Encoded]

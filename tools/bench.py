@@ -8,6 +8,7 @@ or as a Poisson process at a request rate. EOS is ignored, so every run does the
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import queue
@@ -27,6 +28,7 @@ from llmc.runtime.memory_plan import parse_bytes
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 
 from .bench_hf import hf_baselines
+from .tp_cli import TP_OPTION, TP_TIMEOUT_OPTION, tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -253,10 +255,12 @@ def bench_cmd(
                                            "llmc without async scheduling (a fresh engine, same requests)"),
     hf_model: Optional[str] = typer.Option(None, help="model for the baseline (default: the artifact's source)"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
+    tp: int = TP_OPTION,
+    tp_timeout: float = TP_TIMEOUT_OPTION,
 ) -> None:
     """Benchmark the engine on a workload; with --baseline hf, compare against transformers."""
-    from rich.progress import Progress
-
+    if baseline == "sync" and tp > 1:
+        raise RequestError("--baseline sync builds a second engine, which the ranks of --tp do not serve; drop one")
     if baseline not in (None, "hf", "sync"):
         raise RequestError(f"baseline {baseline!r} is unknown; choose 'hf' or 'sync'")
     if baseline == "hf" and math.isfinite(request_rate):
@@ -271,7 +275,23 @@ def bench_cmd(
                           max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
                           speculative=speculative_config(speculative, num_draft_tokens),
                           async_scheduling=async_scheduling)
-    engine = Engine(artifact, config)
+    with tensor_parallel(tp, tp_timeout, artifact) as ranks:
+        engine = Engine(artifact, replace(config, ranks=ranks))
+        sync = functools.partial(Engine, artifact, replace(config, async_scheduling=False))
+        result = _measure(engine, workload, baseline, hf_model, sync)
+    hf = result.get("baselines", {}).get("hf_static", {})
+    if "output_tok_s" in hf:
+        result["speedup"] = result["llmc"]["output_tok_s"] / hf["output_tok_s"]
+    typer.echo(format_report(result))
+    if json_file:
+        json_file.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _measure(engine: Engine, workload: "Workload", baseline: str | None, hf_model: str | None,
+             sync_engine: Callable[[], Engine]) -> dict:
+    """The workload's results on `engine` (and the baseline's, if any)."""
+    from rich.progress import Progress
+
     requests = workload.requests(engine.artifact.config.vocab_size)
     if stale := stale_code(engine.artifact.manifest):
         typer.echo(f"note: {stale}", err=True)
@@ -283,11 +303,5 @@ def bench_cmd(
             result["baselines"] = hf_baselines(engine.artifact, hf_model, requests, progress)
         if baseline == "sync":
             task = progress.add_task("llmc, synchronous", total=len(requests))
-            sync = Engine(artifact, replace(config, async_scheduling=False))
-            result["baselines"] = {"llmc_sync": run_llmc(sync, requests, lambda: progress.advance(task))}
-    hf = result.get("baselines", {}).get("hf_static", {})
-    if "output_tok_s" in hf:
-        result["speedup"] = result["llmc"]["output_tok_s"] / hf["output_tok_s"]
-    typer.echo(format_report(result))
-    if json_file:
-        json_file.write_text(json.dumps(result, indent=2, default=str))
+            result["baselines"] = {"llmc_sync": run_llmc(sync_engine(), requests, lambda: progress.advance(task))}
+    return result

@@ -38,6 +38,7 @@ from .profile_steps import profile_cmd
 from .quality import eval_cmd
 from .debug_cli import register as register_debug_tools
 from .plan import plan_cmd
+from .tp_cli import TP_OPTION, TP_TIMEOUT_OPTION, tensor_parallel
 
 QUALITY_WINDOW = 512          # tokens per sequence when measuring quality (each window a fresh prompt)
 USER_ERRORS = (ModelError, ArtifactError, IRError, PassError, RequestError, NativeBuildError, QuantRecipeError)
@@ -159,6 +160,8 @@ def generate(
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
+    tp: int = TP_OPTION,
+    tp_timeout: float = TP_TIMEOUT_OPTION,
 ) -> None:
     """Generate a reply to PROMPT, streaming it to stdout."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -166,11 +169,12 @@ def generate(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
-    engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options,
-                                           speculative=speculative_config(speculative, num_draft_tokens)))
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
-    _stream_to_stdout(engine, ids, params)
+    with tensor_parallel(tp, tp_timeout, artifact) as ranks:
+        engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options, ranks=ranks,
+                                               speculative=speculative_config(speculative, num_draft_tokens)))
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids = engine.tokenizer.encode_chat(messages) if chat else engine.tokenizer.encode(prompt)
+        _stream_to_stdout(engine, ids, params)
 
 
 def _stream_to_stdout(engine, prompt_ids: list[int], params) -> None:
@@ -226,6 +230,8 @@ def serve(
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
     num_draft_tokens: int = NUM_DRAFT_TOKENS_OPTION,
+    tp: int = TP_OPTION,
+    tp_timeout: float = TP_TIMEOUT_OPTION,
 ) -> None:
     """Serve an artifact with an OpenAI-compatible API (completions, chat, streaming, /metrics)."""
     from llmc.runtime.engine import Engine, EngineConfig
@@ -235,20 +241,23 @@ def serve(
     from .default_artifact import default_artifact
 
     options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
-    config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
-                          max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
-                          speculative=speculative_config(speculative, num_draft_tokens),
-                          prefix_cache_salt=prefix_cache_salt, async_scheduling=async_scheduling)
-    server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
-    sock = bind_socket(host, port)
-    engine = Engine(artifact if artifact is not None else default_artifact(), config)
-    bound_host, bound_port = sock.getsockname()[:2]
-    name = served_model_name or engine.artifact.path.name
-    Console(stderr=True, soft_wrap=True).print(
-        f"llmc: serving {name} at http://{bound_host}:{bound_port}/v1 ({engine.kernels} kernels, "
-        f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens); Ctrl-C or SIGTERM stops",
-        highlight=False)
-    run_server(engine, server, sock)
+    artifact = artifact if artifact is not None else default_artifact()
+    with tensor_parallel(tp, tp_timeout, artifact, stop_server_on_failure=True) as ranks:
+        config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
+                              max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
+                              speculative=speculative_config(speculative, num_draft_tokens),
+                              prefix_cache_salt=prefix_cache_salt, async_scheduling=async_scheduling, ranks=ranks)
+        server = ServerConfig(served_model_name, api_key, max_waiting, grace_period)
+        sock = bind_socket(host, port)
+        engine = Engine(artifact, config)
+        bound_host, bound_port = sock.getsockname()[:2]
+        name = served_model_name or engine.artifact.path.name
+        ranks_note = f", {tp} tensor-parallel ranks" if tp > 1 else ""
+        Console(stderr=True, soft_wrap=True).print(
+            f"llmc: serving {name} at http://{bound_host}:{bound_port}/v1 ({engine.kernels} kernels, "
+            f"{engine.blocks.num_blocks} KV blocks of {engine.blocks.block_size} tokens{ranks_note}); Ctrl-C or "
+            "SIGTERM stops", highlight=False)
+        run_server(engine, server, sock)
 
 
 app.command("plan")(user_errors(plan_cmd))

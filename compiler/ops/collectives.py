@@ -128,7 +128,6 @@ def _qk_rms_norm_types(ts: Operands, attrs: dict):
 
 _NO_NCCL = Declined("NCCL collectives in the Triton executor are not built yet; run a sharded artifact on the torch "
                     "backend")
-_NO_PLAN = Declined("the step plan has no collective instruction yet: a sharded graph runs op by op")
 _NO_ONNX = Declined("a collective joins ranks, which one ONNX graph has no word for; export an unsharded compile")
 _TP_NORM = "a norm split around an all_reduce (sharded OLMo-2 only)"
 _HEADS = ("num_heads", "num_kv_heads", "head_dim")
@@ -137,13 +136,13 @@ RECORDS = [
     OpRecord("all_reduce", (operands("x"),), ("size",), _all_reduce_types, "collective",
              "the sum of the ranks' x (torch.distributed's default group)",
              reference=lambda x, a: all_reduce_ref(x.x, a["size"]),
-             backends={"native": Lowered("the torch reference"), "step_plan": _NO_PLAN, "triton": _NO_NCCL,
-                       "onnx": _NO_ONNX}),
+             backends={"native": Lowered("the torch reference"), "step_plan": Lowered("instruction all_reduce"),
+                       "triton": _NO_NCCL, "onnx": _NO_ONNX}),
     OpRecord("all_gather", (operands("x"),), ("size",), _all_gather_types, "collective",
              "the ranks' x joined along the last dim, in rank order",
              reference=lambda x, a: all_gather_ref(x.x, a["size"]),
-             backends={"native": Lowered("the torch reference"), "step_plan": _NO_PLAN, "triton": _NO_NCCL,
-                       "onnx": _NO_ONNX}),
+             backends={"native": Lowered("the torch reference"), "step_plan": Lowered("instruction all_gather"),
+                       "triton": _NO_NCCL, "onnx": _NO_ONNX}),
     OpRecord("qk_sum_squares", (operands("qkv"),), _HEADS, _qk_sum_squares_types, "rowwise",
              "f32 [T, 2]: sums of squares of q's and of k's columns of a packed qkv",
              reference=lambda x, a: qk_sum_squares_ref(x.qkv, a["num_heads"], a["num_kv_heads"], a["head_dim"]),

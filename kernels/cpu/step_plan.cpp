@@ -19,7 +19,9 @@
 // into the build folder) numbers them and names their args, and this file and step_plan.h read an
 // arg only by its name (arg::linear::bias), so a layout the description lacks does not compile.
 // `generated` calls a generated kernel's C function (runtime/step_plan.py states its ABI) on the
-// team's split of its first output's rows.
+// team's split of its first output's rows. `all_reduce` and `all_gather` (tensor parallelism,
+// plan_collectives.h) run on the team's first thread, on the group set_group named, while the others
+// wait at the barrier; one that fails stops the team after it and is raised once the region ends.
 //
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
 // (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
@@ -37,6 +39,7 @@
 #include <tuple>
 #include <vector>
 
+#include "plan_collectives.h"
 #include "step_plan.h"
 
 namespace {
@@ -78,6 +81,8 @@ class StepPlan : public torch::CustomClassHolder {
     return add_value({kTemporary, reg, width, seqs, width});
   }
   int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs, width}); }
+  // The process group (c10d's name for it) the plan's collectives run on.
+  void set_group(std::string name) { group_ = std::move(name); }
   // Instruction `op` (step_plan_isa.h's numbering) with its args, checked against the description.
   void add(int64_t op, std::vector<int64_t> args, double f) {
     TORCH_CHECK(op >= 0 && op < kNumOps, "plan op ", op, " is not one of step_plan_isa.h's ", kNumOps,
@@ -116,6 +121,8 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
   void note(const Instr& in);
   void check_generated(const Instr& in) const;
+  void check_collective(const Instr& in) const;
+  std::string run_collective(const Instr& in, const Bound& b) const;
   void check_qembedding(const Instr& in) const;
 
   std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
@@ -140,6 +147,7 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t max_head_dim_ = 16;
   int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
   int64_t num_outputs_ = 0;
+  std::string group_;                       // the collectives' process group (set_group)
 };
 
 // Addresses of every value for the run's rows: constants where they are, the arena's registers
@@ -198,6 +206,7 @@ void StepPlan::note(const Instr& in) {
     attention_meta_ = meta;
   }
   if (in.op == kGenerated) check_generated(in);
+  if (in.op == kAllReduce || in.op == kAllGather) check_collective(in);
   if (in.op == kQembedding) check_qembedding(in);
 }
 
@@ -235,6 +244,34 @@ void StepPlan::check_generated(const Instr& in) const {
                 " of a generated kernel is not a temporary or an output of the plan");
     TORCH_CHECK(!activation || v.seqs == seqs, "value ", i, " of a generated kernel has other rows than its first output");
   }
+}
+
+// A collective reads an activation and writes one `size` times as wide (all_gather) or as wide
+// (all_reduce), on the group set_group named.
+void StepPlan::check_collective(const Instr& in) const {
+  const bool gather = in.op == kAllGather;
+  const int64_t out = gather ? in.a[arg::all_gather::out] : in.a[arg::all_reduce::out];
+  const int64_t x = gather ? in.a[arg::all_gather::x] : in.a[arg::all_reduce::x];
+  const int64_t width = gather ? in.a[arg::all_gather::width] : in.a[arg::all_reduce::width];
+  const int64_t size = gather ? in.a[arg::all_gather::size] : in.a[arg::all_reduce::size];
+  TORCH_CHECK(!group_.empty(), kOpNames[in.op], " needs the plan's process group: call set_group first");
+  const auto activation = [&](int64_t id) { return values_[id].place == kTemporary || values_[id].place == kOutput; };
+  TORCH_CHECK(size >= 1 && activation(x) && activation(out) && values_[x].width == width &&
+                  values_[out].width == (gather ? size : 1) * width && values_[x].seqs == values_[out].seqs,
+              kOpNames[in.op], " of ", size, " ranks does not read an activation of ", width,
+              " values and write one of ", (gather ? size : 1) * width);
+}
+
+// Instruction `in`'s collective on this run's rows (the team's first thread): "" or why it failed.
+std::string StepPlan::run_collective(const Instr& in, const Bound& b) const {
+  const bool gather = in.op == kAllGather;
+  const int64_t out = gather ? in.a[arg::all_gather::out] : in.a[arg::all_reduce::out];
+  const int64_t x = gather ? in.a[arg::all_gather::x] : in.a[arg::all_reduce::x];
+  const int64_t rows = b.rows_at[x], width = values_[x].width, size = in.a[arg::all_gather::size];
+  const auto options = at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat);
+  const at::Tensor x_rows = at::from_blob(b.at[x], {rows, width}, options);
+  const at::Tensor out_rows = at::from_blob(b.at[out], {rows, values_[out].width}, options);
+  return gather ? plan_all_gather(x_rows, out_rows, size, group_) : plan_all_reduce(x_rows, out_rows, group_);
 }
 
 // What instruction `index` (`in`) will touch, checked against this run's inputs.
@@ -361,6 +398,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
+  std::atomic<int64_t> failed_at{-1};       // a collective that failed: the team stops after it
+  std::string failure;
   const auto typed = [&](auto* x_type, auto* c_type) {
     using X = std::remove_pointer_t<decltype(x_type)>;
     using C = std::remove_pointer_t<decltype(c_type)>;
@@ -371,9 +410,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
       std::vector<float> row(2 * max_head_dim_);  // a rotation's scratch: its normed head and rotated row
       if (timed && tid == 0) stamps[0] = Clock::now();
       for (size_t i = 0; i < code_.size(); ++i) {
-        llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
+        if (code_[i].op == kAllReduce || code_[i].op == kAllGather) {
+          if (tid == 0 && !(failure = run_collective(code_[i], b)).empty()) failed_at = static_cast<int64_t>(i);
+        } else {
+          llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
+        }
 #pragma omp barrier
         if (timed && tid == 0) stamps[i + 1] = Clock::now();
+        if (failed_at.load() == static_cast<int64_t>(i)) break;
       }
     }
   };
@@ -385,6 +429,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
     typed(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
     typed(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  TORCH_CHECK(failed_at.load() < 0, "the step plan's ", kOpNames[code_[std::max<int64_t>(failed_at.load(), 0)].op],
+              " failed: ", failure);
   std::vector<double> seconds;
   for (size_t i = 0; i + 1 < stamps.size(); ++i)
     seconds.push_back(std::chrono::duration<double>(stamps[i + 1] - stamps[i]).count());
@@ -405,6 +451,7 @@ TORCH_LIBRARY_FRAGMENT(llmc, m) {
       .def("temporary", &StepPlan::temporary)
       .def("output", &StepPlan::output)
       .def("add", &StepPlan::add)
+      .def("set_group", &StepPlan::set_group)
       .def("run", &StepPlan::run)
       .def("run_timed", &StepPlan::run_timed);
 }

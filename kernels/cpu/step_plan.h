@@ -84,6 +84,8 @@ inline int64_t result_of(const Instr& in) {
     case kQlinear: return a[arg::qlinear::out];
     case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
     case kIndexSelect: return a[arg::index_select::out];
+    case kAllReduce: return a[arg::all_reduce::out];
+    case kAllGather: return a[arg::all_gather::out];
     case kGenerated: {
       const GeneratedArgs g = generated_args(in);
       return g.values[g.num_inputs];
@@ -291,6 +293,8 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
         reinterpret_cast<GeneratedFn>(static_cast<intptr_t>(a[arg::generated::fn]))(
             b.ptrs[index].data(), b.strides[index].data(), first, last);
       break;
+    case kAllReduce:   // the team's first thread runs a collective (step_plan.cpp, plan_collectives.h)
+    case kAllGather:
     case kNumOps:
       break;
   }
