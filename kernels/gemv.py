@@ -5,6 +5,10 @@ column panels of 32 outputs (kernels/panels.py):
   f32 / bf16  the weight, in x's dtype                               meaning: F.linear
   int8        codes i8, scales f16 per group of G (G % 16 == 0)      meaning: kernels/quant.py's qlinear_ref
   int4        codes u4 in pairs, scales and mins f16 (G % 32 == 0)   meaning: qlinear_ref
+A quantized weight prepared for int8 activations (`activations="int8"`, G % 32 == 0) holds its codes
+as quads instead (layout "quads": kernels/cpu/qdot_gemm.cpp, integer dot products, AVX512-VNNI where
+the CPU has it); its meaning is kernels/quant.py's qlinear_int8act_ref. The layout is decided once,
+so one copy stays resident.
 bias [N] in x's dtype or None; returns [T, N] in x's dtype: products accumulated in fp32, bias added
 in fp32, rounded once. `gemv_ref` is the meaning (and the fallback).
 
@@ -24,9 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .panels import panel_linear_ref, panels_fit, qpanel_linear_ref, quantized_panels, to_panels
+from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_linear_ref, qpanel_linear_ref, quad_panels,
+                     quad_rows, quantized_panels, quantized_rows, to_panels)
+from .quant import ACT_BLOCK
 
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+ACTIVATIONS = ("float", "int8")     # what a quantized weight's GEMM multiplies: x as given, or int8 per block
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +48,7 @@ class GemvWeight:
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
+    layout: str = "panels"             # or "quads" (a quantized weight for int8 activations)
     bits: int = field(init=False)      # 8 or 4; 0 for float weights
     out_features: int = field(init=False)
     in_features: int = field(init=False)
@@ -49,7 +57,8 @@ class GemvWeight:
     def __post_init__(self):
         bits = {"int8": 8, "int4": 4}.get(self.format, 0)
         pairs = self.format in ("bf16", "int4")       # [P, K/2, 32(, 2)]: inputs in pairs
-        facts = dict(bits=bits, out_features=self.rows, in_features=self.weight.shape[1] * (2 if pairs else 1),
+        per_row = (4 if bits == 8 else 8) if self.layout == "quads" else (2 if pairs else 1)
+        facts = dict(bits=bits, out_features=self.rows, in_features=self.weight.shape[1] * per_row,
                      x_dtypes=tuple(FLOAT_FORMATS) if bits else (self.weight.dtype,))
         for name, value in facts.items():
             object.__setattr__(self, name, value)
@@ -62,6 +71,8 @@ class GemvWeight:
 
 def gemv_ref(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one."""
+    if w.layout == "quads":
+        return qdot_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     if w.bits:
         return qpanel_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     return panel_linear_ref(x, w.weight, w.rows, bias)
@@ -79,17 +90,36 @@ def prepare_linear_weight(weight: torch.Tensor) -> GemvWeight | None:
     return GemvWeight(FLOAT_FORMATS[weight.dtype], to_panels(weight), weight.shape[0])
 
 
+def int8_activations_fit(in_features: int, group_size: int) -> bool:
+    """Whether the int8-activation kernel takes a quantized weight: its groups whole blocks of 32 inputs."""
+    return group_size % ACT_BLOCK == 0 and in_features % group_size == 0
+
+
 def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, *, bits: int,
-                           group_size: int) -> GemvWeight | None:
+                           group_size: int, activations: str = "float") -> GemvWeight | None:
     """A quantized weight (kernels/quant.py's layout) as panels for the native kernels (new tensors,
-    to be kept instead of the artifact's), or None where they do not take it."""
+    to be kept instead of the artifact's), or None where they do not take it. activations "int8":
+    as quads for the int8-activation kernel (the caller checks `int8_activations_fit` first)."""
     step = 16 if bits == 8 else 32
     if group_size % step or scales.dtype != torch.float16 or not all(map(_native_layout, (codes, scales, mins))):
         return None
     if bits == 4 and (mins is None or mins.dtype != torch.float16):
         return None
+    fmt = "int8" if bits == 8 else "int4"
+    if activations == "int8":
+        return GemvWeight(fmt, quad_panels(codes, bits), codes.shape[0], column_panels(scales),
+                          None if mins is None else column_panels(mins), group_size, "quads")
     panels, scale_panels, min_panels = quantized_panels(codes, scales, mins, bits)
-    return GemvWeight("int8" if bits == 8 else "int4", panels, codes.shape[0], scale_panels, min_panels, group_size)
+    return GemvWeight(fmt, panels, codes.shape[0], scale_panels, min_panels, group_size)
+
+
+def quantized_weight_rows(w: GemvWeight, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows `rows` [R] of a prepared quantized weight as (codes, scales, mins) in the artifact's layout
+    (a tied embedding's lookup)."""
+    if w.layout == "panels":
+        return quantized_rows(w.weight, w.scales, w.mins, rows, w.bits)
+    return (quad_rows(w.weight, rows, w.bits), panel_rows(w.scales, rows),
+            None if w.mins is None else panel_rows(w.mins, rows))
 
 
 def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> bool:
@@ -100,7 +130,8 @@ def gemv_fits(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) 
 
 
 def gemv_cpu(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launcher: gemv_ref's meaning through kernels/cpu/panel_gemm.cpp (float) or qpanel_gemm.cpp (quantized)."""
+    """Launcher: gemv_ref's meaning through kernels/cpu/panel_gemm.cpp (float), qpanel_gemm.cpp (quantized)
+    or qdot_gemm.cpp (quantized, int8 activations)."""
     if not gemv_fits(x, w, bias):
         got = f"x {x.dtype} {tuple(x.shape)} on {x.device}" + ("" if bias is None else f", bias {bias.dtype} "
                                                                 f"{tuple(bias.shape)}")
@@ -114,4 +145,6 @@ def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
     """`gemv_cpu` for inputs that `gemv_fits` has passed (the op table checks once, then runs this)."""
     if not w.bits:
         return torch.ops.llmc.panel_gemm(x.contiguous(), w.weight, w.rows, bias)
+    if w.layout == "quads":
+        return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size, True)
     return torch.ops.llmc.qpanel_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size)

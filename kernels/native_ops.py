@@ -27,9 +27,10 @@ from llmc.compiler.ops.attention import attention_options
 from llmc.compiler.ops.rope import norm_rounding, qkv_columns
 
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
-from .gemv import GemvWeight, gemv_fits, gemv_ref, prepare_linear_weight, prepare_qlinear_weight, run_gemv
+from .gemv import (GemvWeight, gemv_fits, gemv_ref, int8_activations_fit, prepare_linear_weight,
+                   prepare_qlinear_weight, quantized_weight_rows, run_gemv)
 from .native import NativeBuildError, load_native_kernels
-from .panels import from_panels, panel_rows, quantized_rows
+from .panels import from_panels, panel_rows
 from .quant import dequantize_weight
 from .rope import RopeTables
 from .rope_kv_write import native_rope_kv_write_fits, run_rope_kv_write
@@ -102,7 +103,7 @@ def qembedding_rows(x: Operands, a: dict) -> torch.Tensor:
     codes = x.codes
     if not isinstance(codes, GemvWeight):
         return OPS["qembedding"].reference(x, a)
-    rows = quantized_rows(codes.weight, codes.scales, codes.mins, x.ids.long(), codes.bits)
+    rows = quantized_weight_rows(codes, x.ids.long())
     return dequantize_weight(*rows, codes.bits).to(to_torch(a["dtype"]))      # qembedding_ref's fp32 rounding
 
 
@@ -145,7 +146,8 @@ def _gemm_weights(graphs: Iterable[Graph], reads: dict[str, set[tuple[str, str]]
             for name, u in uses.items()}
 
 
-def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
+                    activations: str = "float") -> dict[str, Any]:
     """`weights` as the native table's GEMMs take them, decided once for all of an executor's graphs.
 
     The weight each `linear` multiplies by, and each `qlinear`'s codes with their scales (and
@@ -154,9 +156,11 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -
     and the tied table's lookup read the scales and mins, their entries become that GemvWeight too
     (those ops read them from it). A weight that another op reads too, or one the kernels do not
     take, stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
+    activations "int8": the quantized weights whose groups are whole blocks of 32 inputs become
+    quads for the int8-activation kernel; any other keeps float activations, said once at INFO.
     """
     graphs = list(graphs)
-    reads, prepared = _weight_reads(graphs), dict(weights)
+    reads, prepared, kept_float = _weight_reads(graphs), dict(weights), []
     for name, use in _gemm_weights(graphs, reads).items():
         if use is None:
             continue
@@ -167,16 +171,53 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor]) -
         elif params["scales"] is None or (bits == 4 and params["mins"] is None):
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:
+            k = weights[name].shape[1] * (2 if bits == 4 else 1)
+            fits = activations == "int8" and int8_activations_fit(k, group)
+            if activations == "int8" and not fits:
+                kept_float.append(f"{name} (groups of {group})")
             gemv_weight = prepare_qlinear_weight(weights[name], weights[params["scales"]],
                                                  weights[params["mins"]] if bits == 4 else None,
-                                                 bits=bits, group_size=group)
+                                                 bits=bits, group_size=group, activations="int8" if fits else "float")
         if gemv_weight is None:
             continue
         prepared[name] = gemv_weight
         for kind, param in params.items():
             if param is not None and reads[param] <= PARAM_READS[kind]:
                 prepared[param] = gemv_weight
+    if kept_float:
+        logging.getLogger("llmc").info("%d quantized GEMMs keep float activations (int8 activations take groups of "
+                                       "a multiple of 32 inputs): %s", len(kept_float), ", ".join(kept_float[:3]))
     return prepared
+
+
+ACTIVATION_CHOICES = ("auto", "int8", "float")
+
+
+def choose_activations(activations: str) -> str:
+    """What a quantized GEMM's activations are with the native kernels loaded: 'int8' or 'float'.
+    auto: int8 where the build has AVX512-VNNI, else float (said at INFO); int8 without VNNI runs
+    the portable integer dot products (slower than float: said at INFO)."""
+    isa = torch.ops.llmc.qdot_isa()
+    if activations == "float" or (activations == "auto" and isa != "avx512-vnni"):
+        if activations == "auto":
+            logging.getLogger("llmc").info("this CPU has no AVX512-VNNI: quantized GEMMs keep float activations")
+        return "float"
+    if isa != "avx512-vnni":
+        logging.getLogger("llmc").info("int8 activations without AVX512-VNNI run portable integer dot products")
+    return "int8"
+
+
+def described_kernels(weights: dict[str, Any], activations: str) -> str:
+    """'native', or with quantized GEMMs 'native, int8 activations (avx512-vnni)' or '..., float activations'
+    (and how many keep float activations where int8 was asked for)."""
+    quantized = {id(w): w for w in weights.values() if isinstance(w, GemvWeight) and w.bits}.values()
+    if not quantized:
+        return "native"
+    if activations == "float":
+        return "native, float activations"
+    kept = sum(w.layout != "quads" for w in quantized)
+    return (f"native, int8 activations ({torch.ops.llmc.qdot_isa()})"
+            + (f", {kept} GEMMs float activations" if kept else ""))
 
 
 KERNEL_CHOICES = ("auto", "native", "reference")

@@ -11,6 +11,11 @@ zero) with each column's 32 values together: panels[p, x, j] = m[32p + j, x]. Ap
                                                   2i + 1 in the high (`int4_pairs`; the artifact
                                                   keeps GGUF's block order, kernels/quant.py)
   scales, mins [N, K/G] f16  -> [P, K/G, 32]
+With int8 activations (kernels/cpu/qdot_gemm.cpp) the codes are quads instead, each output's 4
+consecutive inputs in one 32-bit lane, as vpdpbusd and AMX-INT8's B tiles read them (`quad_panels`):
+  int8 codes [N, K]          -> uint8 [P, K/4, 32, 4]   code + 128 (the instruction's unsigned side)
+  int4 codes [N, K/2]        -> uint8 [P, K/8, 32, 4]   byte r of lane (i, j): input 8i + r in the low
+                                                        nibble, 8i + 4 + r in the high
 A batch-1 decode then streams each thread's panels front to back, and a tile of tokens x 32
 outputs accumulates with the outputs as vector lanes (no horizontal sums); oneDNN's blocked
 layouts are the same idea, but opaque, so a second copy would have to be kept beside the weight.
@@ -27,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import pack_int4, qlinear_ref, unpack_int4
+from .quant import pack_int4, qlinear_int8act_ref, qlinear_ref, unpack_int4
 
 PANEL = 32                       # output rows per panel
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -89,6 +94,27 @@ def quantized_panels(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     return codes, column_panels(scales), None if mins is None else column_panels(mins)
 
 
+def quad_panels(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Quantized codes as the artifact stores them -> quads (the layout above; a new tensor)."""
+    if bits == 8:
+        lanes = (codes.to(torch.int16) + 128).to(torch.uint8)                   # [N, K]
+    else:
+        q = unpack_int4(codes)                                                # [N, K] in 0..15
+        octets = q.view(q.shape[0], -1, 2, 4)                                 # [N, K/8, low|high, 4]
+        lanes = (octets[:, :, 0] | (octets[:, :, 1] << 4)).reshape(q.shape[0], -1)   # [N, K/2]
+    quads = column_panels(lanes.contiguous().view(torch.int32))               # [P, K/4 or K/8, 32]
+    return quads.view(torch.uint8).view(*quads.shape, 4)
+
+
+def quad_rows(quads: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows `rows` [R] of the codes quads hold, in the artifact's layout (`quad_panels` undone)."""
+    picked = quads[rows // PANEL, :, rows % PANEL]                            # [R, K/4 or K/8, 4]
+    if bits == 8:
+        return (picked.reshape(len(rows), -1).to(torch.int16) - 128).to(torch.int8)
+    q = torch.stack([picked & 0xF, picked >> 4], dim=2)                      # [R, K/8, low|high, 4]
+    return pack_int4(q.reshape(len(rows), -1))
+
+
 def quantized_rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: torch.Tensor,
                    bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rows `rows` [R] of a quantized weight held as panels, in the artifact's layout."""
@@ -106,4 +132,12 @@ def qpanel_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                       bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
     """The meaning: qlinear_ref on the weight the panels hold."""
     return qlinear_ref(x, *quantized_rows(codes, scales, mins, torch.arange(n), bits), bias, bits=bits)
+
+
+def qdot_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int,
+                    bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """The meaning of the int8-activation kernel: qlinear_int8act_ref on the weight the quads hold."""
+    rows = torch.arange(n)
+    return qlinear_int8act_ref(x, quad_rows(quads, rows, bits), panel_rows(scales, rows),
+                               None if mins is None else panel_rows(mins, rows), bias, bits=bits)
 

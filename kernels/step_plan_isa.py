@@ -166,7 +166,9 @@ STEP_PLAN_INSTRUCTIONS = [
                                                 "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale"),
     Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "
-                                 "bits:int group:int", mins="-1: int8 codes have none")),
+                                 "bits:int group:int layout:int", mins="-1: int8 codes have none",
+                                 layout="0: quantized panels (x widened to fp32); 1: quads (x quantized to int8 "
+                                        "per block of 32: kernels/cpu/qdot_gemm.cpp)")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "
                                          "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale",

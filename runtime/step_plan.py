@@ -274,7 +274,8 @@ def _lower_qlinear(lo: _Lowering, node: Node) -> Encoded:
     codes_id, scales, mins = lo.panels(w)
     return encode("qlinear", out=out, x=x_id, codes=codes_id, scales=scales, mins=mins,
                   bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
-                  num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size)
+                  num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
+                  layout=int(w.layout == "quads"))
 
 
 def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) -> int:

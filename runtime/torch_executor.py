@@ -15,16 +15,17 @@ executor's capabilities, which `llmc profile` and `llmc inspect` print.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from llmc.compiler.ir import Graph
-from llmc.kernels.native_ops import KERNEL_CHOICES, choose_op_impls, prepare_weights
+from llmc.kernels.native_ops import (ACTIVATION_CHOICES, KERNEL_CHOICES, choose_activations, choose_op_impls,
+                                     described_kernels, prepare_weights)
 
 from .artifact import Artifact
 from .cpu_program import CpuKernels, load_cpu_kernels, op_by_op_program
-from .executor import Executor, ExecutorOptions, GraphRun, KVCacheSpec
+from .executor import Capabilities, Executor, ExecutorOptions, GraphRun, KVCacheSpec
 from .sampling_params import RequestError
 from .slot_program import SlotProgram
 from .step_plan import NotPlannable, StepPlanProgram, lower_step_plan
@@ -36,10 +37,13 @@ log = logging.getLogger("llmc")
 class TorchOptions(ExecutorOptions):
     """kernels: 'native' (llmc's C++ CPU kernels; a build failure is an error), 'reference' (the torch
     refs) or 'auto' (native where they build, else the refs with one warning). step_plans: with the
-    native kernels, each graph whose ops all have plan kernels runs as one native call per step."""
+    native kernels, each graph whose ops all have plan kernels runs as one native call per step.
+    activations: what the native kernels' quantized GEMMs multiply: 'int8' (x quantized per block of
+    32, integer dot products), 'float', or 'auto' (int8 where the CPU has AVX512-VNNI)."""
 
     kernels: str = "auto"
     step_plans: bool = True
+    activations: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,6 +51,9 @@ class TorchOptions(ExecutorOptions):
             raise RequestError(f"kernels {self.kernels!r} is unknown; choose one of {', '.join(KERNEL_CHOICES)}")
         if not isinstance(self.step_plans, bool):
             raise RequestError(f"backend option step_plans={self.step_plans!r} must be true or false")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise RequestError(f"activations {self.activations!r} is unknown; choose one of "
+                               f"{', '.join(ACTIVATION_CHOICES)}")
 
 
 class TorchExecutor(Executor):
@@ -71,8 +78,11 @@ class TorchExecutor(Executor):
         else:
             impls, self.kernels = {}, "reference"
         weights = {name: w.to(device) for name, w in artifact.weights.items()}
+        self.described_kernels = self.kernels
         if self.kernels == "native":        # the GEMMs' weight layouts, decided once for both graphs
-            weights = prepare_weights(artifact.graphs.values(), weights)
+            activations = choose_activations(self.options.activations)
+            weights = prepare_weights(artifact.graphs.values(), weights, activations)
+            self.described_kernels = described_kernels(weights, activations)
         if device.type == "cpu":
             # Own memory: a tensor as the artifact loaded it is a view of the weights file's mapping,
             # which stays mapped (its pages resident) while any such view lives.
@@ -82,6 +92,10 @@ class TorchExecutor(Executor):
         for entry, graph in artifact.graphs.items():
             self.programs[entry], self.graph_runs[entry] = self._program(entry, graph, weights, impls, kv.block_size,
                                                                          no_plans, cpu)
+
+    def capabilities(self) -> Capabilities:
+        """The base's, its kernels saying what the quantized GEMMs' activations are ('native, int8 activations')."""
+        return replace(super().capabilities(), kernels=self.described_kernels)
 
     def _why_no_plans(self) -> str:
         """Why no graph can be a step plan here, or '' where each graph may be one."""

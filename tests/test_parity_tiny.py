@@ -35,7 +35,7 @@ def new_runner(artifact_path, kernels="reference", step_plans=True):
     """Reference kernels on blocks of 4 tokens; native ones on the blocks of 16 they take."""
     art = load_artifact(artifact_path)
     num_blocks, block_size = (32, 4) if kernels == "reference" else (8, 16)
-    options = {"kernels": kernels, "step_plans": step_plans}
+    options = {"kernels": kernels, "step_plans": step_plans, "activations": "float"}   # transformers' float math
     runner = ModelRunner.for_backend(art, num_blocks, block_size, "torch", options)
     return runner, BlockManager(num_blocks, block_size)
 

@@ -6,7 +6,9 @@ cache it writes is the op-by-op one. Prefill steps mix prompt chunks (whole, fir
 over its cached part) with decodes. Tiny random models whose shapes every plan kernel takes (widths a
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
 and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of
-lengths across block edges, on one thread and on two. The declines and bad step inputs too."""
+lengths across block edges, on one thread and on two. The declines and bad step inputs too. Quantized
+weights run with the default activations (int8 where the CPU has AVX512-VNNI) where the plan meets the
+op-by-op run, float ones where it meets the refs (tests/test_int8_activations.py holds int8's to theirs)."""
 
 from __future__ import annotations
 
@@ -61,10 +63,11 @@ def artifact(tmp_path_factory):
     return get
 
 
-def executor(art, kernels="native", step_plans=True, block_size=BLOCK) -> TorchExecutor:
+def executor(art, kernels="native", step_plans=True, block_size=BLOCK, activations="auto") -> TorchExecutor:
     cache_type = art.graphs["decode"].node_map()["kv_cache"].type
     kv = KVCacheSpec.from_graph_type(cache_type, NUM_BLOCKS, block_size)
-    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels=kernels, step_plans=step_plans))
+    options = TorchOptions(kernels=kernels, step_plans=step_plans, activations=activations)
+    return TorchExecutor(art, torch.device("cpu"), kv, options)
 
 
 def sequences(lens: list[int], seed: int = 0) -> tuple[list[Sequence], BlockManager]:
@@ -192,7 +195,7 @@ def widened(art):
 def ref_run(art, steps, exact: bool) -> tuple[list, list, list | None]:
     """The logits of every step of `steps` (decode_steps or mixed_steps): the plan's, the torch
     refs' and, with `exact`, the refs' on widened(art); each run on fresh executors."""
-    runs = [executor(art), executor(art, kernels="reference")]
+    runs = [executor(art, activations="float"), executor(art, kernels="reference")]   # the refs' float activations
     assert isinstance(runs[0].programs["decode"], StepPlanProgram)
     got, want, *wide = steps(runs + ([executor(widened(art), kernels="reference")] if exact else []))
     return got, want, wide[0] if exact else None

@@ -17,6 +17,7 @@
 #include "attention_decode.h"
 #include "attention_work.h"
 #include "panel_gemm.h"
+#include "qdot_gemm.h"
 #include "qpanel_gemm.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "token_rows.h"
@@ -203,11 +204,34 @@ void qembed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   }
 }
 
+// A quantized GEMM over quads (int8 activations): x quantized per block (tokens split, then a
+// barrier) into the run's scratch, then the panels split.
+template <typename X>
+void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
+  namespace A = arg::qlinear;
+  const auto& a = in.a;
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const int64_t k = a[A::k], group = a[A::group];
+  const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(b.widened.data()), rows, k);
+  llmc_qdot::quantize_rows(x_at(a[A::x]), q, first, last);
+#pragma omp barrier
+  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
+  const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
+                                reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
+  const auto [begin, end] = share(a[A::num_panels], tid, team);
+  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  if (a[A::bits] == 8)
+    llmc_qdot::qdot_gemm_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+  else
+    llmc_qdot::qdot_gemm_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+}
+
 // A quantized GEMM: x widened to fp32 (tokens split, then a barrier), then the panels split.
 template <typename X>
 void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
+  if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows, first, last);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
   float* xf = b.widened.data();

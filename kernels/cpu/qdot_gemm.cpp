@@ -1,0 +1,114 @@
+// GEMV and GEMM over int8 / int4 weights with int8 activations: out = x @ w.T (+ bias), x quantized
+// per token per block of 32 inputs, integer dot products, one scale multiply per block.
+//
+// Contract (the meaning of kernels/quant.py's qlinear_int8act_ref on the weight the panels hold):
+//   x       [T, K] f32 or bf16, K a multiple of 32: per block of 32, d = max|x| / 127 (fp32),
+//           codes round(x * (1 / d)) in -127..127 (ties to even; 0 where d is 0)
+//   codes   uint8 quads: int8 [P, K/4, 32, 4], byte [p, i, j, r] = code of input 4i + r of row
+//           32p + j, plus 128; int4 [P, K/8, 32, 4], byte [p, i, j, r] holds input 8i + r of row
+//           32p + j in its low nibble and input 8i + 4 + r in its high (kernels/panels.py)
+//   scales  f16 [P, K/G, 32]; mins (int4) the same layout; G a multiple of 32 dividing K
+//   n       N (32 (P - 1) < N <= 32 P), bias [N] in x's dtype or undefined (added in fp32)
+//   vnni    use AVX512-VNNI where this build has it (else the portable integer dots; same numbers)
+//   -> out  [T, N] in x's dtype: per block the exact int32 dot of the codes, times d in fp32,
+//           summed over the group's blocks, times the group's scale; int4 adds min x the group's
+//           sum of d x (the block's code sum); rounded once.
+// qdot_isa() names the integer path `vnni` selects in this build.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "qdot_gemm.h"
+
+namespace {
+
+using llmc_panels::kPanel;
+using llmc_qdot::kBlock;
+
+template <int Bits, typename Out>
+void run_typed(const llmc_qdot::QActs& q, const llmc_qdot::QuadPanels& w, int64_t tokens, int64_t num_panels,
+               int64_t n_dim, const at::Tensor& bias, at::Tensor& out, bool vnni) {
+  const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
+  Out* o = out.data_ptr<Out>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    llmc_qdot::qdot_gemm_range<Bits>(q, w, tokens, b, o, n_dim, begin, end, vnni);
+  });
+}
+
+template <typename X>
+void quantize(const at::Tensor& x, const llmc_qdot::QActs& q) {
+  const X* xp = x.const_data_ptr<X>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) { llmc_qdot::quantize_rows(xp, q, begin, end); });
+}
+
+void check_params(const at::Tensor& t, int64_t panels, int64_t groups, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == panels &&
+                  t.size(1) == groups && t.size(2) == kPanel,
+              what, " must be contiguous f16 [", panels, ", ", groups, ", 32], not ", t.scalar_type(), " ", t.sizes());
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& mins, int64_t n_dim, const at::Tensor& bias, int64_t bits,
+                  int64_t group) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, not ", bits);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a [T, K] f32 or bf16 tensor");
+  const int64_t k_dim = x.size(1), panels = codes.size(0), per_quad = bits == 8 ? 4 : 8;
+  TORCH_CHECK(codes.dim() == 4 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.size(2) == kPanel && codes.size(3) == 4 && codes.size(1) * per_quad == k_dim,
+              "codes must be contiguous uint8 [P, K/", per_quad, ", 32, 4] for K=", k_dim, ", not ", codes.sizes());
+  TORCH_CHECK(group > 0 && k_dim % group == 0 && group % kBlock == 0, "group size ", group, " must divide K=", k_dim,
+              " and be a multiple of 32");
+  TORCH_CHECK(n_dim > (panels - 1) * kPanel && n_dim <= panels * kPanel, "n ", n_dim, " does not fit ", panels,
+              " panels of 32 outputs");
+  check_params(scales, panels, k_dim / group, "scales");
+  if (bits == 4) {
+    TORCH_CHECK(mins.has_value(), "int4 weights need mins");
+    check_params(*mins, panels, k_dim / group, "mins");
+  }
+  if (bias.defined())
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
+                    bias.scalar_type() == x.scalar_type(),
+                "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
+}
+
+at::Tensor qdot_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias_opt,
+                     int64_t bits, int64_t group, bool vnni) {
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  check_inputs(x_in, codes, scales, mins, n_dim, bias, bits, group);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t tokens = x.size(0), k_dim = x.size(1), panels = codes.size(0);
+  at::Tensor scratch = at::empty({tokens * llmc_qdot::qacts_bytes_per_row(k_dim)}, x.options().dtype(at::kByte));
+  const llmc_qdot::QActs q = llmc_qdot::qacts_in(static_cast<char*>(scratch.data_ptr()), tokens, k_dim);
+  const bool f32 = x.scalar_type() == at::kFloat;
+  f32 ? quantize<float>(x, q) : quantize<c10::BFloat16>(x, q);
+  const llmc_qdot::QuadPanels w{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(),
+                                bits == 4 ? mins->const_data_ptr<c10::Half>() : nullptr, k_dim, group,
+                                k_dim / group};
+  at::Tensor out = at::empty({tokens, n_dim}, x.options());
+  if (bits == 8 && f32)
+    run_typed<8, float>(q, w, tokens, panels, n_dim, bias, out, vnni);
+  else if (bits == 8)
+    run_typed<8, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, vnni);
+  else if (f32)
+    run_typed<4, float>(q, w, tokens, panels, n_dim, bias, out, vnni);
+  else
+    run_typed<4, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, vnni);
+  return out;
+}
+
+std::string qdot_isa() { return llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable"; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmc, m) {
+  m.def("qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
+        "int group_size, bool vnni) -> Tensor");
+  m.def("qdot_isa() -> str", &qdot_isa);
+}
+
+TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("qdot_gemm", &qdot_gemm); }
