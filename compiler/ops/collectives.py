@@ -55,8 +55,9 @@ def all_gather_ref(x: torch.Tensor, size: int) -> torch.Tensor:
     import torch.distributed as dist
 
     process_group_size(size)
-    parts = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)      # [N, .., W]
-    dist.all_gather_into_tensor(parts, x.contiguous())
+    parts = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)   # [N * rows, .., W]
+    dist.all_gather_into_tensor(parts, x.contiguous())                # gloo takes the ranks' parts stacked on dim 0
+    parts = parts.view(size, *x.shape)                                # [N, .., W]
     return torch.movedim(parts, 0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 

@@ -132,9 +132,9 @@ class TensorParallelExecutor:
 
     def _failed(self, exc: RuntimeError) -> str:
         gone = [rank for rank, proc in enumerate(self.ranks.workers, 1) if proc.poll() is not None]
-        who = f"rank {gone[0]}" if gone else "a rank"
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        failure = f"tensor-parallel {who} stopped ({detail[:200]}): the server stops"
+        what = f"tensor-parallel rank {gone[0]} stopped" if gone else "a tensor-parallel step failed"
+        failure = f"{what} ({detail[:200]}): the server stops"
         log.error("%s", failure)
         self.ranks.failure = failure
         self.ranks.on_failure()
