@@ -40,9 +40,14 @@ CONFIGS = {
     "olmo2": dataclasses.replace(LLAMA, architecture="Olmo2ForCausalLM", qk_norm="all", norm_rounding="product"),
     "gemma3": dataclasses.replace(LLAMA, architecture="Gemma3ForCausalLM", qk_norm="head", hidden_act="gelu_tanh",
                                   embed_scale=True, tie_word_embeddings=True, norm_rounding="product"),
+    "gemma2": dataclasses.replace(LLAMA, architecture="Gemma2ForCausalLM", hidden_act="gelu_tanh", embed_scale=True,
+                                  attn_softcap=5.0, final_softcap=3.0, tie_word_embeddings=True),
+    "mistral": dataclasses.replace(LLAMA, architecture="MistralForCausalLM", sliding_window=6,
+                                   layer_types=("sliding_attention",) * 2),
+    "phi3": dataclasses.replace(LLAMA, architecture="Phi3ForCausalLM", rotary_dim=12),
 }
 CASES = [("llama", 2), ("llama_kv1", 2), ("smollm2_shapes", 3), ("qwen2", 2), ("qwen3", 2), ("olmo2", 2),
-         ("gemma3", 2), ("llama", 4)]
+         ("gemma3", 2), ("gemma2", 2), ("mistral", 2), ("phi3", 2), ("llama", 4)]
 STEPS = {"prefill": Step.after_context("5+1 after 9, 20 cached", [[(7 * i) % 300 for i in range(14)],
                                                                    [(11 * i + 3) % 300 for i in range(21)]], [5, 1]),
          "decode": Step.after_context("S=3 after 4, 17, 30 cached", [[(5 * i) % 300 for i in range(5)],
