@@ -18,7 +18,8 @@
 // vdpbf16ps per pair of inputs where the CPU has AVX512_BF16, else widened), so no horizontal sums
 // are needed. Tokens are taken kTile at a time within blocks whose x fits in L2, and every panel
 // of a thread meets a whole block before the next, so a panel is read from memory once per block
-// (batch-1 decode: exactly once).
+// (batch-1 decode: exactly once, kGemvPanels panels at a time, so that 8 accumulator chains, not
+// 2, hide the FMA / vdpbf16ps latency; each output is still summed input by input).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

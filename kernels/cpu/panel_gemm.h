@@ -1,7 +1,7 @@
 // The float panel GEMM's kernel (panel_gemm.cpp has the op and its contract): tiles of up to kTile
-// tokens x one panel of 32 outputs in registers, and panel_gemm_range, which runs a range of
-// panels on the calling thread (the op splits the panels among the intra-op threads, a step
-// plan among its team).
+// tokens x one panel of 32 outputs (one token: x up to kGemvPanels panels) in registers, and
+// panel_gemm_range, which runs a range of panels on the calling thread (the op splits the panels
+// among the intra-op threads, a step plan among its team).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -20,75 +20,87 @@
 namespace llmc_panels {
 
 constexpr int kTile = 12;                // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
+constexpr int kGemvPanels = 4;           // panels a batch-1 GEMV runs at once (8 accumulator chains)
 
-// f32: TT tokens (rows of x from x0, stride K) times one panel [K, 32].
-template <int TT, typename Out>
+// f32: TT tokens (rows of x from x0, stride K) times PP consecutive panels [K, 32] from `panel`.
+// PP > 1 only at TT = 1 (a GEMV): one panel's two chains of FMAs would wait on the FMA latency.
+template <int TT, int PP, typename Out>
 void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
               int64_t n_dim) {
-  Vec16 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
+  Vec16 acc[PP][TT][2];
+  for (int u = 0; u < PP; ++u)
+    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
   for (int64_t k = 0; k < k_dim; ++k) {
-    const float* w = panel + k * kPanel;
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
-    const Vec16 w0 = load16(w), w1 = load16(w + 16);
+#pragma GCC unroll 4
+    for (int u = 0; u < PP; ++u) {
+      const float* w = panel + (u * k_dim + k) * kPanel;
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
+      const Vec16 w0 = load16(w), w1 = load16(w + 16);
 #pragma GCC unroll 12
-    for (int t = 0; t < TT; ++t) {
-      const Vec16 xv = llmc_cpu::splat(x0[t * k_dim + k]);
-      acc[t][0] += w0 * xv;
-      acc[t][1] += w1 * xv;
+      for (int t = 0; t < TT; ++t) {
+        const Vec16 xv = llmc_cpu::splat(x0[t * k_dim + k]);
+        acc[u][t][0] += w0 * xv;
+        acc[u][t][1] += w1 * xv;
+      }
     }
   }
-  store_tile<TT>(acc, bias, out, t0, n0, n_dim);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim);
 }
 
-// bf16: TT tokens times one panel [K/2, 32, 2] of input pairs.
-template <int TT>
+// bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs (PP > 1 at TT = 1 only,
+// as for f32: a vdpbf16ps chain waits on its latency).
+template <int TT, int PP>
 void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_dim, const c10::BFloat16* bias,
                c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim) {
-  Vec16 acc[TT][2];
-  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
+  Vec16 acc[PP][TT][2];
+  for (int u = 0; u < PP; ++u)
+    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
   for (int64_t k = 0; k < k_dim; k += 2) {
-    const c10::BFloat16* w = panel + k * kPanel;      // 32 rows x (k, k + 1)
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-    __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
+#pragma GCC unroll 4
+    for (int u = 0; u < PP; ++u) {
+      const c10::BFloat16* w = panel + (u * k_dim + k) * kPanel;      // 32 rows x (k, k + 1)
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
 #if defined(__AVX512BF16__)
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
+      const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+      const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
 #pragma GCC unroll 12
-    for (int t = 0; t < TT; ++t) {
-      int32_t pair;
-      std::memcpy(&pair, x0 + t * k_dim + k, sizeof(pair));
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[t][0] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[t][0]), w0, xv));
-      acc[t][1] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc[t][1]), w1, xv));
-    }
+      for (int t = 0; t < TT; ++t) {
+        int32_t pair;
+        std::memcpy(&pair, x0 + t * k_dim + k, sizeof(pair));
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        Vec16* a = acc[u][t];
+        a[0] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(a[0]), w0, xv));
+        a[1] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(a[1]), w1, xv));
+      }
 #else
-    Vec16 even[2], odd[2];                             // inputs k and k + 1 of rows 0-15 and 16-31
-    for (int h = 0; h < 2; ++h) {
-      llmc_cpu::Uint16 bits;
-      std::memcpy(&bits, w + 32 * h, sizeof(bits));
-      const llmc_cpu::Uint16 lo = bits << 16, hi = bits & 0xFFFF0000u;
-      std::memcpy(&even[h], &lo, sizeof(lo));
-      std::memcpy(&odd[h], &hi, sizeof(hi));
-    }
-    for (int t = 0; t < TT; ++t) {
-      const Vec16 xe = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k]));
-      const Vec16 xo = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k + 1]));
-      for (int h = 0; h < 2; ++h) acc[t][h] += even[h] * xe + odd[h] * xo;
-    }
+      Vec16 even[2], odd[2];                           // inputs k and k + 1 of rows 0-15 and 16-31
+      for (int h = 0; h < 2; ++h) {
+        llmc_cpu::Uint16 bits;
+        std::memcpy(&bits, w + 32 * h, sizeof(bits));
+        const llmc_cpu::Uint16 lo = bits << 16, hi = bits & 0xFFFF0000u;
+        std::memcpy(&even[h], &lo, sizeof(lo));
+        std::memcpy(&odd[h], &hi, sizeof(hi));
+      }
+      for (int t = 0; t < TT; ++t) {
+        const Vec16 xe = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k]));
+        const Vec16 xo = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k + 1]));
+        for (int h = 0; h < 2; ++h) acc[u][t][h] += even[h] * xe + odd[h] * xo;
+      }
 #endif
+    }
   }
-  store_tile<TT>(acc, bias, out, t0, n0, n_dim);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim);
 }
 
-template <int TT, typename X>
+template <int TT, int PP, typename X>
 void tile(const X* x0, const X* panel, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
           int64_t n_dim) {
   if constexpr (std::is_same_v<X, float>)
-    tile_f32<TT>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    tile_f32<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
   else
-    tile_bf16<TT>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    tile_bf16<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
 }
 
 // Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p.
@@ -100,11 +112,29 @@ void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
   const int64_t n0 = p * kPanel;
   switch (tt) {
 #define LLMC_TILE(n) \
-  case n: tile<n>(x0, panel, k_dim, bias, out, t0, n0, n_dim); break;
+  case n: tile<n, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim); break;
     LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
     LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
 #undef LLMC_TILE
-    default: tile<1>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    default: tile<1, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+  }
+}
+
+// One token times panels begin .. end - 1, kGemvPanels at a time: each output is still summed
+// input by input (as in a tile of many tokens, so a token's result does not depend on its batch),
+// but 2 kGemvPanels chains are in flight, and as many weight streams.
+template <typename X>
+void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out, int64_t begin, int64_t end,
+              int64_t n_dim) {
+  for (int64_t p = begin; p < end;) {
+    const X* panel = panels + p * k_dim * kPanel;
+    const int64_t n0 = p * kPanel;
+    switch (std::min<int64_t>(kGemvPanels, end - p)) {
+      case 4: tile<1, 4>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 4; break;
+      case 3: tile<1, 3>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 3; break;
+      case 2: tile<1, 2>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 2; break;
+      default: tile<1, 1>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 1;
+    }
   }
 }
 
@@ -112,6 +142,7 @@ void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
 template <typename X>
 void panel_gemm_range(const X* x, const X* panels, int64_t tokens, int64_t k_dim, const X* bias, X* out,
                       int64_t n_dim, int64_t begin, int64_t end) {
+  if (tokens == 1) return run_gemv(x, panels, k_dim, bias, out, begin, end, n_dim);
   walk_tiles(begin, end, tokens, k_dim, sizeof(X), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
     run_tile(x, panels, k_dim, bias, out, t0, tt, p, n_dim);
   });
