@@ -136,10 +136,13 @@ def tensor_parallel_lines(plan: TensorParallelPlan, graphs: dict[str, Graph]) ->
     for node in {n.name: n for g in graphs.values() for n in g.weights()}.values():
         name = node.name[2:]
         kind = re.sub(r"^layers\.\d+\.", "layers.*.", name)
+        rule = plan.weights.get(name, {"rule": "replicate"})
         size = dtype_info(node.type.dtype).element_size
         for d in node.type.shape:
             size *= d
-        rule, count, total = kinds.get(kind, (describe(plan.weights.get(name, {"rule": "replicate"}), plan.size), 0, 0))
+        if plan.weights.get(rule.get("source"), {}).get("rule") == "replicate":
+            size = 0                                    # a view of a tensor the rank holds whole
+        rule, count, total = kinds.get(kind, (describe(rule, plan.size), 0, 0))
         kinds[kind] = (rule, count + 1, total + size)
     lines = [f"tensor-par {plan.size} ranks, {human_bytes(sum(b for _, _, b in kinds.values()))} of weights on each"]
     width = max(len(k) for k in kinds)
