@@ -17,7 +17,8 @@ from llmc.models.config import expected_weights
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import kv_bytes_per_token
-from llmc.tools.profile_steps import StepProfile, decode_bytes, prefill_flops, profile_decode, profile_prefill
+from llmc.tools.profile_steps import (StepProfile, _own_dtype_line, decode_bytes, prefill_flops, profile_decode,
+                                      profile_prefill)
 
 from test_bad_inputs import assert_process_error, run_llmc
 
@@ -54,6 +55,9 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     hf = result["hf"]
     assert hf["decode_s"] == min(t["seconds"] for t in hf["decode_tried"] if "seconds" in t) > 0   # its best path
     assert len(hf["decode_tried"]) >= 3 and hf["prefill_s"] == min(hf["prefill_tried"].values()) > 0
+    own_dtype = {path: s for path, s in hf["prefill_tried"].items() if "autocast" not in path}
+    assert hf["prefill_own_dtype_s"] == min(own_dtype.values()) and hf["prefill_own_dtype_path"] in own_dtype
+    assert ("prefill without autocast" in proc.stdout) == ("autocast" in hf["prefill_path"])
     assert result["served_decode_s"] > 0 and "as served" in proc.stdout and "same boundaries" in proc.stdout
     assert result["floor_kernel"].startswith("native read_floor")
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
@@ -63,6 +67,15 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]
         assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
+
+
+
+def test_the_prefill_in_the_models_own_dtype_is_shown_where_autocast_won():
+    hf = {"prefill_path": "batch 1, sdpa, dynamic cache, bf16 autocast", "prefill_own_dtype_s": 0.8,
+          "prefill_own_dtype_path": "batch 1, sdpa, dynamic cache"}
+    (line,) = _own_dtype_line(hf, {"seconds": 0.4})
+    assert "without autocast" in line and "800 ms" in line and "0.50x" in line and "sdpa, dynamic cache)" in line
+    assert _own_dtype_line({**hf, "prefill_path": hf["prefill_own_dtype_path"]}, {"seconds": 0.4}) == []
 
 
 ATTENTION_DELAY = 0.05       # seconds added to every attention launch (the tiny model's step: ~1 ms)

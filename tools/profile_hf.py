@@ -8,7 +8,9 @@ neither side's prefill nor its set-up is in the figure. transformers runs every 
 try for batch 1 (hf_paths: sdpa or eager, the static cache, torch.compile over it where asked,
 bf16 autocast for float32), and the fastest counts. prefill: one forward over `prompt_len`
 tokens with the logits of the last position only, as llmc's prefill computes them, with sdpa or
-eager (and bf16 autocast for float32): the best of two timed calls after a warm-up, fastest path.
+eager (and bf16 autocast for float32): the best of two timed calls after a warm-up, fastest path;
+and the fastest path without autocast too (`prefill_own_dtype_s`), which computes in the model's
+dtype as llmc does, so a float32 ratio can be read against either.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, pro
     ids = torch.tensor([decode_prompt(vocab, prompt_len, seed=1)])
     prefill_paths = [HfPath(batch_size=1), HfPath(batch_size=1, attn="eager")]
     prefill_paths += [HfPath(batch_size=1, autocast=True)] * (model.dtype == torch.float32)
-    prefill = {p.label: _prefill_seconds(model, ids, p) for p in prefill_paths}
+    seconds = {p: _prefill_seconds(model, ids, p) for p in prefill_paths}
+    prefill = {p.label: s for p, s in seconds.items()}
+    own_dtype = {p.label: s for p, s in seconds.items() if not p.autocast}       # the model's arithmetic, as llmc's
     decode_s = min(t["seconds"] for t in decode_tries if "seconds" in t)
     return {"decode_s": decode_s, "decode_path": decode_path.label, "decode_tried": decode_tries,
-            "prefill_s": min(prefill.values()), "prefill_path": min(prefill, key=prefill.get), "prefill_tried": prefill}
+            "prefill_s": min(prefill.values()), "prefill_path": min(prefill, key=prefill.get), "prefill_tried": prefill,
+            "prefill_own_dtype_s": min(own_dtype.values()), "prefill_own_dtype_path": min(own_dtype, key=own_dtype.get)}

@@ -234,7 +234,16 @@ def _baseline_lines(r: dict) -> list[str]:
     return [f"transformers, same run, same boundaries: decode {1000 * hf['decode_s']:.1f} ms/token "
             f"(llmc as served {hf['decode_s'] / served:.2f}x as fast; its best of {len(hf['decode_tried'])} paths: "
             f"{hf['decode_path']}), prefill {1000 * hf['prefill_s']:.0f} ms (llmc takes {p['seconds'] / hf['prefill_s']:.2f}x "
-            f"its time; its best of {len(hf['prefill_tried'])}: {hf['prefill_path']})"]
+            f"its time; its best of {len(hf['prefill_tried'])}: {hf['prefill_path']})", *_own_dtype_line(hf, p)]
+
+
+def _own_dtype_line(hf: dict, p: dict) -> list[str]:
+    """transformers' fastest prefill in the model's own arithmetic, where its fastest took autocast."""
+    if hf["prefill_own_dtype_path"] == hf["prefill_path"]:
+        return []
+    own = hf["prefill_own_dtype_s"]
+    return [f"    transformers' prefill without autocast (the model's dtype, as llmc computes): {1000 * own:.0f} ms "
+            f"(llmc takes {p['seconds'] / own:.2f}x its time; {hf['prefill_own_dtype_path']})"]
 
 
 def profile_cmd(
