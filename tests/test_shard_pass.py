@@ -19,6 +19,7 @@ import torch
 from llmc.compiler.frontend import trace
 from llmc.compiler.ir import Graph, print_graph
 from llmc.compiler.ops import OPS, bind
+from llmc.compiler.ops.collectives import all_reduce_ref
 from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.compiler.tensor_parallel import TensorParallelPlan, cut, segments
 from llmc.models.config import ModelConfig
@@ -27,6 +28,7 @@ from llmc.passes.rewrite import PassContext, PassError
 from llmc.runtime.torch_backend import interpret
 from llmc.tools.feeds import Step, step_feeds
 from tolerances import tolerance
+from tp_gloo_child import gloo_rank
 
 LLAMA = ModelConfig("LlamaForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -187,3 +189,26 @@ def test_a_quantization_group_the_ranks_would_cut_is_refused():
     with pytest.raises(PassError, match="--tp 2 would cut the quantization groups of layers.0.o_proj.weight: its 64 "
                                         "input features hold 1 groups of 64"):
         compiled(config, "decode", 2, quant=QuantRecipe.parse("int4-g64"))
+
+
+def test_the_collectives_references_run_on_the_default_group(tmp_path):
+    """The references as a sharded graph runs them: two gloo processes (7 s on the shared 2-core machine,
+    mostly spawning)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(gloo_rank, args=(2, port, str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    for r in range(2):
+        assert torch.equal(got[r]["sum"], got[0]["x"] + got[1]["x"])
+        assert torch.equal(got[r]["joined"], torch.cat([got[0]["x"], got[1]["x"]], dim=-1))
+
+
+def test_a_sharded_graph_outside_its_process_group_says_how_to_run_it():
+    with pytest.raises(ValueError, match="this graph is sharded for 2 ranks but the process group has 1: run it "
+                                         "with --tp 2"):
+        all_reduce_ref(torch.ones(2), 2)
