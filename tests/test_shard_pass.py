@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llmc.compiler.frontend import trace
-from llmc.compiler.ir import Graph, print_graph
+from llmc.compiler.ir import Graph, parse_graph, print_graph
 from llmc.compiler.ops import OPS, bind
 from llmc.compiler.ops.collectives import all_reduce_ref
 from llmc.compiler.quant_recipe import QuantRecipe
@@ -135,6 +135,11 @@ def test_printed_ir_shows_the_collectives_and_the_counter_fires():
     assert ctx.hits["shard"] > 0
 
 
+def test_a_sharded_graph_prints_and_parses_back():
+    graph, _ = compiled(CONFIGS["olmo2"], "prefill", 2)
+    assert print_graph(parse_graph(print_graph(graph))) == print_graph(graph)
+
+
 def test_one_rank_is_a_near_miss_left_alone():
     graph, ctx = compiled(LLAMA, "decode", 1)
     text = print_graph(graph)
@@ -182,6 +187,15 @@ def test_int8_per_channel_scales_stay_whole_on_row_parallel_ranks():
     want, got, graph = sharded_logits(LLAMA, "decode", 2, quant=QuantRecipe.parse("int8"))
     assert "group_size=32" in print_graph(graph)                 # o_proj's 64 input features, per rank
     torch.testing.assert_close(got, want, **tolerance(torch.float32, 96, scale=float(want.abs().max())))
+
+
+def test_a_tied_int8_table_splits_its_codes_and_scales_for_the_lm_head():
+    quant = QuantRecipe.parse("int8", embeddings=True)
+    want, got, graph = sharded_logits(CONFIGS["smollm2_shapes"], "decode", 3, quant=quant)
+    text = print_graph(graph)
+    assert "qembedding(%w.embed_tokens.weight.codes," in text and "%w.embed_tokens.weight.codes.vocab_split" in text
+    torch.testing.assert_close(got, want, **tolerance(torch.float32, 96, scale=float(want.abs().max())))
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_a_quantization_group_the_ranks_would_cut_is_refused():
