@@ -199,63 +199,71 @@ def shard_layout(graph: Graph, n: int) -> ShardLayout:
     return layout
 
 
-def make_rules(layout: ShardLayout, plan: dict) -> list:
-    """The pass's rules over one graph; `plan` (weight name -> rule) collects every declared weight's rule."""
-    n = layout.n
+def _all_head_qk_norm(node: Node, attrs: dict, n: int, state: RewriteState) -> tuple[Value, Value]:
+    """rope_kv_write(qkv, ..., qk_norm='all') -> qk_sum_squares, all_reduce, qk_rms_norm, rope_kv_write."""
+    x = operands_of(node)
+    heads = {k: attrs[k] for k in ("num_heads", "num_kv_heads", "head_dim")}
+    qkv = state.get(x.qkv)
+    sums = state.emit("qk_sum_squares", [qkv], **heads).value()                # [T, 2]: this rank's q, k
+    total = state.emit("all_reduce", [sums], size=n).value()                   # [T, 2]: every rank's
+    rounding = {"rounding": attrs["norm_rounding"]} if "norm_rounding" in attrs else {}
+    normed = state.emit("qk_rms_norm", [qkv, total, state.get(x.q_norm), state.get(x.k_norm)], **heads,
+                        size=n, eps=attrs["norm_eps"], **rounding).value()
+    inputs = [normed, *(state.get(x[k]) for k in ("positions", "kv_cache", "slot_mapping"))]
+    new = state.emit("rope_kv_write", inputs, **{k: v for k, v in attrs.items() if k not in QK_NORM_ATTRS})
+    return new.value(0), new.value(1)
 
-    def declare(name: str, source: Node, state: RewriteState) -> Value:
-        rule = layout.rules.get(name, replicate())
-        plan[name] = rule
-        return state.declare(f"w.{name}", "weight", source.type.with_shape(*cut_shape(source.type.shape, rule, n)))
 
-    def shard_weight(node: Node, state: RewriteState):
+class ShardRules:
+    """The pass's rules over one graph (bound methods, so a rule's errors name it); `plan` (weight
+    name -> rule) collects the rule of every weight the new graph declares."""
+
+    def __init__(self, layout: ShardLayout, plan: dict):
+        self.layout, self.plan, self.n = layout, plan, layout.n
+
+    def rules(self) -> list:
+        return [self.shard_weight, self.shard_kv_cache, self.shard_heads, self.shard_gemm]
+
+    def _declare(self, name: str, source: Node, state: RewriteState) -> Value:
+        rule = self.plan[name] = self.layout.rules.get(name, replicate())
+        return state.declare(f"w.{name}", "weight", source.type.with_shape(*cut_shape(source.type.shape, rule, self.n)))
+
+    def shard_weight(self, node: Node, state: RewriteState):
         if node.op != "weight":
             return None
         name = node.name[2:]
-        if name in layout.derived:
-            declare(layout.derived[name], node, state)
-        if name not in layout.rules:
-            plan[name] = replicate()
+        if name in self.layout.derived:
+            self._declare(self.layout.derived[name], node, state)
+        if name not in self.layout.rules:
+            self.plan[name] = replicate()
             return None
-        return (declare(name, node, state),)
+        return (self._declare(name, node, state),)
 
-    def shard_kv_cache(node: Node, state: RewriteState):
+    def shard_kv_cache(self, node: Node, state: RewriteState):
         if node.op != "input" or node.name != "kv_cache":
             return None
         shape = list(node.type.shape)
-        shape[3] = max(shape[3] // n, 1)                               # [L, 2, NB, KVH, BS, D]: heads per rank
+        shape[3] = max(shape[3] // self.n, 1)                          # [L, 2, NB, KVH, BS, D]: heads per rank
         return (state.declare(node.name, "input", node.type.with_shape(*shape)),)
 
-    def shard_heads(node: Node, state: RewriteState):
+    def shard_heads(self, node: Node, state: RewriteState):
         if node.op not in HEAD_OPS:
             return None
-        attrs = node.attrs | heads_per_rank(node.attrs, n)
-        x = operands_of(node)
-        if node.op != "rope_kv_write" or attrs.get("qk_norm") != "all":
-            new = state.emit(node.op, [state.get(v) for v in node.inputs], **attrs)
-            return tuple(new.value(i) for i in range(len(new.types)))
-        heads = {k: attrs[k] for k in ("num_heads", "num_kv_heads", "head_dim")}
-        qkv = state.get(x.qkv)
-        sums = state.emit("qk_sum_squares", [qkv], **heads).value()
-        total = state.emit("all_reduce", [sums], size=n).value()
-        rounding = {"rounding": attrs["norm_rounding"]} if "norm_rounding" in attrs else {}
-        normed = state.emit("qk_rms_norm", [qkv, total, state.get(x.q_norm), state.get(x.k_norm)], **heads,
-                            size=n, eps=attrs["norm_eps"], **rounding).value()
-        inputs = [normed, *(state.get(x[k]) for k in ("positions", "kv_cache", "slot_mapping"))]
-        new = state.emit("rope_kv_write", inputs, **{k: v for k, v in attrs.items() if k not in QK_NORM_ATTRS})
-        return new.value(0), new.value(1)
+        attrs = node.attrs | heads_per_rank(node.attrs, self.n)
+        if node.op == "rope_kv_write" and attrs.get("qk_norm") == "all":
+            return _all_head_qk_norm(node, attrs, self.n, state)
+        new = state.emit(node.op, [state.get(v) for v in node.inputs], **attrs)
+        return tuple(new.value(i) for i in range(len(new.types)))
 
-    def shard_gemm(node: Node, state: RewriteState):
-        role = layout.roles.get(node.name)
+    def shard_gemm(self, node: Node, state: RewriteState):
+        role, derived = self.layout.roles.get(node.name), self.layout.derived
         if role not in ("o_proj", "down_proj", "lm_head"):
             return None
-        inputs = [state.new_nodes[f"w.{layout.derived[v.node[2:]]}"].value() if v.node[2:] in layout.derived
-                  else state.get(v) for v in node.inputs]
-        out = state.emit(node.op, inputs, **layout.gemm_attrs.get(node.name, node.attrs)).value()
+        inputs = [state.new_nodes[f"w.{derived[v.node[2:]]}"].value() if v.node[2:] in derived else state.get(v)
+                  for v in node.inputs]
+        out = state.emit(node.op, inputs, **self.layout.gemm_attrs.get(node.name, node.attrs)).value()
         joined = "all_gather" if role == "lm_head" else "all_reduce"
-        return (state.emit(joined, [out], size=n).value(),)
-
-    return [shard_weight, shard_kv_cache, shard_heads, shard_gemm]
+        return (state.emit(joined, [out], size=self.n).value(),)
 
 
 def shard(graph: Graph, ctx: PassContext) -> Graph:
@@ -264,4 +272,4 @@ def shard(graph: Graph, ctx: PassContext) -> Graph:
     if n < 2:
         return graph
     plan = ctx.records.setdefault("shard", {"size": n, "weights": {}})
-    return rewrite(graph, make_rules(shard_layout(graph, n), plan["weights"]), "shard", ctx)
+    return rewrite(graph, ShardRules(shard_layout(graph, n), plan["weights"]).rules(), "shard", ctx)
