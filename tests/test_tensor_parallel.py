@@ -12,6 +12,7 @@ size), at the logprobs' scale. Each run takes ~10 s (3-4 processes importing tor
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,40 @@ def test_ranks_give_one_ranks_tokens_and_logprobs(tmp_path, name):
     assert (got["preemptions"], got["steps"]) == (want["preemptions"], want["steps"])
     assert got["tokens"] == want["tokens"]
     assert_same_logprobs(got["logprobs"], want["logprobs"], reduction=spec["intermediate_size"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+HF_TP = """
+import sys, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+dist.init_process_group("gloo")
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], tp_plan="auto", dtype=torch.float32)
+with torch.no_grad():
+    logits = model(torch.tensor([[int(t) for t in sys.argv[3].split(",")]])).logits[0]
+if dist.get_rank() == 0:
+    torch.save(logits.log_softmax(-1), sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_transformers_tensor_parallel_agrees_with_ours(tmp_path):
+    """transformers' own tensor parallelism (tp_plan="auto", 2 gloo ranks under torchrun) is an
+    independent reference: its prompt logprobs are ours at TP 2, within fp32's bound for a whole forward."""
+    one, sharded, ranks = compile_pair(tmp_path, "llama")
+    prompt = [3 + 7 * i % 250 for i in range(24)]
+    (tmp_path / "hf_tp.py").write_text(HF_TP)
+    done = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(tmp_path / "hf_tp.py"), str(tmp_path / "hf"), str(tmp_path / "hf.pt"),
+                           ",".join(map(str, prompt))], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(tmp_path / "hf.pt")                       # [T, vocab] log-softmax
+    spec = spec_for(sharded) | {"prompts": [prompt], "max_tokens": 1}
+    ours = run_ranks(sharded, ranks, spec, tmp_path)["logprobs"][0][:len(prompt) - 1]   # positions 1.. of the prompt
+    want = [[[t, theirs[p, t].item()] for t in theirs[p].topk(5).indices.tolist()] for p in range(len(prompt) - 1)]
+    assert_same_logprobs([ours], [want], reduction=spec["intermediate_size"])
