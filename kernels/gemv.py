@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_linear_ref, qpanel_linear_ref, quad_panels,
-                     quad_rows, quantized_panels, quantized_rows, to_panels)
+from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_linear_ref, qpanel_linear_ref,
+                     quad_panels, quad_rows, quantized_panels, quantized_rows, to_panels)
 from .quant import ACT_BLOCK
 
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -202,6 +202,9 @@ def format_report(result: dict) -> str:
 # put into EngineConfig.backend_options only when given, so each backend keeps its own defaults
 KERNELS_OPTION = typer.Option(None, help="CPU kernels of the torch backend: native (built C++), reference (torch refs) "
                               "or auto (default: native where they build)")
+ACTIVATIONS_OPTION = typer.Option(None, help="the native kernels' quantized GEMMs: int8 (activations "
+                                 "quantized per block of 32, integer dot products), float, or auto "
+                                 "(default: int8 where the CPU has AVX512-VNNI)")
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
 STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "
@@ -245,6 +248,7 @@ def bench_cmd(
     max_num_seqs: int = typer.Option(64, help="most sequences llmc runs at once"),
     max_batched_tokens: int = typer.Option(2048, help="llmc's token budget per step (prompt chunks + decodes)"),
     kernels: Optional[str] = KERNELS_OPTION,
+    activations: Optional[str] = ACTIVATIONS_OPTION,
     backend: str = typer.Option("auto", help="torch, triton (generated kernels: a GPU, or TRITON_INTERPRET=1) or auto"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
@@ -270,7 +274,8 @@ def bench_cmd(
     SamplingParams(temperature=temperature, top_p=top_p)         # refuses a bad value in one sentence
     workload = Workload(num_requests, parse_range(prompt_len, "prompt length"),
                         parse_range(output_len, "output length"), shared_prefix, request_rate, seed, temperature, top_p)
-    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans,
+                                    activations=activations)
     config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,
                           max_batched_tokens=max_batched_tokens, backend=backend, backend_options=options,
                           speculative=speculative_config(speculative, num_draft_tokens),

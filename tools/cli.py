@@ -27,8 +27,9 @@ from llmc.runtime.artifact import ArtifactError
 from llmc.runtime.sampling_params import RequestError
 
 from .inspect import artifact_summary
-from .bench import (ASYNC_SCHEDULING_OPTION, CUDA_GRAPHS_OPTION, KERNELS_OPTION, NUM_DRAFT_TOKENS_OPTION,
-                    SPECULATIVE_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options, speculative_config)
+from .bench import (ACTIVATIONS_OPTION, ASYNC_SCHEDULING_OPTION, CUDA_GRAPHS_OPTION, KERNELS_OPTION,
+                    NUM_DRAFT_TOKENS_OPTION, SPECULATIVE_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options,
+                    speculative_config)
 from .bench_quant import bench_quant_cmd
 from .bench_serve import bench_serve_cmd
 from .bench_spec import bench_spec_cmd
@@ -154,6 +155,7 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--no-chat", help="wrap the prompt in the model's chat template"),
     system: Optional[str] = typer.Option(None, help="system message (chat mode)"),
     kernels: Optional[str] = KERNELS_OPTION,
+    activations: Optional[str] = ACTIVATIONS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
@@ -168,7 +170,8 @@ def generate(
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans,
+                                    activations=activations)
     with tensor_parallel(tp, tp_timeout, artifact) as ranks:
         engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options, ranks=ranks,
                                                speculative=speculative_config(speculative, num_draft_tokens)))
@@ -224,6 +227,7 @@ def serve(
                                                     "requests are kept apart from each other by their cache_salt"),
     async_scheduling: Optional[bool] = ASYNC_SCHEDULING_OPTION,
     kernels: Optional[str] = KERNELS_OPTION,
+    activations: Optional[str] = ACTIVATIONS_OPTION,
     backend: str = typer.Option("auto", help="torch (CPU), triton (the artifact's generated kernels: a GPU, or "
                                 "TRITON_INTERPRET=1 on the CPU), or auto (triton on a GPU if the artifact has kernels)"),
     cuda_graphs: Optional[bool] = CUDA_GRAPHS_OPTION,
@@ -240,7 +244,8 @@ def serve(
 
     from .default_artifact import default_artifact
 
-    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans)
+    options = given_backend_options(kernels=kernels, cuda_graphs=cuda_graphs, step_plans=step_plans,
+                                    activations=activations)
     artifact = artifact if artifact is not None else default_artifact()
     with tensor_parallel(tp, tp_timeout, artifact, stop_server_on_failure=True) as ranks:
         config = EngineConfig(kv_cache_bytes=parse_bytes(kv_memory), max_num_seqs=max_num_seqs,

@@ -47,7 +47,7 @@ from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_inputs import build_step_inputs
 
-from .bench import KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
+from .bench import ACTIVATIONS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
 from .read_floor import ReadBandwidth
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
@@ -251,6 +251,7 @@ def profile_cmd(
     decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode profile"),
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
     kernels: Optional[str] = KERNELS_OPTION,
+    activations: Optional[str] = ACTIVATIONS_OPTION,
     backend: str = typer.Option("torch", help="torch or triton (generated kernels: a GPU, or TRITON_INTERPRET=1)"),
     step_plans: Optional[bool] = STEP_PLANS_OPTION,
     baseline: Optional[str] = typer.Option(None, help="'hf': also time transformers' batch-1 decode and prefill"),
@@ -276,7 +277,8 @@ def profile_cmd(
         raise RequestError("--decode-tokens and --prompt-len must be at least 1")
     from .profile_hf import decode_prompt, hf_profile, served_decode
 
-    options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False)   # timed: eager
+    options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False,   # timed: eager
+                                    activations=activations)
     engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
     if max(prompt_len, decode_context(decode_tokens)) > engine.max_sequence_tokens:
         raise RequestError(f"the profile needs {max(prompt_len, decode_context(decode_tokens))} tokens of "

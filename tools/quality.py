@@ -9,7 +9,9 @@ numbers, not how two kernels order their sums (so weights kept bit for bit score
   mean KL          mean over positions of KL(P_reference || P_quantized)
   top-1 agreement  fraction of positions where both models' most likely next token is the same
 `llmc compile --quality` stores this as report.json's "quality"; `llmc eval ART --against REF`
-prints it for two artifacts.
+prints it for two artifacts. `llmc eval --activations int8` runs ART's quantized GEMMs as the CPU
+serves them by default instead (the native kernels, x quantized to int8 per block of 32): against
+ART itself it is the int8 activations' own cost, against the unquantized artifact the whole cost.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from llmc.compiler.driver import CompileConfig
 from llmc.compiler.dtypes import USER_DTYPES
 from llmc.compiler.frontend import trace
 from llmc.compiler.ir import Graph
-from llmc.kernels.native_ops import choose_op_impls
+from llmc.kernels.native_ops import choose_op_impls, prepare_weights
 from llmc.models.config import LoadedModel, TokenizerFiles
 from llmc.passes.pipeline import run_pipeline
 from llmc.passes.rewrite import PassContext
@@ -53,6 +55,7 @@ class Quality:
     delta_perplexity_percent: float
     mean_kl: float
     top1_agreement: float
+    activations: str = "float"      # the measured model's quantized GEMMs: float (the refs) or int8 (native)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,8 +78,13 @@ def held_tokens(files: TokenizerFiles, count: int) -> list[int]:
 class WindowScorer:
     """A prefill graph bound to its weights, giving logits [T, V] (fp32) at every token of a window."""
 
-    def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "reference"):
-        impls, _ = choose_op_impls(kernels)
+    def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "reference",
+                 activations: str = "float"):
+        """activations 'int8': the native kernels' quantized GEMMs with x quantized per block of 32
+        (kernels/quant.py's qlinear_int8act_ref), what the CPU serves with by default."""
+        impls, _ = choose_op_impls("native" if activations == "int8" else kernels)
+        if activations == "int8":
+            weights = prepare_weights([prefill], weights, "int8")
         self.graph = prefill
         self.program = TorchProgram(prefill, weights, impls)
 
@@ -107,13 +115,13 @@ def score(windows, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def compare(model: WindowScorer, reference: WindowScorer, tokens: list[int], window: int,
-            against: str) -> Quality:
+            against: str, activations: str = "float") -> Quality:
     """Perplexities, mean KL and top-1 agreement of `model` against `reference` on `tokens`."""
     chunks = [tokens[start:start + window + 1] for start in range(0, len(tokens) - 1, window)]
     s = score((model(c[:-1]), reference(c[:-1]), c[1:]) for c in chunks if len(c) >= 2)
     digest = hashlib.sha256(str(tokens).encode()).hexdigest()[:16]
     return Quality(against, HELD_TEXT, s["positions"], digest, s["perplexity"], s["reference_perplexity"],
-                   s["delta_perplexity_percent"], s["mean_kl"], s["top1_agreement"])
+                   s["delta_perplexity_percent"], s["mean_kl"], s["top1_agreement"], activations)
 
 
 def reference_prefill(model: LoadedModel, config: CompileConfig, weights: dict) -> Graph:
@@ -137,17 +145,18 @@ def compile_assessment(config: CompileConfig, tokens: int, window: int):
     return assess
 
 
-def evaluate_artifacts(path: str, against: str, tokens: int, window: int) -> Quality:
-    """`llmc eval`: artifact `path` against artifact `against` on the held text."""
+def evaluate_artifacts(path: str, against: str, tokens: int, window: int, activations: str = "float") -> Quality:
+    """`llmc eval`: artifact `path` (its quantized GEMMs' activations as `activations` says) against
+    artifact `against` (float activations, the refs) on the held text."""
     model, reference = load_artifact(path), load_artifact(against)
     if model.config.vocab_size != reference.config.vocab_size or model.tokenizer != reference.tokenizer:
         raise ArtifactError(f"{path} and {against} do not share a tokenizer and vocabulary, so their next-token "
                             "distributions cannot be compared; compile both from the same model")
     ids = held_tokens(model.tokenizer, tokens)
     span = min(window, model.config.max_position_embeddings)
-    scorer = WindowScorer(model.graphs["prefill"], model.weights)
+    scorer = WindowScorer(model.graphs["prefill"], model.weights, activations=activations)
     ref_scorer = WindowScorer(reference.graphs["prefill"], reference.weights)
-    return compare(scorer, ref_scorer, ids, span, str(against))
+    return compare(scorer, ref_scorer, ids, span, str(against), activations)
 
 
 def eval_cmd(
@@ -156,11 +165,16 @@ def eval_cmd(
     tokens: int = typer.Option(1024, help="tokens of held text to read"),
     window: int = typer.Option(512, help="tokens per sequence (each window a fresh prompt)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a line"),
+    activations: str = typer.Option("float", help="ARTIFACT's quantized GEMMs: float (the torch refs) or int8 "
+                                    "(the native kernels, x quantized per block of 32, as the CPU serves by "
+                                    "default); the reference always runs float"),
 ) -> None:
     """Perplexity, mean KL and top-1 agreement of ARTIFACT against a reference, on Python's help text."""
     from .inspect import quality_line
 
     if tokens < 2 or window < 1:
         raise RequestError(f"--tokens {tokens} and --window {window} must be at least 2 and 1")
-    quality = evaluate_artifacts(artifact, against, tokens, window)
+    if activations not in ("float", "int8"):
+        raise RequestError(f"--activations {activations!r} is unknown; choose float or int8")
+    quality = evaluate_artifacts(artifact, against, tokens, window, activations)
     typer.echo(json.dumps(quality.to_dict(), indent=2) if as_json else quality_line(quality.to_dict()))
