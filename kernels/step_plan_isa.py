@@ -185,7 +185,7 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("qembedding", _args("out codes scales mins:optional ids layout:int vocab:int width:int bits:int "
                                     "group:int",
                                     layout="0: codes, scales, mins as the artifact stores them [V, ...]; "
-                                           "1: quantized panels (kernels/panels.py)",
+                                           "1: quantized panels; 2: quads (kernels/panels.py)",
                                     mins="-1: int8 codes have none"),
                 doc="out row t = row ids[t] of the table, dequantized in fp32 (qembedding_ref), then rounded"),
 ]

@@ -3,8 +3,9 @@
     KV bytes per token = 2 (K and V) x layers x kv_heads x row bytes, where a row is
                          head_dim x bytes per element (int8: head_dim codes + a 4-byte scale)
     weight bytes       = every tensor at its dtype's bytes; with int8/int4 the GEMM weights are
-                         codes + fp16 scales (+ fp16 mins for int4, groups of 32), and the
-                         embedding, LM head and norms stay at 2 bytes (fp16/bf16)
+                         codes + fp16 scales (+ fp16 mins for int4, groups of 32), the embedding
+                         and LM head int8 codes + an fp16 scale a row (compile's default: see
+                         compiler/quant_recipe.py), and the norms 2 bytes (fp16/bf16)
     kv_tokens          = (memory - weight bytes) // KV bytes per token
     max_sequences      = kv_tokens // context
 
@@ -63,8 +64,8 @@ def weight_bytes(cfg: ModelConfig, weight_dtype: str) -> int:
         return num_parameters(cfg) * _element_bytes(weight_dtype, "weight dtype")
     total = 0
     for name, shape in expected_weights(cfg).items():
-        if len(shape) == 2 and name not in EMBEDDING_WEIGHTS:
-            bits = QUANT_BITS[weight_dtype]
+        if len(shape) == 2:
+            bits = 8 if name in EMBEDDING_WEIGHTS else QUANT_BITS[weight_dtype]
             total += quantized_weight_bytes(*shape, bits, 32 if bits == 4 else None)
         else:
             total += 2 * _numel(shape)

@@ -233,9 +233,10 @@ def _lower_qembedding(lo: _Lowering, node: Node) -> Encoded:
     vocab, width = lo.graph.type_of(x.codes).shape[0], node.type.shape[1]            # [V, ...] codes, [T, W] rows
     if to_torch(node.attrs["dtype"]) != lo.dtype:
         raise NotPlannable(f"{node.name} (qembedding) gives {node.attrs['dtype']} rows in a {lo.dtype} plan")
-    panels = (width * bits // 8, PANEL)                              # a tied table kept as the LM head's panels
-    if isinstance(codes, GemvWeight) and codes.bits == bits and codes.weight.shape[1:] == panels:
-        layout, (codes_id, scales_id, mins_id) = 1, lo.panels(codes)
+    # a tied table kept as the LM head's panels or quads (kernels/panels.py), told apart by their shape
+    layouts = {(width * bits // 8, PANEL): 1, (width * bits // 32, PANEL, 4): 2}
+    if isinstance(codes, GemvWeight) and codes.bits == bits and codes.weight.shape[1:] in layouts:
+        layout, (codes_id, scales_id, mins_id) = layouts[codes.weight.shape[1:]], lo.panels(codes)
     elif all(isinstance(t, torch.Tensor) for t in (codes, scales, *([mins] if "mins" in x else []))):
         layout, codes_id, scales_id = 0, lo.constant(codes.contiguous()), lo.constant(scales.contiguous())
         mins_id = lo.constant(mins.contiguous()) if "mins" in x else -1

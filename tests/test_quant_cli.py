@@ -43,6 +43,9 @@ def test_recipes_parse_to_what_they_say():
     assert QuantRecipe.parse("int4-g128", "int8", True) == QuantRecipe(4, 128, "int8", True)
     assert QuantRecipe.parse("int8").weights == "int8" and QuantRecipe.parse("int4-g64").weights == "int4-g64"
     assert QuantRecipe.parse("none", "int8").active and not QuantRecipe.parse().active
+    assert QuantRecipe.parse("int4").embeddings and not QuantRecipe.parse("int4", embeddings=False).embeddings
+    assert not QuantRecipe.parse("none").embeddings and QuantRecipe(8).embeddings     # on with a weight recipe
+    assert QuantRecipe.parse("int4-g64").embedding_recipe.weights == "int8"          # int8 per row, any width
 
 
 def test_plan_sizes_quantized_weights_and_int8_kv(llama3_config):  # noqa: F811
@@ -52,14 +55,16 @@ def test_plan_sizes_quantized_weights_and_int8_kv(llama3_config):  # noqa: F811
     plan = json.loads(result.output)
     assert plan["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4)       # codes + a 4-byte scale per row
     gemm = 32 * (4096 * 4096 * 2 + 1024 * 4096 * 2 + 14336 * 4096 * 3)   # q, o; k, v; gate, up, down
-    other = 2 * (2 * 128256 * 4096 + 4096 + 32 * 2 * 4096)               # embed, head, norms at 2 bytes
-    assert plan["weight_bytes"] == gemm // 2 + 4 * gemm // 32 + other
+    tables = 2 * quantized_weight_bytes(128256, 4096, 8, None)          # embed, head: int8, a scale a row
+    norms = 2 * (4096 + 32 * 2 * 4096)
+    assert plan["weight_bytes"] == gemm // 2 + 4 * gemm // 32 + tables + norms
     table = CliRunner().invoke(app, ["plan", str(llama3_config), "--memory", "80GiB", "--kv-dtype", "int8"]).output
     assert "(128 int8 codes + a 4-byte scale) = 132 bytes" in table
 
 
 def test_plan_formula_matches_the_artifact(tiny_family, tmp_path):
-    """`llmc plan --weight-dtype int8` counts exactly the bytes a compile stores for the GEMM weights."""
+    """`llmc plan --weight-dtype int8` counts exactly the bytes a compile stores for the GEMM weights
+    and the int8 embedding table (and LM head, where untied)."""
     _, folder, _ = tiny_family(FAMILY)
     out = tmp_path / "art"
     assert run_llmc("compile", folder, "-o", out, "--quant", "int8").returncode == 0
@@ -69,7 +74,8 @@ def test_plan_formula_matches_the_artifact(tiny_family, tmp_path):
     shapes = [(cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
               (cfg.hidden_size, cfg.num_heads * cfg.head_dim), (2 * cfg.intermediate_size, cfg.hidden_size),
               (cfg.hidden_size, cfg.intermediate_size)]
-    assert stored == cfg.num_layers * sum(quantized_weight_bytes(n, k, 8, None) for n, k in shapes)
+    tables = (1 if cfg.tie_word_embeddings else 2) * quantized_weight_bytes(cfg.vocab_size, cfg.hidden_size, 8, None)
+    assert stored == cfg.num_layers * sum(quantized_weight_bytes(n, k, 8, None) for n, k in shapes) + tables
     assert plan_memory(cfg, 10**9, "int8").weight_bytes > stored
 
 
@@ -82,9 +88,9 @@ def test_quality_inspect_and_eval(tiny_family, tmp_path):
                     "--quality-tokens", "300")
     assert proc.returncode == 0, proc.stderr
     summary = run_llmc("inspect", out).stdout
-    assert "quant      weights int8 (quantized 8); kv cache int8; embeddings float" in summary
-    assert ("quantized: layers.*.down_proj.weight, layers.*.gate_up_proj.weight, layers.*.o_proj.weight, "
-            "layers.*.qkv_proj.weight") in summary
+    assert "quant      weights int8 (quantized 10); kv cache int8; embeddings quantized" in summary
+    assert ("quantized: embed_tokens.weight, layers.*.down_proj.weight, layers.*.gate_up_proj.weight, "
+            "layers.*.o_proj.weight, layers.*.qkv_proj.weight, lm_head.weight") in summary     # tables too, by default
     assert "weights    int8-channel" in summary and "quality    perplexity" in summary
     report = json.loads((out / "report.json").read_text())["quality"]
     assert report["tokens"] == 299 and 0 < report["mean_kl"] < 0.05 and report["top1_agreement"] > 0.8

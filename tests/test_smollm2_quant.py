@@ -23,7 +23,8 @@ RECIPES = {
     "int8": QuantRecipe.parse("int8"),                       # requantized from Q4_1's float values
     "int4-kept": QuantRecipe.parse("int4"),                  # the file's Q4_1 blocks, bit for bit
     # round to nearest from the float values: on these weights, groups of 32 find Q4_1's own blocks
-    # again (each group's min and max are codes 0 and 15 of the file's block), so it scores 0 too
+    # again (each group's min and max are codes 0 and 15 of the file's block); only the embedding
+    # table, int8 per row from the file's Q8_0 values (the default), moves the numbers at all
     "int4-rtn": QuantRecipe.parse("int4", requantize=True),
     "kv8": QuantRecipe.parse("none", "int8"),
 }

@@ -1,8 +1,9 @@
 """The step plan's quantized row gather (instruction `qembedding`, kernels/cpu/step_plan.h's
 qembed_rows) against `qembedding_ref` bit for bit: scale * code (+ min) is exact in fp32, so the
 plan's rows are the ref's. Both layouts: the artifact's rows (an untied table, int8 and int4 in
-GGUF's block order) and the quantized panels of a tied LM head (test_gemv_kernels' tiny graph:
-int4, N = 97 odd); f32 and bf16 rows; ids at both ends of the table; a bad id refused."""
+GGUF's block order), the quantized panels of a tied LM head (test_gemv_kernels' tiny graph: int4,
+N = 97 odd) and its quads (int8 activations: built here from kernels/panels.py's description, an
+independent reading of it); f32 and bf16 rows; ids at both ends of the table; a bad id refused."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from llmc.compiler.quant_format import quantize_int4, quantize_int8
 from llmc.kernels.gemv import GemvWeight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.native_ops import native_op_impls, prepare_weights
+from llmc.kernels.panels import column_panels
+from llmc.kernels.quant import unpack_int4
 from llmc.runtime.step_plan import StepPlanProgram, lower_step_plan
 from llmc.runtime.torch_backend import TorchProgram
 from test_gemv_kernels import GRAPH, tiny_graph_weights
@@ -74,3 +77,33 @@ def test_plan_gathers_a_tied_tables_panels_as_the_op_by_op_kernels(tokens):
     with torch.inference_mode():
         (want,) = TorchProgram(graph, prepared, native_op_impls())({"ids": ids})
     assert torch.equal(got, want)
+
+
+def quads(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """kernels/panels.py's quads, built from its description: int8 codes + 128 [P, K/4, 32, 4]; int4
+    [P, K/8, 32, 4], byte r of quad i holding input 8i + r in the low nibble and 8i + 4 + r in the high."""
+    if bits == 8:
+        lanes = (codes.to(torch.int16) + 128).to(torch.uint8).view(codes.shape[0], -1, 4)   # [N, K/4, 4]
+    else:
+        q = unpack_int4(codes).view(codes.shape[0], -1, 2, 4)                              # [N, K/8, 2, 4]
+        lanes = q[:, :, 0] | (q[:, :, 1] << 4)                                               # [N, K/8, 4]
+    n, per_row, _ = lanes.shape
+    padded = torch.cat([lanes, lanes.new_zeros(-n % 32, per_row, 4)])
+    return padded.view(-1, 32, per_row, 4).transpose(1, 2).contiguous()                      # [P, K/4|K/8, 32, 4]
+
+
+@pytest.mark.parametrize("bits,group", [(8, 96), (4, 32)])
+def test_plan_gathers_a_tied_tables_quads_as_the_ref(bits, group):
+    """A table kept as quads (the LM head's layout with int8 activations) gives the ref's rows."""
+    load_native_kernels()
+    weights = table_weights(bits, group)
+    mins = weights.get("e.mins")
+    held = GemvWeight(f"int{bits}", quads(weights["e.codes"], bits), VOCAB, column_panels(weights["e.scales"]),
+                      None if mins is None else column_panels(mins), group)
+    assert held.weight.shape[1:] == (WIDTH * bits // 32, 32, 4)
+    prepared = {"e.codes": held, "e.scales": held, **({"e.mins": held} if bits == 4 else {})}
+    program = lower_step_plan(parse_graph(table_graph(bits, group, "f32")), prepared, 16)
+    ids = torch.tensor([0, VOCAB - 1, 5, 33, 64, 31])
+    (got,) = program({"ids": ids})
+    assert torch.equal(got, qembedding_ref(weights["e.codes"], weights["e.scales"], mins, ids, bits=bits,
+                                           dtype=torch.float32))

@@ -102,8 +102,9 @@ def compile_cmd(
     quant: str = typer.Option("none", help="GEMM weights: none, int8 (per output channel) or int4[-g32|-g64|-g128] "
                               "(scale and min per group; int4 = int4-g32); a GGUF's Q8_0/Q4_0/Q4_1 blocks are kept"),
     kv_dtype: str = typer.Option("auto", help="KV cache: auto (the compute dtype) or int8 (a scale per token and head)"),
-    quant_embeddings: bool = typer.Option(False, "--quant-embeddings", help="quantize the token embedding and LM "
-                                          "head too"),
+    quant_embeddings: Optional[bool] = typer.Option(None, "--quant-embeddings/--no-quant-embeddings",
+                                                    help="the token embedding and LM head as int8 (the default with "
+                                                    "--quant int8/int4), or kept in the compute dtype"),
     requantize: bool = typer.Option(False, "--requantize", help="round every weight from its float values, even "
                                     "where a GGUF's own Q8_0/Q4_0/Q4_1 blocks fit the recipe (kept by default)"),
     quality: bool = typer.Option(False, "--quality", help="measure perplexity, KL and top-1 agreement against the "

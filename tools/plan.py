@@ -52,7 +52,7 @@ def plan_cmd(
     model: str = typer.Argument(..., help="config.json, HF folder, .gguf or artifact (weights are not read)"),
     memory: str = typer.Option(..., help="memory budget, e.g. 80GiB or 24GB"),
     weight_dtype: str = typer.Option("float16", help="float32, bfloat16, float16, int8 or int4 (GEMM weights as "
-                                     "codes + fp16 scales; embeddings and norms at 2 bytes)"),
+                                     "codes + fp16 scales, embeddings as int8; norms at 2 bytes)"),
     kv_dtype: str = typer.Option("float16", help="float32, bfloat16, float16 or int8 (codes + a scale per token "
                                  "per KV head)"),
     context: Optional[int] = typer.Option(None, help="tokens per sequence (default: the model's context)"),

@@ -216,7 +216,7 @@ void StepPlan::check_qembedding(const Instr& in) const {
   const auto& a = in.a;
   const int64_t bits = a[A::bits], width = a[A::width], group = a[A::group], layout = a[A::layout];
   TORCH_CHECK((bits == 8 || (bits == 4 && width % 32 == 0)) && group > 0 && width % group == 0 &&
-                  (layout == 0 || layout == 1) && a[A::vocab] > 0,
+                  layout >= 0 && layout <= 2 && a[A::vocab] > 0,
               "qembedding of ", bits, " bits, width ", width, ", group ", group, " and layout ", layout,
               " is not a quantized table the plan reads");
   const int64_t rows = layout == 0 ? a[A::vocab] : (a[A::vocab] + llmc_panels::kPanel - 1) / llmc_panels::kPanel *

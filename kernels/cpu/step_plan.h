@@ -160,10 +160,12 @@ void embed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   }
 }
 
-// A quantized table's code `j` of row `id` and its group's index into scales and mins, in either
+// A quantized table's code `j` of row `id` and its group's index into scales and mins, in each
 // layout of the qembedding instruction: 0 the artifact's rows (int4 in GGUF's block order: byte b
-// of a 32-code block holds code b low, b + 16 high), 1 the quantized panels (kernels/panels.py:
-// codes [P, W, 32] or int4 pairs [P, W/2, 32] with input 2i low, 2i + 1 high; scales [P, W/G, 32]).
+// of a 32-code block holds code b low, b + 16 high); 1 the quantized panels (kernels/panels.py:
+// codes [P, W, 32] or int4 pairs [P, W/2, 32] with input 2i low, 2i + 1 high); 2 quads (int8
+// activations: code + 128 [P, W/4, 32, 4], or int4 [P, W/8, 32, 4] with byte r of quad i holding
+// input 8i + r low, 8i + 4 + r high). Scales and mins [P, W/G, 32] in layouts 1 and 2.
 struct QTable {
   const uint8_t* codes;
   int64_t layout, width, bits, group;
@@ -171,6 +173,11 @@ struct QTable {
   int code(int64_t id, int64_t j) const {
     const int64_t bytes = width * bits / 8, lane = id % llmc_panels::kPanel;
     const uint8_t* panel = codes + id / llmc_panels::kPanel * bytes * llmc_panels::kPanel;
+    if (layout == 2 && bits == 8) return panel[(j / 4 * llmc_panels::kPanel + lane) * 4 + j % 4] - 128;
+    if (layout == 2) {
+      const uint8_t quad = panel[(j / 8 * llmc_panels::kPanel + lane) * 4 + j % 4];
+      return j % 8 >= 4 ? quad >> 4 : quad & 0xF;
+    }
     if (bits == 8)
       return static_cast<int8_t>(layout == 0 ? codes[id * bytes + j] : panel[j * llmc_panels::kPanel + lane]);
     const uint8_t pair = layout == 0 ? codes[id * bytes + j / 32 * 16 + j % 16]

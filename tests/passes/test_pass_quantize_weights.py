@@ -80,12 +80,15 @@ def test_printed_int4_graph_counter_and_stored_codes():
 @pytest.mark.parametrize("entry", ["prefill", "decode"])
 def test_traced_model_computes_with_its_dequantized_weights(quant, entry):
     """After the pass the graph computes exactly what the unquantized graph computes on the
-    dequantized weights (to fp32 rounding), so the only change is the weights' rounding."""
+    dequantized weights (to fp32 rounding), so the only change is the weights' rounding: the GEMMs',
+    and by default the embedding's and the (untied) LM head's, int8 at every recipe."""
     graph, weights = traced_before("quantize_weights", entry, TINY64)
     after, ctx = run(graph, QuantRecipe.parse(quant), weights)
     quantized = list(ctx.records["quantize_weights"])
-    assert ctx.hits["quantize_weights"] == len(quantized) == 2 * 4      # qkv, o, gate_up, down per layer
-    assert after.op_counts()["qlinear"] == 8 and after.op_counts()["linear"] == 1   # the LM head stays
+    assert ctx.hits["quantize_weights"] == len(quantized) == 2 * 4 + 2   # qkv, o, gate_up, down per layer; tables
+    assert ctx.records["quantize_weights"]["lm_head.weight"] == "quantized to int8"
+    assert after.op_counts()["qlinear"] == 9 and after.op_counts()["qembedding"] == 1
+    assert "linear" not in after.op_counts() and "embedding" not in after.op_counts()
     assert_same_numbers(graph, after, with_dequantized(weights, quantized), steps_for(graph), reduction=128)
 
 
@@ -161,15 +164,20 @@ def test_a_planted_quantization_bug_fails_the_logit_check(int8_decode, plant):
         assert_logits_explained_by_rounding(int8_decode, wrong)
 
 
-def test_embeddings_stay_float_unless_asked_and_tied_head_shares_the_codes():
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_embeddings_are_int8_by_default_unless_kept_and_tied_head_shares_the_codes(quant):
+    """The table and its tied LM head quantize as int8 per row whatever the recipe's width (int4
+    tables cost SmolLM2 5.8% perplexity), or stay float with embeddings=False (--no-quant-embeddings)."""
     tied = dataclasses.replace(TINY64, tie_word_embeddings=True)
     graph, weights = traced_before("quantize_weights", "prefill", tied)
-    after, _ = run(graph, QuantRecipe.parse("int8"), dict(weights))
+    after, _ = run(graph, QuantRecipe.parse(quant, embeddings=False), dict(weights))
     assert "qembedding" not in after.op_counts() and after.op_counts()["linear"] == 1
-    after, ctx = run(graph, QuantRecipe.parse("int8", embeddings=True), weights)
+    after, ctx = run(graph, QuantRecipe.parse(quant), weights)
     assert after.op_counts()["qembedding"] == 1 and "linear" not in after.op_counts()
     embed = [n for n in after.weights() if n.name.startswith("w.embed_tokens.weight.")]
     assert len(embed) == 2                                                # one codes + scales, read twice
+    assert {n.type.dtype for n in embed} == {"i8", "f16"} and embed[1].type.shape[1] == 1   # a scale a row
+    assert ctx.records["quantize_weights"]["embed_tokens.weight"] == "quantized to int8"
     assert_same_numbers(graph, after, with_dequantized(weights, ctx.records["quantize_weights"]),
                         steps_for(graph)[:1], reduction=128)
 
