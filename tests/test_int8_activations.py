@@ -152,3 +152,13 @@ def test_tiny_model_step_plan_int8_activations_near_float(tiny_quantized, recipe
 def test_activations_option_is_checked():
     with pytest.raises(RequestError, match="activations 'int4' is unknown"):
         TorchOptions(activations="int4")
+
+
+def test_cli_refuses_an_unknown_activations_value(tiny_family):
+    """One sentence, exit 1, on a command that builds an engine and on `llmc eval`."""
+    from test_bad_inputs import assert_cli_error, cli
+
+    artifact = tiny_family("llama_gqa")[2]
+    assert_cli_error(cli("generate", artifact, "hi", "--activations", "int4"), "activations 'int4' is unknown")
+    assert_cli_error(cli("eval", artifact, "--against", artifact, "--activations", "fp8"),
+                     "--activations 'fp8' is unknown")
