@@ -102,8 +102,10 @@ def test_quality_inspect_and_eval(tiny_family, tmp_path):
 
 
 def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
+    """A row per recipe, none (unquantized) measured though not asked for, and each recipe's decode
+    and bench tok/s as ratios to none's from the same run."""
     _, folder, _ = tiny_family(FAMILY)
-    proc = run_llmc("bench-quant", folder, "--recipes", "none,int4+kv8", "--decode-tokens", "2", "--num-requests",
+    proc = run_llmc("bench-quant", folder, "--recipes", "int4+kv8", "--decode-tokens", "2", "--num-requests",
                     "2", "--prompt-len", "8:40", "--output-len", "4", "--work-dir", tmp_path, "--json", tmp_path / "r.json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "r.json").read_text())
@@ -112,7 +114,10 @@ def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
     assert quant["decode_bytes"] < plain["decode_bytes"]
     assert plain["bandwidth"] > 0 and plain["of_bandwidth"] == pytest.approx(
         plain["decode_bytes"] / plain["decode_s"] / plain["bandwidth"], rel=0.5)
-    rows = [line.split()[0] for line in proc.stdout.splitlines()[2:]]
-    assert rows == ["none", "int4+kv8"]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [row[0] for row in rows] == ["none", "int4+kv8"]
+    assert rows[0][5] == rows[0][-1] == "1.00x"
+    assert rows[1][5] == f"{plain['decode_s'] / quant['decode_s']:.2f}x"
+    assert rows[1][-1] == f"{quant['bench_output_tok_s'] / plain['bench_output_tok_s']:.2f}x"
     bad = run_llmc("bench-quant", folder, "--recipes", "int8+kv4", "--work-dir", tmp_path)
     assert_process_error(bad, "recipe 'int8+kv4'", "WEIGHTS[+kv8][+rtn]")
