@@ -113,8 +113,10 @@ def bench_llamacpp(
         typer.echo(f"llama.cpp peer skipped: llama_cpp is not importable by {llama_python} ({probe['missing']}); "
                    f"install it in a venv of its own: {INSTALL}")
         return
+    own = gguf is None                          # the embedded model: bench-quant's int4 artifact, shared
     gguf = gguf or embedded_model_path()
-    path = artifact or compiled(str(gguf), "int4", "float32", work_dir)
+    folder = work_dir if own else work_dir / gguf.stem
+    path = artifact or compiled(None if own else str(gguf), "int4", "float32", folder)
     engine = Engine(path)
     prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     threads = torch.get_num_threads()
