@@ -2,8 +2,8 @@
 kGemvPanels = 4 panels at once) against F.linear, and its claim that a token's outputs do not depend
 on its batch.
 
-N spans 7 and 11 panels (the last one partial), run on 1 and 2 threads, so every group size a
-thread's share of panels ends in (4, 3, 2, 1) is met; f32 and bf16, with and without bias.
+N spans 1, 7 and 11 panels (the last one partial), run on 1 and 2 threads, so every size of group
+a thread's share of panels is cut into (4, 3, 2, 1) is met; f32 and bf16, with and without bias.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def weight_and_inputs(n: int, dtype: torch.dtype, tokens: int, with_bias: bool):
     return prepare_linear_weight(weight), weight, x, bias
 
 
-@pytest.mark.parametrize("n", [32 * 7 - 5, 32 * 11 - 1])
+@pytest.mark.parametrize("n", [29, 32 * 7 - 5, 32 * 11 - 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_batch_1_gemv_over_panel_groups_matches_linear(threads, n, dtype, with_bias):

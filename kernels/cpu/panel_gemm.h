@@ -120,7 +120,8 @@ void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
   }
 }
 
-// One token times panels begin .. end - 1, kGemvPanels at a time: each output is still summed
+// One token times panels begin .. end - 1, up to kGemvPanels at a time in groups of even size (9
+// panels: 3 + 3 + 3, not 4 + 4 + 1, whose last would run on 2 chains): each output is still summed
 // input by input (as in a tile of many tokens, so a token's result does not depend on its batch),
 // but 2 kGemvPanels chains are in flight, and as many weight streams.
 template <typename X>
@@ -128,8 +129,8 @@ void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
               int64_t n_dim) {
   for (int64_t p = begin; p < end;) {
     const X* panel = panels + p * k_dim * kPanel;
-    const int64_t n0 = p * kPanel;
-    switch (std::min<int64_t>(kGemvPanels, end - p)) {
+    const int64_t n0 = p * kPanel, groups = (end - p + kGemvPanels - 1) / kGemvPanels;
+    switch ((end - p + groups - 1) / groups) {
       case 4: tile<1, 4>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 4; break;
       case 3: tile<1, 3>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 3; break;
       case 2: tile<1, 2>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 2; break;
