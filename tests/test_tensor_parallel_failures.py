@@ -11,8 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from test_bad_inputs import assert_process_error, run_llmc
@@ -86,3 +88,16 @@ def test_ranks_given_different_artifacts_are_refused(sharded):
     assert other.wait(timeout=60) == 1
     assert "differs from rank 0's" in other.stderr.read()
     assert_process_error(rank0, "rank 1's artifact differs from rank 0's", "give every rank the same artifact")
+
+
+def test_an_idle_server_outlives_the_timeout_and_sigterm_stops_every_rank(sharded):
+    """A worker waits for the next step however long the server idles (the step channel has no short
+    timeout, the collectives do); SIGTERM on rank 0 tells every rank to stop, and all exit 0."""
+    server = ServeProcess(sharded[0], "--port", 0, "--tp", 2, "--tp-timeout", 2, "--backend", "torch")
+    (worker,) = [pid for pid, cmd in children(server.proc.pid) if "tensor_parallel.worker" in cmd]
+    time.sleep(4)                                                     # idle for twice the collective timeout
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0},
+                       timeout=60)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert server.stop() == 0, "".join(server.lines)
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text().lower()
