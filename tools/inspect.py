@@ -62,7 +62,7 @@ def artifact_summary(path: str | Path) -> str:
 
 def torch_plans(path: Path) -> str:
     """What the torch backend would run each graph as here ('step plans: prefill yes, decode yes', or
-    a graph op by op and why). Only building its executor knows (a plan takes the weights as the
+    a graph op by op and why), after a quantized artifact's activations ('int8 activations (avx512-vnni); '). Only building its executor knows (a plan takes the weights as the
     native kernels lay them out), so this builds one, on a cache of one block, where the native
     kernels are built already; elsewhere it says it does not know rather than spend a build."""
     if not (native_kernels_loaded() or any(cache_dir().glob(f"{EXTENSION_NAME}*.so"))):
@@ -79,7 +79,9 @@ def torch_plans(path: Path) -> str:
     backend = choose_backend("torch", artifact, "cpu", {"kernels": "native", "cuda_graphs": False})
     cache = KVCacheSpec.from_graph_type(artifact.graphs["prefill"].node_map()["kv_cache"].type, 1,
                                         EngineConfig().block_size)
-    return backend.build(artifact, cache).capabilities().describe_plans()
+    capabilities = backend.build(artifact, cache).capabilities()
+    activations = capabilities.kernels.removeprefix("native").lstrip(", ")      # quantized GEMMs: 'int8 activations'
+    return (f"{activations}; " if activations else "") + capabilities.describe_plans()
 
 
 def weight_bytes_by_format(graphs: dict[str, Graph]) -> dict[str, tuple[int, int]]:
