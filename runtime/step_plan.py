@@ -11,7 +11,8 @@ elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the temp
 (a table of rows, or a tied float table kept as panels), qembedding (int8 / int4 codes as the
 artifact stores them, or a tied table kept as quantized panels), linear (float panels) and qlinear (int8 /
 int4 panels), each with an optional bias, rope_kv_write (a packed qkv), paged_attention and
-paged_decode_attention, and index_select (of rows), over activations [rows, W] of one float dtype (f32 or
+paged_decode_attention, index_select (of rows), and the collectives all_reduce / all_gather of a
+tensor-parallel graph (tensor_parallel/plan_collectives.py), over activations [rows, W] of one float dtype (f32 or
 bf16), rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
 indices' count (the IR's R, logit rows: one a sequence, or more where a step asks for logits at several
 positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the

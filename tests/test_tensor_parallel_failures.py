@@ -46,13 +46,26 @@ def children(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """End a server a failed assertion left running, and its workers."""
+    if proc.poll() is None:
+        for pid, _ in children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
 def test_killing_rank_1_ends_the_stream_with_an_error_and_the_server_exits_1(sharded):
     server = ServeProcess(sharded[0], "--port", 0, "--tp", 2, "--tp-timeout", TIMEOUT, "--backend", "torch",
                           step_delay=0.02)
-    thread, events = start_stream(server.url, {"prompt": "x", "max_tokens": 200, "temperature": 0, "ignore_eos": True})
-    (worker,) = [pid for pid, cmd in children(server.proc.pid) if "tensor_parallel.worker" in cmd]
-    os.kill(worker, signal.SIGKILL)
-    assert server.proc.wait(timeout=TIMEOUT + 30) == 1, "".join(server.lines)
+    try:
+        thread, events = start_stream(server.url, {"prompt": "x", "max_tokens": 200, "temperature": 0,
+                                                   "ignore_eos": True})
+        (worker,) = [pid for pid, cmd in children(server.proc.pid) if "tensor_parallel.worker" in cmd]
+        os.kill(worker, signal.SIGKILL)
+        assert server.proc.wait(timeout=TIMEOUT + 30) == 1, "".join(server.lines)
+    finally:
+        kill_tree(server.proc)
     thread.join(10)
     assert not thread.is_alive()
     errors = [json.loads(e)["error"]["message"] for e in events if e.startswith("{") and '"error"' in e]
@@ -94,10 +107,13 @@ def test_an_idle_server_outlives_the_timeout_and_sigterm_stops_every_rank(sharde
     """A worker waits for the next step however long the server idles (the step channel has no short
     timeout, the collectives do); SIGTERM on rank 0 tells every rank to stop, and all exit 0."""
     server = ServeProcess(sharded[0], "--port", 0, "--tp", 2, "--tp-timeout", 2, "--backend", "torch")
-    (worker,) = [pid for pid, cmd in children(server.proc.pid) if "tensor_parallel.worker" in cmd]
-    time.sleep(4)                                                     # idle for twice the collective timeout
-    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0},
-                       timeout=60)
-    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("length", "stop")
-    assert server.stop() == 0, "".join(server.lines)
+    try:
+        (worker,) = [pid for pid, cmd in children(server.proc.pid) if "tensor_parallel.worker" in cmd]
+        time.sleep(4)                                                 # idle for twice the collective timeout
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 8, "temperature": 0},
+                           timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert server.stop() == 0, "".join(server.lines)
+    finally:
+        kill_tree(server.proc)
     assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text().lower()
