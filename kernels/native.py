@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .amx import announce_gemm_path
 from .step_plan_isa import STEP_PLAN_ISA
 from .step_plan_isa_header import HEADER_NAME, render_header
 
@@ -126,3 +127,4 @@ def load_native_kernels() -> None:
     finally:
         builder_log.setLevel(level)
     check_isa_hash(loaded_isa_hash(), build)
+    announce_gemm_path(logging.getLogger("llmc"))

@@ -8,10 +8,13 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 from llmc.compiler.dtypes import dtype_info
 from llmc.compiler.ir import Graph
 from llmc.compiler.quant_format import weight_format
 from llmc.compiler.tensor_parallel import TensorParallelPlan, describe
+from llmc.kernels.amx import describe_gemm_path
 from llmc.kernels.native import EXTENSION_NAME, NativeBuildError, cache_dir, load_native_kernels, native_kernels_loaded
 from llmc.runtime.artifact import REPORT_FILE, load_artifact, verify_artifact
 
@@ -64,7 +67,8 @@ def torch_plans(path: Path) -> str:
     """What the torch backend would run each graph as here ('step plans: prefill yes, decode yes', or
     a graph op by op and why), after a quantized artifact's activations ('int8 activations (avx512-vnni); '). Only building its executor knows (a plan takes the weights as the
     native kernels lay them out), so this builds one, on a cache of one block, where the native
-    kernels are built already; elsewhere it says it does not know rather than spend a build."""
+    kernels are built already; elsewhere it says it does not know rather than spend a build. A bf16
+    artifact's line also says which kernel runs its GEMMs here (AMX or AVX-512, and why)."""
     if not (native_kernels_loaded() or any(cache_dir().glob(f"{EXTENSION_NAME}*.so"))):
         return "step plans unknown (native kernels not built; `llmc generate` builds them once)"
     try:
@@ -81,7 +85,9 @@ def torch_plans(path: Path) -> str:
                                         EngineConfig().block_size)
     capabilities = backend.build(artifact, cache).capabilities()
     activations = capabilities.kernels.removeprefix("native").lstrip(", ")      # quantized GEMMs: 'int8 activations'
-    return (f"{activations}; " if activations else "") + capabilities.describe_plans()
+    bf16 = any(w.dtype == torch.bfloat16 for w in artifact.weights.values())
+    gemms = f"; {describe_gemm_path()}" if bf16 else ""
+    return (f"{activations}; " if activations else "") + capabilities.describe_plans() + gemms
 
 
 def weight_bytes_by_format(graphs: dict[str, Graph]) -> dict[str, tuple[int, int]]:

@@ -38,6 +38,7 @@ import typer
 
 from llmc.compiler.artifact import stale_code
 from llmc.compiler.ir import Graph
+from llmc.kernels.amx import describe_gemm_path
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
 from llmc.runtime.engine import Engine, EngineConfig, kv_cache_dtype
@@ -100,7 +101,8 @@ def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
             if not v.node.startswith("w."):
                 continue
             w = weights[v.node[2:]]
-            total += w[0].numel() * w.element_size() if node.op == "embedding" else w.numel() * w.element_size()
+            row = node.op in ("embedding", "qembedding")            # a gather reads one row of each part
+            total += (w[0] if row else w).numel() * w.element_size()
     return total + context * kv_bytes_per_token(artifact.config, kv_cache_dtype(artifact))
 
 
@@ -208,7 +210,8 @@ def _split(step: dict) -> str:
 def format_profile(r: dict) -> str:
     d, p = r["decode"], r["prefill"]
     return "\n".join([
-        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | {r['graphs']}",
+        f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | {r['graphs']}"
+        + (f" | {r['cpu_gemm']}" if r.get("cpu_gemm") else ""),
         f"floors, measured now: read bandwidth {r['bandwidth'] / 1e9:.1f} GB/s ({r['floor_kernel']} beside "
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
@@ -289,6 +292,8 @@ def profile_cmd(
         typer.echo(f"note: {stale}", err=True)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "kernels": engine.kernels, "step_plans": capabilities.plans(), "graphs": capabilities.describe_plans(),
+              "cpu_gemm": (describe_gemm_path() if engine.kernels.startswith("native") and dtype == torch.bfloat16
+                           else ""),
               "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
     floor = ReadBandwidth()

@@ -25,7 +25,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "panel_gemm.h"
+#include "amx_gemm.h"
 
 namespace {
 
@@ -40,7 +40,7 @@ void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
   const X* bp = bias.defined() ? bias.const_data_ptr<X>() : nullptr;
   X* op = out.data_ptr<X>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    llmc_panels::panel_gemm_range(xp, wp, tokens, k_dim, bp, op, n_dim, begin, end);
+    llmc_amx::linear_range(xp, wp, tokens, k_dim, bp, op, n_dim, begin, end);
   });
 }
 

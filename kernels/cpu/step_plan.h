@@ -16,7 +16,7 @@
 
 #include "attention_decode.h"
 #include "attention_work.h"
-#include "panel_gemm.h"
+#include "amx_gemm.h"
 #include "qdot_gemm.h"
 #include "qpanel_gemm.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
@@ -297,8 +297,8 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
     case kLinear: {
       namespace A = arg::linear;
       const auto [begin, end] = share(a[A::num_panels], tid, team);
-      llmc_panels::panel_gemm_range(x_at(a[A::x]), x_at(a[A::panels]), rows, a[A::k],
-                                    a[A::bias] < 0 ? nullptr : x_at(a[A::bias]), x_at(a[A::out]), a[A::n], begin, end);
+      llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, a[A::k],
+                             a[A::bias] < 0 ? nullptr : x_at(a[A::bias]), x_at(a[A::out]), a[A::n], begin, end);
       break;
     }
     case kQlinear:

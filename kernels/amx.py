@@ -1,0 +1,49 @@
+"""Which kernel runs the native CPU kernels' bf16 GEMMs here: AMX tiles or the AVX-512 panel kernel.
+
+kernels/cpu/amx_gemm.h has the AMX kernel and its contract (panel_gemm's for bf16: the meaning is
+kernels/panels.py's panel_linear_ref) and makes the choice at run time: AMX where the CPU has
+AMX-BF16 and the Linux kernel grants the tile state (asked once per process, as oneDNN does; a
+program that does not ask dies with SIGILL on its first tile instruction), for GEMMs of
+`AMX_MIN_TOKENS` or more tokens (prefill, batched decode; batch-1 decode reads its weights once
+and stays on the AVX-512 kernel, whose prefetch streams them), in the op (`panel_gemm`) and the step
+plan alike, on the one resident copy of the weight (the bf16 panels are AMX's B tiles already). f32
+GEMMs never take AMX: their products stay fp32.
+
+Environment:
+  LLMC_CPU_AMX=off          bf16 GEMMs on the AVX-512 panel kernel even where AMX is usable (read
+                            at each GEMM, so a test can compare both paths in one process)
+  LLMC_AMX_TEST_REFUSE=1    test hook: the process asks the kernel for a tile feature that does not
+                            exist, so the request fails as a refusal would (read once, at the first
+                            GEMM or `cpu_gemm_path`)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+AMX_OVERRIDE = "LLMC_CPU_AMX"
+AMX_REFUSE_HOOK = "LLMC_AMX_TEST_REFUSE"
+AMX_MIN_TOKENS = 4               # llmc_amx::kMinTokens
+
+
+def cpu_gemm_path() -> tuple[str, str]:
+    """(path, why): ("amx-bf16", "") or the fallback ("avx512-bf16", the reason AMX is not taken).
+    Needs the native kernels loaded."""
+    path, why = torch.ops.llmc.cpu_gemm_path()
+    return path, why
+
+
+def describe_gemm_path() -> str:
+    """'bf16 GEMMs amx-bf16', or 'bf16 GEMMs avx512-bf16 (why)', for a report's kernel line."""
+    path, why = cpu_gemm_path()
+    return f"bf16 GEMMs {path}" + (f" ({why})" if why else "")
+
+
+def announce_gemm_path(log: logging.Logger) -> None:
+    """One INFO line where bf16 GEMMs do not run on AMX, saying why (the native kernels' loader
+    calls this once per process)."""
+    path, why = cpu_gemm_path()
+    if why:
+        log.info("%s: bf16 GEMMs run on %s", why, path)
