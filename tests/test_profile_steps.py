@@ -12,7 +12,9 @@ import time
 
 import pytest
 
+from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.ops import OPS
+from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.models.config import expected_weights
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.engine import Engine, EngineConfig
@@ -31,6 +33,19 @@ def test_decode_bytes_are_every_parameter_once_but_the_embedding_table(tiny_fami
     table = cfg.vocab_size * cfg.hidden_size
     read = params - (0 if cfg.tie_word_embeddings else table) + cfg.hidden_size   # a tied table is the LM head
     assert decode_bytes(art.graphs["decode"], art, context) == 4 * read + context * kv_bytes_per_token(cfg, "float32")
+
+
+def test_decode_bytes_read_one_row_of_a_quantized_table(tiny_family, tmp_path):
+    """int8 tables (the quantized recipes' default): the tied LM head reads the codes and scales
+    whole, the gather one row of each."""
+    art = load_artifact(compile_model(tiny_family("llama_tied")[1], tmp_path / "art",
+                                      CompileConfig(quant=QuantRecipe.parse("int8"))))
+    assert "qembedding" in art.graphs["decode"].op_counts()
+    cfg, context = art.config, 40
+    stored = sum(t.numel() * t.element_size() for t in art.weights.values())
+    row = cfg.hidden_size + 2                                       # one row's int8 codes and its fp16 scale
+    kv = context * kv_bytes_per_token(cfg, "float32")
+    assert decode_bytes(art.graphs["decode"], art, context) == stored + row + kv
 
 
 def test_prefill_flops_are_every_gemm_over_every_token_but_the_lm_head_and_causal_attention(tiny_family):
