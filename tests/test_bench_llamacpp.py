@@ -12,8 +12,8 @@ import sys
 from llmc.tools.bench_llamacpp import format_result
 
 FAKE_PEER = """#!/bin/sh
-# argv: llamacpp_peer.py probe | llamacpp_peer.py decode GGUF THREADS TOKENS PROMPT_IDS REPEATS
-if [ "$2" = probe ]; then echo '{"version": "fake-1"}'; exit 0; fi
+# argv: -I llamacpp_peer.py probe | -I llamacpp_peer.py decode GGUF THREADS TOKENS PROMPT_IDS REPEATS
+if [ "$3" = probe ]; then echo '{"version": "fake-1"}'; exit 0; fi
 printf '%s\t' "$@" >> "$(dirname "$0")/calls"; echo >> "$(dirname "$0")/calls"
 echo '{"version": "fake-1", "runs": [{"decode_s": 0.5, "tokens": 3, "token_ids": [5, 6, 7, 8]}]}'
 """
@@ -56,8 +56,8 @@ def test_a_fake_peer_gives_the_ratio_of_both_sides(tiny_family, tmp_path):
     assert "llama.cpp fake-1" in proc.stdout and "llmc float" in proc.stdout
     calls = (tmp_path / "calls").read_text().splitlines()
     assert len(calls) == 2                                                   # one peer run per repeat
-    _, command, gguf, threads, tokens, prompt, repeats = calls[0].rstrip("\t").split("\t")
-    assert command == "decode"
+    isolated, _, command, gguf, threads, tokens, prompt, repeats = calls[0].rstrip("\t").split("\t")
+    assert isolated == "-I" and command == "decode"
     assert gguf == str(tmp_path / "model.gguf") and int(threads) == result["threads"] and tokens == "5"
     assert len(json.loads(prompt)) == result["prompt_tokens"] and repeats == "1"
 

@@ -45,7 +45,8 @@ INSTALL = ("python3 -m venv /tmp/lcpp && CMAKE_ARGS=... /tmp/lcpp/bin/pip instal
 def run_peer(llama_python: str, *args: str, timeout: float = 1800) -> dict:
     """The peer child's JSON answer; RequestError naming the interpreter when it fails."""
     try:
-        proc = subprocess.run([llama_python, str(PEER_SCRIPT), *args], capture_output=True, text=True,
+        # -I: not this folder on the child's sys.path, where tools/inspect.py would shadow the standard library's
+        proc = subprocess.run([llama_python, "-I", str(PEER_SCRIPT), *args], capture_output=True, text=True,
                               timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RequestError(f"--llama-python {llama_python} could not run the llama.cpp peer ({exc}); "
