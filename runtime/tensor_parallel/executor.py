@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import asdict
 from typing import Callable, TypeVar
 
@@ -31,6 +32,7 @@ from .world import Ranks
 
 log = logging.getLogger("llmc")
 T = TypeVar("T")
+WORKER_EXIT = 2.0        # seconds a failed step waits to see which started worker exited
 
 
 class RankStopped(RuntimeError):
@@ -131,11 +133,21 @@ class TensorParallelExecutor:
             raise RankStopped(self.failure) from None
 
     def _failed(self, exc: RuntimeError) -> str:
-        gone = [rank for rank, proc in enumerate(self.ranks.workers, 1) if proc.poll() is not None]
+        gone = self._gone_worker()
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        what = f"tensor-parallel rank {gone[0]} stopped" if gone else "a tensor-parallel step failed"
+        what = f"tensor-parallel rank {gone} stopped" if gone else "a tensor-parallel step failed"
         failure = f"{what} ({detail[:200]}): the server stops"
         log.error("%s", failure)
         self.ranks.failure = failure
         self.ranks.on_failure()
         return failure
+
+    def _gone_worker(self) -> int | None:
+        """The rank of a worker this process started that has exited: a killed one closes its sockets (which
+        failed the collective) a moment before it can be reaped, so look for WORKER_EXIT seconds."""
+        deadline = time.monotonic() + WORKER_EXIT if self.ranks.workers else 0.0
+        while True:
+            gone = [rank for rank, proc in enumerate(self.ranks.workers, 1) if proc.poll() is not None]
+            if gone or time.monotonic() >= deadline:
+                return gone[0] if gone else None
+            time.sleep(0.05)
