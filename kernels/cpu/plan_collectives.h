@@ -48,7 +48,8 @@ inline std::string plan_all_gather(const at::Tensor& x, at::Tensor out, int64_t 
   try {
     const at::Tensor gathered = wait_c10d(call_c10d("_c10d_functional::all_gather_into_tensor", {x, size, group}));
     const int64_t rows = x.size(0), width = x.size(1);
-    out.view({rows, size, width}).copy_(gathered.view({size, rows, width}).transpose(0, 1));   // [S, rows, W] -> [rows, S, W]
+    // [S * rows, W] -> [rows, S, W]: each row's parts side by side, in rank order
+    out.view({rows, size, width}).copy_(gathered.view({size, rows, width}).transpose(0, 1));
   } catch (const std::exception& e) {
     return e.what();
   }

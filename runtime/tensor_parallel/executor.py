@@ -28,7 +28,7 @@ from ..executor import Capabilities, Executor, KVCacheSpec
 from ..sampling_params import RequestError
 from ..step_inputs import StepBuffers, StepInputs
 from .protocol import MISMATCH, READY, StepChannel
-from .world import Ranks
+from .world import Ranks, error_line
 
 log = logging.getLogger("llmc")
 T = TypeVar("T")
@@ -134,9 +134,8 @@ class TensorParallelExecutor:
 
     def _failed(self, exc: RuntimeError) -> str:
         gone = self._gone_worker()
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         what = f"tensor-parallel rank {gone} stopped" if gone else "a tensor-parallel step failed"
-        failure = f"{what} ({detail[:200]}): the server stops"
+        failure = f"{what} ({error_line(exc)}): the server stops"
         log.error("%s", failure)
         self.ranks.failure = failure
         self.ranks.on_failure()

@@ -28,7 +28,7 @@ from ..step_inputs import StepBuffers
 from .executor import content_hash
 from .protocol import COPY, FAILED, MISMATCH, READY, STEP, STOP, StepChannel
 from . import rank_artifact
-from .world import DEFAULT_TIMEOUT, Ranks, start_ranks
+from .world import DEFAULT_TIMEOUT, Ranks, error_line, start_ranks
 
 log = logging.getLogger("llmc")
 
@@ -87,8 +87,7 @@ def run_worker(artifact_path: Path, ranks: Ranks) -> int:
             elif message.kind == STEP:
                 executor.step(message.entry, message.step, buffers)
         except RuntimeError as exc:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print(f"llmc: tensor-parallel rank {ranks.rank} stops: rank 0 or another rank stopped ({detail[:200]})",
+            print(f"llmc: tensor-parallel rank {ranks.rank} stops: rank 0 or another rank stopped ({error_line(exc)})",
                   file=sys.stderr)
             return 1
 

@@ -75,6 +75,12 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def error_line(exc: BaseException) -> str:
+    """The first line of an error (gloo's run long), for the one sentence that quotes it."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
 def threads_per_rank(local_ranks: int) -> int:
     """Intra-op threads for each of `local_ranks` ranks sharing this machine's cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -117,7 +123,7 @@ def _env_world(tp: int) -> tuple[int, int] | None:
     return rank, size
 
 
-def _join(rank: int, size: int, addr: str, port: int, timeout: float) -> object:
+def _join(rank: int, size: int, addr: str, port: int | str, timeout: float) -> object:
     """Join the default group and the step channel; the channel group."""
     import torch.distributed as dist
 
@@ -140,7 +146,9 @@ def start_ranks(tp: int, artifact: Path, timeout: float = DEFAULT_TIMEOUT) -> Ra
         (rank, size), workers = given, []
         if size == 1:
             return None
-        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+        if not port.isdigit():
+            raise RequestError(f"MASTER_PORT={port!r} is not a port number; give every rank the same one")
         threads = threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", size)))
     else:
         rank, size, addr, port = 0, tp, "127.0.0.1", _free_port()
@@ -154,6 +162,6 @@ def start_ranks(tp: int, artifact: Path, timeout: float = DEFAULT_TIMEOUT) -> Ra
         for proc in workers:
             proc.kill()
         raise RequestError(f"tensor-parallel rank {rank} could not join the {size} ranks at {addr}:{port} "
-                           f"within {timeout:g} s ({exc}); start every rank with the same MASTER_ADDR and "
-                           "MASTER_PORT") from None
+                           f"within {timeout:g} s ({error_line(exc)}); start every rank with the same "
+                           "MASTER_ADDR and MASTER_PORT") from None
     return Ranks(rank, size, timeout, channel, workers)
