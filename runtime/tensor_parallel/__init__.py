@@ -46,8 +46,8 @@ def rank_artifact(artifact: Artifact, rank: int, size: int) -> Artifact:
 def rank_executor(choice, artifact: Artifact, kv, ranks: Ranks | None):
     """The executor `choice` (a BackendChoice) builds for this rank: rank 0's behind the step broadcast."""
     if ranks is None:
-        raise RequestError(f"{artifact.path.name} is sharded for {plan_size(artifact)} ranks: run it with "
-                           f"--tp {plan_size(artifact)}")
+        raise RequestError(f"{artifact.path.name} is sharded for {plan_size(artifact)} ranks: run it with llmc serve, "
+                           f"generate or bench --tp {plan_size(artifact)}")
     from .executor import TensorParallelExecutor
 
     local = choice.executor(rank_artifact(artifact, ranks.rank, ranks.size), choice.device, kv, choice.options)
