@@ -135,8 +135,9 @@ class Engine:
                                       self.blocks.blocks_needed(self.max_sequence_tokens))
         self.host_times = HostTimes()
         self.speculator = self._speculator(config, backend) if config.speculative else None
+        local_ranks = config.ranks.local_ranks if config.ranks is not None else 1    # ranks sharing the cores
         self.async_scheduling = choose_async_scheduling(config.async_scheduling, self.runner.device,
-                                                        self.speculator is not None)
+                                                        self.speculator is not None, local_ranks)
         self.requests: dict[int, Request] = {}
         self.generators: dict[int, object] = {}     # request id -> its sampling stream (a torch.Generator; None: greedy)
         self.num_steps = 0

@@ -79,24 +79,33 @@ def advance(chunks: list[Chunk], now: float) -> None:
             c.seq.num_pending += c.samples
 
 
-def overlap_pays(device: torch.device) -> bool:
+def leaves_a_core(cores: int, threads: int, local_ranks: int = 1) -> bool:
+    """Whether `local_ranks` ranks of `threads` intra-op threads each leave one of `cores` cores free."""
+    return cores > threads * local_ranks
+
+
+def overlap_pays(device: torch.device, local_ranks: int = 1) -> bool:
     """Async scheduling's default: on when the forward pass leaves the host's cores free, on a GPU or
-    on a CPU with more cores than torch's threads (the forward's OpenMP team); off where the team
-    takes every core, since host work beside it stalls the team's barriers (on a 2-core CPU the
-    server's throughput fell to 0.81x with it on: README, "Benchmarks")."""
+    on a CPU with more cores than the forward's OpenMP teams take (torch's threads in each of the
+    `local_ranks` tensor-parallel ranks on this machine); off where the teams take every core, since host
+    work beside them stalls the teams' barriers (on a 2-core CPU the server's throughput fell to 0.81x
+    with it on: README, "Benchmarks")."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return device.type == "cuda" or cores > torch.get_num_threads()
+    return device.type == "cuda" or leaves_a_core(cores, torch.get_num_threads(), local_ranks)
 
 
-def choose_async_scheduling(configured: bool | None, device: torch.device, speculating: bool) -> bool:
+def choose_async_scheduling(configured: bool | None, device: torch.device, speculating: bool,
+                            local_ranks: int = 1) -> bool:
     """Whether an EngineLoop overlaps the host with the forward pass: never when speculating (drafts
-    need the newest token), else as configured, else where it pays; said once at INFO."""
+    need the newest token), else as configured, else where it pays (`local_ranks`: the tensor-parallel
+    ranks sharing this machine's cores, this one included); said once at INFO."""
     if speculating:
         chosen, why = False, "speculating: drafts need the newest token"
     elif configured is not None:
         chosen, why = configured, "as configured"
     else:
-        chosen = overlap_pays(device)
-        why = "the forward leaves the host a core" if chosen else "the forward's threads take every core"
+        chosen = overlap_pays(device, local_ranks)
+        ranks = f" of {local_ranks} local ranks" if local_ranks > 1 else ""
+        why = "the forward leaves the host a core" if chosen else f"the forward's threads{ranks} take every core"
     log.info("async scheduling %s (%s)", "on" if chosen else "off", why)
     return chosen

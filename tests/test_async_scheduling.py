@@ -17,7 +17,7 @@ import llmc.runtime.sequence as sequence_module
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.step_pipeline import choose_async_scheduling
+from llmc.runtime.step_pipeline import choose_async_scheduling, leaves_a_core
 from test_engine_runtime import block_bytes, prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -142,3 +142,16 @@ def test_async_scheduling_by_default_only_where_the_forward_leaves_the_host_a_co
     monkeypatch.setattr(torch, "get_num_threads", lambda: cores - 1)
     assert choose_async_scheduling(None, torch.device("cpu"), speculating=False) == (cores > 1)
     assert not choose_async_scheduling(True, torch.device("cuda"), speculating=True)    # drafts need the newest token
+
+
+def test_async_scheduling_counts_the_threads_of_every_tensor_parallel_rank_on_the_machine(monkeypatch):
+    assert leaves_a_core(cores=2, threads=1, local_ranks=1)
+    assert not leaves_a_core(cores=2, threads=1, local_ranks=2)     # TP 2 on 2 cores: the ranks take both
+    assert not leaves_a_core(cores=16, threads=8, local_ranks=2)
+    assert leaves_a_core(cores=16, threads=7, local_ranks=2)
+    assert not leaves_a_core(cores=2, threads=1, local_ranks=3)     # TP 3 on 2 cores oversubscribes already
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert choose_async_scheduling(None, torch.device("cpu"), False, local_ranks=cores) is False
+    assert choose_async_scheduling(None, torch.device("cpu"), False, local_ranks=cores - 1) is (cores > 1)
+    assert choose_async_scheduling(None, torch.device("cuda"), False, local_ranks=cores)

@@ -52,6 +52,7 @@ class Ranks:
     workers: list[subprocess.Popen] = field(default_factory=list)
     failure: str | None = None                       # why the run stopped, once a rank has
     on_failure: Callable[[], None] = lambda: None    # rank 0: what a rank's stopping sets off (serve: SIGTERM)
+    local_ranks: int = 1                             # the ranks sharing this machine's cores, this one included
 
     def stop(self) -> None:
         """Rank 0: tell the others to stop (unless one has already), wait for the started workers to exit,
@@ -149,11 +150,11 @@ def start_ranks(tp: int, artifact: Path, timeout: float = DEFAULT_TIMEOUT) -> Ra
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
         if not port.isdigit():
             raise RequestError(f"MASTER_PORT={port!r} is not a port number; give every rank the same one")
-        threads = threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", size)))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
     else:
-        rank, size, addr, port = 0, tp, "127.0.0.1", _free_port()
-        threads = threads_per_rank(tp)
-        workers = _spawn_workers(tp, artifact, port, timeout, threads)
+        rank, size, addr, port, local = 0, tp, "127.0.0.1", _free_port(), tp
+        workers = _spawn_workers(tp, artifact, port, timeout, threads_per_rank(local))
+    threads = threads_per_rank(local)
     torch.set_num_threads(threads)
     log.info("tensor-parallel rank %d of %d: %d threads", rank, size, threads)
     try:
@@ -164,4 +165,4 @@ def start_ranks(tp: int, artifact: Path, timeout: float = DEFAULT_TIMEOUT) -> Ra
         raise RequestError(f"tensor-parallel rank {rank} could not join the {size} ranks at {addr}:{port} "
                            f"within {timeout:g} s ({error_line(exc)}); start every rank with the same "
                            "MASTER_ADDR and MASTER_PORT") from None
-    return Ranks(rank, size, timeout, channel, workers)
+    return Ranks(rank, size, timeout, channel, workers, local_ranks=local)
