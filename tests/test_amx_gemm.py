@@ -1,8 +1,8 @@
 """The AMX bf16 panel GEMM (kernels/cpu/amx_gemm.h) and the choice of path (kernels/amx.py).
 
 The kernel against the contract's meaning (F.linear in fp32 on the bf16 values, rounded once) at
-token counts below, at and across its 16-token tiles, K with and without a tail below 32 inputs, N
-within, at and across a panel, with and without bias: as close to float64 as that ref, rounded to
+token counts below, at and across its 16-token tiles and its token blocks, K with and without a
+tail below 32 inputs, N within, at and across a panel, with and without bias: as close to float64 as that ref, rounded to
 bf16, is (tests/tolerances.py). The AVX-512 fallback, forced with LLMC_CPU_AMX=off, against the same;
 a refused tile-state request (the LLMC_AMX_TEST_REFUSE hook, in a fresh process, since the request
 is made once per process) falls back with one INFO line that says why. A tiny bf16 Llama through
@@ -30,6 +30,7 @@ from tolerances import assert_as_close_as_ref
 
 BF16 = torch.bfloat16
 SHAPES = [(t, k, n) for t in (1, 15, 16, 33, 130) for k in (64, 90, 96, 600, 608) for n in (16, 48, 100)]
+SHAPES += [(130, 4096, 48)]      # token blocks of 128 (x of 1 MiB): a second block of 2 tokens
 
 
 def amx_or_skip() -> None:
