@@ -31,6 +31,7 @@ from .bench import (ACTIVATIONS_OPTION, ASYNC_SCHEDULING_OPTION, CUDA_GRAPHS_OPT
                     NUM_DRAFT_TOKENS_OPTION, SPECULATIVE_OPTION, STEP_PLANS_OPTION, bench_cmd, given_backend_options,
                     speculative_config)
 from .bench_quant import bench_quant_cmd
+from .bench_tp import bench_tp_cmd
 from .bench_serve import bench_serve_cmd
 from .bench_spec import bench_spec_cmd
 from .bench_structured import bench_structured_cmd
@@ -275,6 +276,7 @@ app.command("kernels")(user_errors(kernels_cmd))
 app.command("profile")(user_errors(profile_cmd))
 app.command("eval")(user_errors(eval_cmd))
 app.command("bench-quant")(user_errors(bench_quant_cmd))
+app.command("bench-tp")(user_errors(bench_tp_cmd))
 register_debug_tools(app, user_errors)  # passes, ir, debug bisect|diff (tools/debug_cli.py)
 
 
