@@ -11,7 +11,7 @@ import torch
 from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.runtime.artifact import load_artifact
-from llmc.runtime.engine import Engine
+from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.tools.quality import WindowScorer, evaluate_artifacts
 from test_smollm2 import PROMPTS
@@ -71,7 +71,9 @@ def chat_ids(engine: Engine) -> list[list[int]]:
 
 
 def greedy(artifact) -> list[list[int]]:
-    engine = Engine(artifact)
+    """Greedy tokens with float activations: what the weights do (int8 activations' own cost is
+    llmc eval --activations int8's, tests/test_int8_activations.py)."""
+    engine = Engine(artifact, EngineConfig(backend_options={"activations": "float"}))
     outs = engine.generate(chat_ids(engine), SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=0.0))
     return [o.token_ids for o in outs]
 
