@@ -2,12 +2,13 @@
 
 The kernel against the contract's meaning (F.linear in fp32 on the bf16 values, rounded once) at
 token counts below, at and across its 16-token tiles and its token blocks, K with and without a
-tail below 32 inputs, N within, at and across a panel, with and without bias: as close to float64 as that ref, rounded to
-bf16, is (tests/tolerances.py). The AVX-512 fallback, forced with LLMC_CPU_AMX=off, against the same;
+tail below 32 inputs, N within, at and across a panel, with and without bias: as close to float64
+as that ref, rounded to bf16, is (tests/tolerances.py). The AVX-512 fallback, forced with LLMC_CPU_AMX=off, against the same;
 a refused tile-state request (the LLMC_AMX_TEST_REFUSE hook, in a fresh process, since the request
 is made once per process) falls back with one INFO line that says why. A tiny bf16 Llama through
 the step plan on AMX and on the forced fallback: the same greedy tokens and logits as close to an
-fp32 run of the same weights. The AMX tests skip, saying why, where AMX is not usable here.
+fp32 run of the same weights; llmc inspect names the path. The AMX tests skip, saying why, where AMX
+is not usable here.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from llmc.compiler.driver import CompileConfig, compile_model
-from llmc.kernels.amx import AMX_MIN_TOKENS, AMX_OVERRIDE, AMX_REFUSE_HOOK, cpu_gemm_path
+from llmc.kernels.amx import AMX_MIN_TOKENS, AMX_OVERRIDE, AMX_REFUSE_HOOK, cpu_gemm_path, describe_gemm_path
 from llmc.kernels.panels import to_panels
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.step_plan import StepPlanProgram
+from llmc.tools.inspect import torch_plans
 from test_step_plan import decode_steps, executor
 from tolerances import assert_as_close_as_ref
 
@@ -109,8 +111,7 @@ def test_a_refused_tile_state_falls_back_with_one_info_line(monkeypatch):
 def llama_bf16(tiny_family, tmp_path_factory):
     """The tiny Llama (head_dim 32: every graph a step plan) compiled bf16, and its fp32 artifact."""
     _, folder, fp32 = tiny_family("llama_hd32")
-    bf16 = compile_model(folder, tmp_path_factory.mktemp("amx") / "art", CompileConfig(dtype="bfloat16"))
-    return load_artifact(bf16), load_artifact(fp32)
+    return compile_model(folder, tmp_path_factory.mktemp("amx") / "art", CompileConfig(dtype="bfloat16")), fp32
 
 
 def test_a_bf16_model_through_the_step_plan_on_amx_and_on_the_fallback(llama_bf16, monkeypatch):
@@ -119,7 +120,7 @@ def test_a_bf16_model_through_the_step_plan_on_amx_and_on_the_fallback(llama_bf1
     rule of tests/test_step_plan.py), and the same greedy token at every step."""
     monkeypatch.delenv(AMX_OVERRIDE, raising=False)
     amx_or_skip()
-    bf16, fp32 = llama_bf16
+    bf16, fp32 = (load_artifact(path) for path in llama_bf16)
     lens = [1, 15, 17, 64]
     amx_plan, exact_run = executor(bf16), executor(fp32)
     assert isinstance(amx_plan.programs["decode"], StepPlanProgram)
@@ -129,3 +130,10 @@ def test_a_bf16_model_through_the_step_plan_on_amx_and_on_the_fallback(llama_bf1
     for got, want, ref in zip(amx, fallback, exact):
         assert_as_close_as_ref(got.float(), want.float(), ref, BF16, norm="rms")
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_inspect_names_the_path_of_a_bf16_artifacts_gemms(llama_bf16, monkeypatch):
+    monkeypatch.setenv(AMX_OVERRIDE, "off")
+    bf16, fp32 = (torch_plans(path) for path in llama_bf16)
+    assert bf16.endswith(f"; {describe_gemm_path()}") and "-bf16 (" in bf16
+    assert "bf16 GEMMs" not in fp32                                  # fp32 GEMMs never take AMX
