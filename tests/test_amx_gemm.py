@@ -1,14 +1,14 @@
 """The AMX bf16 panel GEMM (kernels/cpu/amx_gemm.h) and the choice of path (kernels/amx.py).
 
 The kernel against the contract's meaning (F.linear in fp32 on the bf16 values, rounded once) at
-token counts below, at and across its 16-token tiles and its token blocks, K with and without a
-tail below 32 inputs, N within, at and across a panel, with and without bias: as close to float64
-as that ref, rounded to bf16, is (tests/tolerances.py). The AVX-512 fallback, forced with
-LLMC_CPU_AMX=off, against the same; a refused tile-state request (the LLMC_AMX_TEST_REFUSE hook, in a fresh process, since the request
-is made once per process) falls back with one INFO line that says why. A tiny bf16 Llama through
-the step plan on AMX and on the forced fallback: the same greedy tokens and logits as close to an
-fp32 run of the same weights; llmc inspect names the path. The AMX tests skip, saying why, where AMX
-is not usable here.
+token counts below, at and across its 16-token tiles and its token blocks, K with and without a tail
+below 32 inputs, N within, at and across a panel, with and without bias: as close to float64 as that
+ref, rounded to bf16, is (tests/tolerances.py). The AVX-512 fallback, forced with LLMC_CPU_AMX=off,
+against the same; a refused tile-state request (the LLMC_AMX_TEST_REFUSE hook, in a fresh process,
+since the request is made once per process) falls back with one INFO line that says why. A tiny bf16
+Llama through the step plan on AMX and on the forced fallback: the same greedy tokens and logits as
+close to an fp32 run of the same weights; llmc inspect names the path. The AMX tests skip, saying
+why, where AMX is not usable here.
 """
 
 from __future__ import annotations
