@@ -111,8 +111,8 @@ def test_auto_and_named_backends_resolve_through_the_registry(compiled):
 
 
 def test_options_are_checked_before_any_artifact_loads():
-    with pytest.raises(RequestError, match="backend option 'kernals' is unknown; the backends take cuda_graphs, "
-                                           "kernels, step_plans"):
+    with pytest.raises(RequestError, match="backend option 'kernals' is unknown; the backends take activations, "
+                                           "cuda_graphs, kernels, step_plans"):
         EngineConfig(backend_options={"kernals": "native"})
     with pytest.raises(RequestError, match="kernels 'fast' is unknown; choose one of auto, native, reference"):
         EngineConfig(backend="triton", backend_options={"kernels": "fast"})   # another's option is still checked
