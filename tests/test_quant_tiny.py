@@ -1,7 +1,8 @@
 """Quantized artifacts of tiny random models of every family compute what transformers computes on
 the weights their codes stand for: the passes, the artifact and the kernels add nothing beyond the
 weights' own rounding. transformers is the independent reference; the dequantized weights are
-copied into its modules (the merged QKV and gate/up rows split back into their projections)."""
+copied into its modules (the merged QKV and gate/up rows split back into their projections; the
+token embedding and LM head too, which the quantized recipes quantize by default)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def model_on_dequantized_weights(model, weights: dict[str, torch.Tensor]):
                       (mlp.down_proj, dequantized(weights, f"layers.{i}.down_proj.weight"))]
             for module, w in pairs:
                 module.weight.copy_(w)
+        tables = (("embed_tokens.weight", model.model.embed_tokens), ("lm_head.weight", model.lm_head))
+        for name, module in tables:        # quantized by default; a tied LM head shares the embedding's
+            if f"{name}.codes" in weights:
+                module.weight.copy_(dequantized(weights, name))
     return model
 
 
