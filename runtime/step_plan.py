@@ -9,8 +9,8 @@ and returns a `StepPlanProgram` when every unit has a plan kernel that takes it,
 `NotPlannable` with the first reason. Plan kernels: a generated unit's C++ function (every
 elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding
 (a table of rows, or a tied float table kept as panels), qembedding (int8 / int4 codes as the
-artifact stores them, or a tied table kept as quantized panels), linear (float panels) and qlinear (int8 /
-int4 panels), each with an optional bias, rope_kv_write (a packed qkv), paged_attention and
+artifact stores them, or a tied table kept as quantized panels or quads), linear (float panels) and
+qlinear (int8 / int4 panels or quads), each with an optional bias (these four: plan_gemm.py), rope_kv_write (a packed qkv), paged_attention and
 paged_decode_attention, index_select (of rows), and the collectives all_reduce / all_gather of a
 tensor-parallel graph (tensor_parallel/plan_collectives.py), over activations [rows, W] of one float dtype (f32 or
 bf16), rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
@@ -51,20 +51,16 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
-from llmc.kernels.panels import PANEL
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
 from .cpu_program import CpuKernels
 from .liveness import dying_after
 from .slot_program import LaunchTime
+from .plan_gemm import GEMM_LOWERINGS, NotPlannable
 from .tensor_parallel.plan_collectives import COLLECTIVE_LOWERINGS
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class NotPlannable(ValueError):
-    """A graph the step plan cannot run; the message names the node and why."""
 
 
 @dataclass(frozen=True)
@@ -214,72 +210,6 @@ class _Lowering:
                 self.free_registers.append(self.register_of.pop(v))
 
 
-def _lower_embedding(lo: _Lowering, node: Node) -> Encoded:
-    x = operands_of(node)
-    ids, w = x.ids, lo.weight(x.table)
-    if isinstance(w, GemvWeight) and w.format in ("f32", "bf16") and w.weight.dtype == lo.dtype:
-        layout, table_id, (vocab, width) = 1, lo.panels(w)[0], (w.rows, w.in_features)
-    elif isinstance(w, torch.Tensor) and w.dtype == lo.dtype and w.dim() == 2:
-        layout, table_id, (vocab, width) = 0, lo.constant(w.contiguous()), w.shape
-    else:
-        raise NotPlannable(f"{node.name} (embedding) reads a table the plan does not take")
-    return encode("embedding", out=lo.result(node), table=table_id, ids=lo.graph_input(ids, node), layout=layout,
-                  vocab=vocab, width=width)
-
-
-def _lower_qembedding(lo: _Lowering, node: Node) -> Encoded:
-    x = operands_of(node)
-    codes, scales, mins = lo.weight(x.codes), lo.weight(x.scales), lo.weight(x.mins) if "mins" in x else None
-    bits, group = node.attrs["bits"], node.attrs["group_size"]
-    vocab, width = lo.graph.type_of(x.codes).shape[0], node.type.shape[1]            # [V, ...] codes, [T, W] rows
-    if to_torch(node.attrs["dtype"]) != lo.dtype:
-        raise NotPlannable(f"{node.name} (qembedding) gives {node.attrs['dtype']} rows in a {lo.dtype} plan")
-    # a tied table kept as the LM head's panels or quads (kernels/panels.py), told apart by their shape
-    layouts = {(width * bits // 8, PANEL): 1, (width * bits // 32, PANEL, 4): 2}
-    if isinstance(codes, GemvWeight) and codes.bits == bits and codes.weight.shape[1:] in layouts:
-        layout, (codes_id, scales_id, mins_id) = layouts[codes.weight.shape[1:]], lo.panels(codes)
-    elif all(isinstance(t, torch.Tensor) for t in (codes, scales, *([mins] if "mins" in x else []))):
-        layout, codes_id, scales_id = 0, lo.constant(codes.contiguous()), lo.constant(scales.contiguous())
-        mins_id = lo.constant(mins.contiguous()) if "mins" in x else -1
-    else:
-        raise NotPlannable(f"{node.name} (qembedding) reads a table the plan does not take")
-    return encode("qembedding", out=lo.result(node), codes=codes_id, scales=scales_id, mins=mins_id,
-                  ids=lo.graph_input(x.ids, node), layout=layout, vocab=vocab, width=width, bits=bits, group=group)
-
-
-def _lower_linear(lo: _Lowering, node: Node) -> Encoded:
-    named = operands_of(node)
-    x, bias = named.x, named.get("bias")
-    w, b = lo.weight(named.weight), lo.weight(bias) if bias else None
-    if not (isinstance(w, GemvWeight) and not w.bits and w.weight.dtype == lo.dtype):
-        raise NotPlannable(f"{node.name} (linear) multiplies by a weight not prepared as {lo.dtype} panels")
-    if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
-        raise NotPlannable(f"{node.name} (linear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
-    if lo.width(x, node) != w.in_features:
-        raise NotPlannable(f"{node.name} (linear) multiplies {lo.width(x, node)} inputs by a weight of {w.in_features}")
-    bias_id = lo.constant(b.contiguous()) if bias else -1
-    return encode("linear", out=lo.result(node), x=lo.activation(x, node), panels=lo.panels(w)[0], bias=bias_id,
-                  k=w.in_features, n=w.out_features, num_panels=w.weight.shape[0])
-
-
-def _lower_qlinear(lo: _Lowering, node: Node) -> Encoded:
-    named = operands_of(node)
-    x, bias, w = named.x, named.get("bias"), lo.weight(named.codes)   # its scales and mins are in the panels
-    if not (isinstance(w, GemvWeight) and w.bits):
-        raise NotPlannable(f"{node.name} (qlinear) multiplies by codes not prepared as quantized panels")
-    b = lo.weight(bias) if bias else None
-    if bias and not (isinstance(b, torch.Tensor) and b.dtype == lo.dtype and b.shape == (w.out_features,)):
-        raise NotPlannable(f"{node.name} (qlinear) has a bias that is not a {lo.dtype} weight [{w.out_features}]")
-    if lo.width(x, node) != w.in_features:
-        raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
-    out, x_id = lo.result(node), lo.activation(x, node)
-    codes_id, scales, mins = lo.panels(w)
-    return encode("qlinear", out=out, x=x_id, codes=codes_id, scales=scales, mins=mins,
-                  bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
-                  num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
-                  layout=int(w.layout == "quads"))
-
-
 def _cache(lo: _Lowering, node: Node, v: Value, head_dim: int, multiple: int) -> int:
     if v not in lo.ids or lo.block_size != 16 or head_dim % multiple:
         raise NotPlannable(f"{node.name} ({node.op}) needs the graph's KV cache in blocks of 16 and head_dim a "
@@ -385,8 +315,7 @@ def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
 
 
 # the template ops' lowerings (elementwise and row-wise ops run as generated units, lower_generated)
-LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,
-             "qlinear": _lower_qlinear, "rope_kv_write": _lower_rope_kv_write,
+LOWERINGS = {**GEMM_LOWERINGS, "rope_kv_write": _lower_rope_kv_write,
              "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
              "index_select": _lower_index_select, **COLLECTIVE_LOWERINGS}
 
