@@ -7,17 +7,18 @@ weights as kernels/native_ops.py's `prepare_weights` left them and the artifact'
 kernels (runtime/cpu_program.py); it walks the graph's CPU units (compiler/codegen/cpu_units.py)
 and returns a `StepPlanProgram` when every unit has a plan kernel that takes it, else raises
 `NotPlannable` with the first reason. Plan kernels: a generated unit's C++ function (every
-elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding
-(a table of rows, or a tied float table kept as panels), qembedding (int8 / int4 codes as the
-artifact stores them, or a tied table kept as quantized panels or quads), linear (float panels) and
-qlinear (int8 / int4 panels or quads), each with an optional bias (these four: plan_gemm.py), rope_kv_write (a packed qkv), paged_attention and
-paged_decode_attention, index_select (of rows), and the collectives all_reduce / all_gather of a
-tensor-parallel graph (tensor_parallel/plan_collectives.py), over activations [rows, W] of one float dtype (f32 or
-bf16), rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
-indices' count (the IR's R, logit rows: one a sequence, or more where a step asks for logits at several
-positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the same kernel, on the
-same split of the work, as the op-by-op native table does, so a plan's outputs equal that
-table's bit for bit; the torch refs are the meaning (tests compare both).
+elementwise and row-wise op: the norms, silu_mul, add, split, ...), and the templates embedding (a
+table of rows, or a tied float table kept as panels), qembedding (int8 / int4 codes as the artifact
+stores them, or a tied table kept as quantized panels or quads), linear (float panels) and qlinear
+(int8 / int4 panels or quads), each with an optional bias (these four: plan_gemm.py), rope_kv_write
+(a packed qkv), paged_attention and paged_decode_attention, index_select (of rows), and the
+collectives all_reduce / all_gather of a tensor-parallel graph
+(tensor_parallel/plan_collectives.py), over activations [rows, W] of one float dtype (f32 or bf16),
+rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
+indices' count (the IR's R, logit rows: one a sequence, or more where a step asks for logits at
+several positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the
+same kernel, on the same split of the work, as the op-by-op native table does, so a plan's outputs
+equal that table's bit for bit; the torch refs are the meaning (tests compare both).
 
 The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
 gives each instruction's time as measured inside the parallel region.
@@ -261,7 +262,8 @@ def _qk_norms(lo: _Lowering, node: Node, named) -> dict:
         if not isinstance(w, torch.Tensor) or w.dtype != lo.dtype:
             raise NotPlannable(f"{node.name} (rope_kv_write) has a {name} that is not a {lo.dtype} weight")
         ids[name] = lo.constant(w.contiguous())
-    return {**ids, "norm_span": span, "norm_eps": a["norm_eps"], "norm_product": int(a.get("norm_rounding") == "product")}
+    return {**ids, "norm_span": span, "norm_eps": a["norm_eps"],
+            "norm_product": int(a.get("norm_rounding") == "product")}
 
 
 def _lower_attention(lo: _Lowering, node: Node) -> Encoded:
