@@ -1,7 +1,8 @@
 """The shard pass (--tp N): its printed IR, its counter, a near miss (N = 1), its refusals, and the
-numbers: every rank's graph run in ONE process, in lockstep (`run_ranks`: node by node on every rank,
-the collectives computed across the ranks' values: the sum or the concatenation), on weights cut by
-the plan (compiler/tensor_parallel.py), against the unsharded graph's logits.
+numbers: every rank's graph run in ONE process, in lockstep (tools/bisect_ranks.py's `run_ranks`, which
+`llmc debug bisect --tp N` runs too: node by node on every rank, the collectives computed across the
+ranks' values: the sum or the concatenation), on weights cut by the plan (compiler/tensor_parallel.py),
+against the unsharded graph's logits.
 
 Tolerance: the sharded graph sums each row-parallel GEMM's K products in N partial sums, then adds
 them; the order of an fp32 reduction of length K changes, nothing else (OLMo-2's norm: the row's sum
@@ -18,14 +19,14 @@ import torch
 
 from llmc.compiler.frontend import trace
 from llmc.compiler.ir import Graph, parse_graph, print_graph
-from llmc.compiler.ops import OPS, bind
 from llmc.compiler.ops.collectives import all_reduce_ref
 from llmc.compiler.quant_recipe import QuantRecipe
-from llmc.compiler.tensor_parallel import TensorParallelPlan, cut, segments
+from llmc.compiler.tensor_parallel import TensorParallelPlan, segments
 from llmc.models.config import ModelConfig
 from llmc.passes.pipeline import run_pipeline
 from llmc.passes.rewrite import PassContext, PassError
 from llmc.runtime.torch_backend import interpret
+from llmc.tools.bisect_ranks import rank_feeds, run_ranks
 from llmc.tools.feeds import Step, step_feeds
 from tolerances import tolerance
 from tp_gloo_child import gloo_rank
@@ -75,35 +76,6 @@ def compiled(config: ModelConfig, entry: str, tp: int, weights: dict | None = No
     return graph, ctx
 
 
-def run_ranks(graph: Graph, weights: list[dict], feeds: list[dict]) -> list[torch.Tensor]:
-    """Rank 0's outputs of `graph` run by len(weights) ranks in lockstep, the collectives simulated."""
-    values = [{} for _ in weights]
-    for node in graph.nodes:
-        for rank, held in enumerate(values):
-            if node.op in ("input", "weight"):
-                held[node.value()] = (feeds if node.op == "input" else weights)[rank][node.name.removeprefix("w.")]
-        if node.op in ("input", "weight"):
-            continue
-        if node.op in ("all_reduce", "all_gather"):
-            parts = [held[node.inputs[0]] for held in values]
-            joined = sum(parts[1:], parts[0]) if node.op == "all_reduce" else torch.cat(parts, dim=-1)
-            for held in values:
-                held[node.value()] = joined.clone()
-            continue
-        record = OPS[node.op]
-        for held in values:
-            out = record.reference(bind(record, [held[v] for v in node.inputs], node.attrs), node.attrs)
-            for i, t in enumerate(out if isinstance(out, tuple) else (out,)):
-                held[node.value(i)] = t
-    return [values[0][v] for v in graph.outputs]
-
-
-def rank_feeds(full: dict, config: ModelConfig, n: int) -> list[dict]:
-    """Each rank's inputs: the full step's, its cache holding its KV heads (as the runtime allocates it)."""
-    heads = segments(3, [config.num_kv_heads], [config.num_kv_heads])       # [L, 2, NB, KVH, BS, D]
-    return [full | {"kv_cache": cut(full["kv_cache"], heads, n, r).clone()} for r in range(n)]
-
-
 def sharded_logits(config: ModelConfig, entry: str, n: int, **kw) -> tuple[torch.Tensor, torch.Tensor, Graph]:
     """(unsharded logits, the N ranks' logits, the sharded graph) of one step."""
     full_graph, ctx = compiled(config, entry, 1, **kw)
@@ -112,7 +84,8 @@ def sharded_logits(config: ModelConfig, entry: str, n: int, **kw) -> tuple[torch
     feeds = step_feeds(full_graph, STEPS[entry])
     with torch.inference_mode():
         (want,) = interpret(full_graph, ctx.weights, {k: v.clone() for k, v in feeds.items()})
-        (got,) = run_ranks(graph, [plan.rank_weights(ctx.weights, r) for r in range(n)], rank_feeds(feeds, config, n))
+        (got,) = run_ranks(graph, [plan.rank_weights(ctx.weights, r) for r in range(n)],
+                           rank_feeds(feeds, config.num_kv_heads, n))
     return want, got, graph
 
 

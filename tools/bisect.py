@@ -23,6 +23,12 @@ A bug smaller than the dtype's own rounding is not flagged: RoPE theta or the at
 1% off shows in f32 (~10^4x) but is within 1.5x in bf16, where the traced graph is that far
 off. The same rule, per value, localises the bug: a value after the pass diverges when it misses
 the before-graph's value by more than FACTOR times that value's own float64 error.
+
+With --tp N the pipeline shards, and every stage from the shard pass on runs its N ranks in
+lockstep in one process (tools/bisect_ranks.py: the collectives sum or join the ranks' values),
+rank 0's logits against the same truth and tolerance: the ranks' partial sums only reorder fp32
+rounding. Inside the shard pass only the values every rank holds whole (the residual stream, a
+collective's result) can stand for unsharded ones; a rank's heads or partial sums are not compared.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ import torch
 from llmc.compiler.dtypes import FLOAT_DTYPES, USER_DTYPES, to_torch
 from llmc.compiler.frontend import ENTRIES, trace
 from llmc.compiler.ir import Graph, Value, format_node
+from llmc.compiler.tensor_parallel import TensorParallelPlan
 from llmc.models.config import LoadedModel, ModelConfig
 from llmc.passes.pipeline import pass_names, run_pipeline
 from llmc.passes.rewrite import PassContext
 from llmc.runtime.tokenizer import Tokenizer
-from llmc.runtime.torch_backend import TorchProgram
 
 from .bisect_probes import Probe, make_probes, prepare, probe_logits, runs_as_is
+from .bisect_ranks import Ranks, stage_program
 from .feeds import greedy_tokens
 
 EPS = {d: torch.finfo(to_torch(d)).eps for d in FLOAT_DTYPES}      # f32 2^-23, bf16 2^-7, f16 2^-10
@@ -62,27 +69,33 @@ def tolerance(dtype: str, rounding_error: float, magnitude: float) -> float:
 
 @dataclass(frozen=True)
 class Stage:
-    """Both entry graphs after one pass (index: its place in the pipeline; 0 = traced)."""
+    """Both entry graphs after one pass (index: its place in the pipeline; 0 = traced); `ranks`
+    once the graphs are sharded."""
 
     index: int
     name: str
     graphs: dict[str, Graph]
     value_maps: dict[str, dict[Value, Value] | None]
+    ranks: Ranks | None = None
 
 
 def pipeline_stages(config: ModelConfig, ir_dtype: str, weights: dict[str, torch.Tensor],
-                    disabled: tuple[str, ...] = ()) -> list[Stage]:
-    """The traced graphs and the graphs after every pass that runs."""
+                    disabled: tuple[str, ...] = (), tp: int = 1) -> list[Stage]:
+    """The traced graphs and the graphs after every pass that runs (sharded for `tp` ranks)."""
     positions = {name: i + 1 for i, name in enumerate(pass_names())}
-    runs: dict[str, list[tuple[str, Graph, dict | None]]] = {}
+    runs: dict[str, list[tuple[str, Graph, dict | None, Ranks | None]]] = {}
     for entry in ENTRIES:
         traced = trace(config, entry, ir_dtype)
-        ctx = PassContext(weights=weights)
-        runs[entry] = [("traced", traced, None)]
-        run_pipeline(traced, ctx, disabled,
-                     on_pass=lambda p, g, seq=runs[entry], c=ctx: seq.append((p.name, g, c.value_map)))
+        ctx = PassContext(options={"tp": tp}, weights=weights)
+        runs[entry] = [("traced", traced, None, None)]
+
+        def seen(p, g, seq=runs[entry], c=ctx):
+            plan = c.records.get("shard")
+            ranks = Ranks(TensorParallelPlan(plan["size"], plan["weights"]), config.num_kv_heads) if plan else None
+            seq.append((p.name, g, c.value_map, ranks))
+        run_pipeline(traced, ctx, disabled, on_pass=seen)
     return [Stage(positions.get(name, 0), name, {e: runs[e][i][1] for e in ENTRIES},
-                  {e: runs[e][i][2] for e in ENTRIES}) for i, (name, _, _) in enumerate(runs["prefill"])]
+                  {e: runs[e][i][2] for e in ENTRIES}, ranks) for i, (name, _, _, ranks) in enumerate(runs["prefill"])]
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,7 @@ class BisectReport:
     culprit: Culprit | None = None
     greedy: list[GreedyCheck] = field(default_factory=list)
     token_text: dict[int, str] = field(default_factory=dict)
+    tp: int = 1
 
     def render(self) -> str:
         from .bisect_report import render
@@ -143,9 +157,10 @@ def _result_text(graph: Graph, value: Value) -> str:
     return format_node(node) + suffix
 
 
-def _values(graphs: dict[str, Graph], weights: dict, probe: Probe, cache_dtype=None) -> dict[Value, torch.Tensor]:
-    """Every value of the probe's entry graph on the probe, cache contents excepted (updated in place)."""
-    program, feeds = prepare(graphs, weights, probe, cache_dtype)
+def _values(stage: Stage, weights: dict, probe: Probe, cache_dtype=None) -> dict[Value, torch.Tensor]:
+    """Every value of the probe's entry graph on the probe, cache contents excepted (updated in place);
+    of a sharded stage, those every rank holds whole."""
+    program, feeds = prepare(stage.graphs, weights, probe, cache_dtype, stage.ranks)
     with torch.inference_mode():
         values = program.values(feeds)
     aliased = {t.data_ptr() for t in feeds.values()}
@@ -169,9 +184,9 @@ def _localize(before: Stage, check: Check, probe: Probe, weights: Weights) -> Cu
     if value_map is None:
         return Culprit(check)
     gb = before.graphs[entry]
-    vb = _values(before.graphs, weights.working, probe)
-    exact = _values(before.graphs, weights.exact, probe, torch.float64)
-    va = _values(after.graphs, weights.working, probe)
+    vb = _values(before, weights.working, probe)
+    exact = _values(before, weights.exact, probe, torch.float64)
+    va = _values(after, weights.working, probe)
     for node in gb.nodes:
         if node.op in ("input", "weight"):
             continue
@@ -190,7 +205,7 @@ def _localize(before: Stage, check: Check, probe: Probe, weights: Weights) -> Cu
 def _greedy(stages: list[Stage], culprit: Culprit | None, weights: dict, prompt: list[int],
             steps: int) -> list[GreedyCheck]:
     def run(stage: Stage) -> list[int]:
-        programs = [TorchProgram(stage.graphs[e], weights) for e in ENTRIES]
+        programs = [stage_program(stage.graphs[e], weights, stage.ranks) for e in ENTRIES]
         return greedy_tokens(*programs, prompt, steps)
 
     reference = run(stages[0])
@@ -209,8 +224,8 @@ def _check_stages(report: "BisectReport", stages: list[Stage], probes: list[Prob
         rounding = max_abs_error(probe_logits(stages[0].graphs, weights.working, probe), truth)
         tol = tolerance(weights.dtype, rounding, truth.abs().max())
         for k, stage in enumerate(stages):
-            check = Check(stage, probe.step.name, max_abs_error(probe_logits(stage.graphs, weights.working, probe),
-                                                                truth), tol)
+            logits = probe_logits(stage.graphs, weights.working, probe, ranks=stage.ranks)
+            check = Check(stage, probe.step.name, max_abs_error(logits, truth), tol)
             report.checks.append(check)
             if check.diverged:
                 first.setdefault(k, []).append((check, probe))
@@ -223,17 +238,18 @@ def _check_stages(report: "BisectReport", stages: list[Stage], probes: list[Prob
 
 
 def bisect(model: LoadedModel, name: str = "model", dtype: str = "float32", steps: int = 16,
-           prompt: str = DEFAULT_PROMPT, disabled: tuple[str, ...] = (), seed: int = 0) -> BisectReport:
-    """Run the pipeline pass by pass and find the first pass that changes the model's output."""
+           prompt: str = DEFAULT_PROMPT, disabled: tuple[str, ...] = (), seed: int = 0, tp: int = 1) -> BisectReport:
+    """Run the pipeline pass by pass (sharded for `tp` ranks) and find the first pass that changes
+    the model's output."""
     ir_dtype = USER_DTYPES[dtype]
     working = {k: v.to(to_torch(ir_dtype)) for k, v in model.weights.items()}
-    stages = pipeline_stages(model.config, ir_dtype, working, disabled)
+    stages = pipeline_stages(model.config, ir_dtype, working, disabled, tp)
     weights = Weights(ir_dtype, working, {k: v.double() for k, v in working.items()})  # after fold_weights ran
     tokenizer = Tokenizer(model.tokenizer)
     messages = [{"role": "user", "content": prompt}]
     prompt_ids = tokenizer.encode_chat(messages) if tokenizer.has_chat_template else tokenizer.encode(prompt)
     probes = make_probes(model.config, prompt_ids, seed)
-    report = BisectReport(name, dtype, [p.step.name for p in probes])
+    report = BisectReport(name, dtype, [p.step.name for p in probes], tp=tp)
     _check_stages(report, stages, probes, weights)
     if steps > 0:
         report.greedy = _greedy(stages, report.culprit, working, prompt_ids, steps)

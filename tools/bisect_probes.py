@@ -10,7 +10,8 @@ real positions, the paged K/V write and read, and the softmax over many keys.
 
 A stage whose graphs take no cache (before insert_paged_attention) computes a probe with
 context the only way it can: its prefill graph over the whole sequences, logits read at the
-probe's tokens, which is what the cached step must compute.
+probe's tokens, which is what the cached step must compute. A sharded stage (--tp N) runs its
+ranks in lockstep (tools/bisect_ranks.py) on the same feeds and the same cache of all KV heads.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from llmc.compiler.ir import Graph
 from llmc.models.config import ModelConfig
 from llmc.runtime.torch_backend import TorchProgram
 
+from .bisect_ranks import RankedProgram, Ranks, stage_program
 from .feeds import BlockLayout, Step, fill_context, garbage_cache, step_feeds
 
 
@@ -55,28 +57,31 @@ def runs_as_is(graphs: dict[str, Graph], probe: Probe) -> bool:
 
 
 def prepare(graphs: dict[str, Graph], weights: dict[str, torch.Tensor], probe: Probe,
-            cache_dtype: torch.dtype | None = None) -> tuple[TorchProgram, dict[str, torch.Tensor]]:
+            cache_dtype: torch.dtype | None = None,
+            ranks: Ranks | None = None) -> tuple[TorchProgram | RankedProgram, dict[str, torch.Tensor]]:
     """The program and feeds whose first output is the probe's logits under these graphs (see
-    the module docstring); `cache_dtype` overrides the cache's element type (float64 runs)."""
-    graph, step = graphs[probe.entry], probe.step
+    the module docstring); `cache_dtype` overrides the cache's element type (float64 runs), and
+    `ranks` runs sharded graphs rank by rank."""
+    program, step = stage_program(graphs[probe.entry], weights, ranks), probe.step
+    graph = program.graph
     if takes_cache(graph):
         layout = BlockLayout.shuffled(step.lengths)
         cache = garbage_cache(graph, layout)
         cache = cache if cache_dtype is None else cache.to(cache_dtype)
-        fill_context(TorchProgram(graphs["prefill"], weights), step, layout, cache)
-        return TorchProgram(graph, weights), step_feeds(graph, step, layout, cache)
+        fill_context(stage_program(graphs["prefill"], weights, ranks), step, layout, cache)
+        return program, step_feeds(graph, step, layout, cache)
     if not step.has_context:
-        return TorchProgram(graph, weights), step_feeds(graph, step)
-    prefill = graphs["prefill"]
-    feeds = step_feeds(prefill, Step.prefill(step.name, [list(t) for t in step.tokens]))
+        return program, step_feeds(graph, step)
+    prefill = stage_program(graphs["prefill"], weights, ranks)
+    feeds = step_feeds(prefill.graph, Step.prefill(step.name, [list(t) for t in step.tokens]))
     starts = torch.tensor([0, *step.lengths]).cumsum(0)[:-1].tolist()
     feeds["logits_indices"] = torch.tensor([s + p for s, c, n in zip(starts, step.cached, step.lengths)
                                             for p in range(c, n)])
-    return TorchProgram(prefill, weights), feeds
+    return prefill, feeds
 
 
 @torch.inference_mode()
 def probe_logits(graphs: dict[str, Graph], weights: dict[str, torch.Tensor], probe: Probe,
-                 cache_dtype: torch.dtype | None = None) -> torch.Tensor:
-    program, feeds = prepare(graphs, weights, probe, cache_dtype)
+                 cache_dtype: torch.dtype | None = None, ranks: Ranks | None = None) -> torch.Tensor:
+    program, feeds = prepare(graphs, weights, probe, cache_dtype, ranks)
     return program(feeds)[0]

@@ -38,6 +38,10 @@ def _culprit(report: "BisectReport") -> list[str]:
     check = culprit.check
     lines = [f"first divergence: pass {check.stage.name} changes the logits of the {check.probe} probe "
              f"by {check.error:.3g} (tolerance {check.tolerance:.1e})"]
+    if culprit.node_before is None and check.stage.ranks is not None:
+        lines.append(f"  no value all {check.stage.ranks.plan.size} ranks hold whole differs before the logits; the "
+                     "ranks' heads and partial sums cannot be matched to unsharded values, so only the pass is named")
+        return lines
     if culprit.node_before is None:
         lines.append("  no intermediate value could be matched across the pass; only the output differs")
         return lines
@@ -58,7 +62,8 @@ def _greedy_line(report: "BisectReport", check: "GreedyCheck") -> str:
 
 
 def render(report: "BisectReport") -> str:
-    lines = [f"llmc debug bisect: {report.model} ({report.dtype}); max abs error of the logits against "
+    ranks = f", {report.tp} ranks in lockstep from the shard pass on" if report.tp > 1 else ""
+    lines = [f"llmc debug bisect: {report.model} ({report.dtype}{ranks}); max abs error of the logits against "
              "the traced graph run in float64; a stage diverges beyond the tolerance, "
              f"{FACTOR:g}x the traced graph's own error in {report.dtype}"]
     lines += _table(report)

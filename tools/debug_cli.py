@@ -128,6 +128,7 @@ def bisect_cmd(
     prompt: str = typer.Option("What is the capital of France?", help="the real prompt (chat template applied)"),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="skip a pass by name (repeatable)"),
     seed: int = typer.Option(0, help="seed of the random token probes"),
+    tp: int = typer.Option(1, help="shard for N tensor-parallel ranks, run in lockstep in this process"),
 ) -> None:
     """Run the pipeline pass by pass and name the first pass that changes the model's output.
 
@@ -144,7 +145,9 @@ def bisect_cmd(
         raise ModelError(f"dtype {dtype!r} is not supported; choose one of {', '.join(USER_DTYPES)}")
     check_pass_options(tuple(disable_pass))
     name = Path(model).name if model else f"{EMBEDDED_NAME} (embedded)"
-    report = bisect(load_model(model), name, dtype, steps, prompt, tuple(disable_pass), seed)
+    if tp < 1:
+        raise ModelError(f"--tp {tp} is not a rank count; give 1 or more")
+    report = bisect(load_model(model), name, dtype, steps, prompt, tuple(disable_pass), seed, tp)
     typer.echo(report.render(), nl=False)
     if report.culprit is not None:
         raise typer.Exit(1)
