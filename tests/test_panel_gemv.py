@@ -33,12 +33,7 @@ def native():
     load_native_kernels()
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+ON_THREADS = pytest.mark.parametrize("threads", [1, 2], indirect=True, ids=["1-thread", "2-threads"])
 
 
 def weight_and_inputs(n: int, dtype: torch.dtype, tokens: int, with_bias: bool):
@@ -52,6 +47,7 @@ def weight_and_inputs(n: int, dtype: torch.dtype, tokens: int, with_bias: bool):
 @pytest.mark.parametrize("n", [29, 32 * 7 - 5, 32 * 11 - 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
+@ON_THREADS
 def test_batch_1_gemv_over_panel_groups_matches_linear(threads, n, dtype, with_bias):
     w, weight, x, bias = weight_and_inputs(n, dtype, 1, with_bias)
     got, want = gemv_cpu(x, w, bias), gemv_ref(x, w, bias)
@@ -63,6 +59,7 @@ def test_batch_1_gemv_over_panel_groups_matches_linear(threads, n, dtype, with_b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@ON_THREADS
 def test_a_token_alone_gets_the_bits_it_gets_in_a_batch(threads, dtype):
     """Each output is summed input by input on either path, so a decode token's logits do not
     depend on whether it ran alone (run_gemv) or in a tile of several tokens."""
