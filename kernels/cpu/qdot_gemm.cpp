@@ -22,6 +22,7 @@
 #include <string>
 
 #include "qdot_gemm.h"
+#include "qweight_checks.h"
 
 namespace {
 
@@ -44,12 +45,6 @@ void quantize(const at::Tensor& x, const llmc_qdot::QActs& q) {
   at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) { llmc_qdot::quantize_rows(xp, q, begin, end); });
 }
 
-void check_params(const at::Tensor& t, int64_t panels, int64_t groups, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == panels &&
-                  t.size(1) == groups && t.size(2) == kPanel,
-              what, " must be contiguous f16 [", panels, ", ", groups, ", 32], not ", t.scalar_type(), " ", t.sizes());
-}
-
 void check_inputs(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, int64_t n_dim, const at::Tensor& bias, int64_t bits,
                   int64_t group) {
@@ -62,17 +57,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
               "codes must be contiguous uint8 [P, K/", per_quad, ", 32, 4] for K=", k_dim, ", not ", codes.sizes());
   TORCH_CHECK(group > 0 && k_dim % group == 0 && group % kBlock == 0, "group size ", group, " must divide K=", k_dim,
               " and be a multiple of 32");
-  TORCH_CHECK(n_dim > (panels - 1) * kPanel && n_dim <= panels * kPanel, "n ", n_dim, " does not fit ", panels,
-              " panels of 32 outputs");
-  check_params(scales, panels, k_dim / group, "scales");
-  if (bits == 4) {
-    TORCH_CHECK(mins.has_value(), "int4 weights need mins");
-    check_params(*mins, panels, k_dim / group, "mins");
-  }
-  if (bias.defined())
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
-                    bias.scalar_type() == x.scalar_type(),
-                "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
+  llmc_qweights::check_panel_params(x, scales, mins, bias, n_dim, panels, k_dim / group, bits);
 }
 
 at::Tensor qdot_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,

@@ -25,6 +25,7 @@
 #include <tuple>
 
 #include "qpanel_gemm.h"
+#include "qweight_checks.h"
 
 namespace {
 
@@ -57,12 +58,6 @@ std::tuple<at::Tensor, at::Tensor> widen(const at::Tensor& x, int64_t group, int
   return {xf, xsum};
 }
 
-void check_params(const at::Tensor& t, int64_t panels, int64_t groups, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 3 && t.size(0) == panels &&
-                  t.size(1) == groups && t.size(2) == kPanel,
-              what, " must be contiguous f16 [", panels, ", ", groups, ", 32], not ", t.scalar_type(), " ", t.sizes());
-}
-
 at::Tensor qpanel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins_opt, int64_t n_dim,
                        const std::optional<at::Tensor>& bias_opt, int64_t bits, int64_t group) {
@@ -78,17 +73,7 @@ at::Tensor qpanel_gemm(const at::Tensor& x, const at::Tensor& codes, const at::T
               ", not ", codes.sizes());
   TORCH_CHECK(group > 0 && k_dim % group == 0 && group % (bits == 8 ? 16 : 32) == 0, "group size ", group,
               " must divide K=", k_dim, " and be a multiple of ", bits == 8 ? 16 : 32);
-  TORCH_CHECK(n_dim > (panels - 1) * kPanel && n_dim <= panels * kPanel, "n ", n_dim, " does not fit ", panels,
-              " panels of 32 outputs");
-  check_params(scales, panels, k_dim / group, "scales");
-  if (bits == 4) {
-    TORCH_CHECK(mins_opt.has_value(), "int4 weights need mins");
-    check_params(*mins_opt, panels, k_dim / group, "mins");
-  }
-  if (bias.defined())
-    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
-                    bias.scalar_type() == x.scalar_type(),
-                "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
+  llmc_qweights::check_panel_params(x, scales, mins_opt, bias, n_dim, panels, k_dim / group, bits);
   const at::Tensor xc = x.contiguous();
   const auto [xf, xsum] = x.scalar_type() == at::kFloat ? widen<float>(xc, group, bits)
                                                          : widen<c10::BFloat16>(xc, group, bits);
