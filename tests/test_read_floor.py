@@ -23,8 +23,10 @@ def native():
 @pytest.mark.parametrize("strategy", READ_STRATEGIES)
 @pytest.mark.parametrize("n", [1, 127, 128, 129, 4096 + 77, 1_000_003])
 def test_the_floor_reads_every_element_once(n, strategy):
-    # sums of ones are exact in fp32 up to 2^24 a lane: a skipped tail or a slice read twice shows
-    assert read_floor_cpu(torch.ones(n), *strategy).item() == n
+    # integers below 8 sum exactly in fp32 while the total stays under 2^24: a skipped tail, a slice
+    # read twice, or one part of a slice read in place of another (the same count) shows
+    x = torch.randint(0, 8, (n,), generator=torch.Generator().manual_seed(n)).float()
+    assert read_floor_cpu(x, *strategy).item() == x.double().sum().item()
 
 
 def test_the_floor_sums_as_the_ref_does():
@@ -39,6 +41,8 @@ def test_the_launcher_refuses_what_the_kernel_does_not_read():
         read_floor_cpu(torch.ones(8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="not contiguous"):
         read_floor_cpu(torch.ones(8, 8).t())
+    with pytest.raises(ValueError, match="1, 2 or 4 streams"):
+        read_floor_cpu(torch.ones(8), streams=3)
 
 
 def test_buffers_are_larger_than_the_last_level_cache():

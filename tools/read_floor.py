@@ -5,8 +5,9 @@ loads, eight in flight per thread) over buffers of several sizes, the best of se
 The sizes are 128, 256 and 512 MiB, each at least four times the last-level cache (so they are
 read from memory; a CPU with a larger cache takes larger buffers), and a sample is the best rate
 over them. Software prefetch helps some CPUs and not others, at distances and cache hints that
-differ, so every strategy in kernels/read_floor.py's list (the panel GEMVs' own among them) is
-tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
+differ, and so does whether a core reads several streams faster than one, so every strategy in
+kernels/read_floor.py's list (prefetches times 1, 2 or 4 streams a thread; the panel GEMVs' own among
+them) is tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
 beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
 GEMV has read faster than, so it is no ceiling) and says so once.
 """
@@ -54,8 +55,8 @@ class ReadBandwidth:
                                            "it is not a ceiling for llmc's kernels")
             self.reads, self.kernel = [torch.sum], "torch.sum"
             return
-        self.reads = [lambda x, a=a, k=k: read_floor_cpu(x, a, k) for a, k in READ_STRATEGIES]
-        self.kernel = f"native read_floor, {len(READ_STRATEGIES)} prefetch strategies"
+        self.reads = [lambda x, a=a, k=k, s=s: read_floor_cpu(x, a, k, s) for a, k, s in READ_STRATEGIES]
+        self.kernel = f"native read_floor, {len(READ_STRATEGIES)} prefetch and stream strategies"
 
     def sample(self, repeats: int = 2) -> float:
         """The best rate over the buffers and prefetch strategies, each the best of `repeats` passes
