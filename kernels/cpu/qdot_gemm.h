@@ -57,29 +57,42 @@ inline QActs qacts_in(char* scratch, int64_t rows, int64_t k_dim) {
   return {reinterpret_cast<int8_t*>(sums + blocks), scales, sums, k_dim};
 }
 
-// Tokens begin .. end - 1 of x [T, K]: per block of 32, d = max|x| / 127 and codes round(x * (1/d))
-// (nearest, ties to even; all 0 where d is 0), and the codes' sum.
+// Blocks first .. last - 1 of x [T, K] (block i: token i / (K/32), its inputs 32 (i % (K/32)) on):
+// d = max|x| / 127 and codes round(x * (1/d)) (nearest, ties to even; all 0 where d is 0), and the
+// codes' sum. A range of blocks, not of tokens, so a team splits one token's blocks too (batch 1).
+template <typename X>
+void quantize_blocks(const X* x, const QActs& q, int64_t first, int64_t last) {
+  for (int64_t i = first; i < last; ++i) {
+    const X* v = x + i * kBlock;                   // x [T, K] is the blocks [T * K/32, 32] in order
+    int8_t* codes = q.codes + i * kBlock;
+#ifdef __AVX512F__
+    const Vec16 v0 = llmc_cpu::load16(v), v1 = llmc_cpu::load16(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps((__m512)v0), _mm512_abs_ps((__m512)v1)));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    // vcvtps2dq rounds as MXCSR says: to nearest, ties to even (std::nearbyint's default mode)
+    const __m512i c0 = _mm512_cvtps_epi32((__m512)(v0 * inv)), c1 = _mm512_cvtps_epi32((__m512)(v1 * inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(c1));
+    q.sums[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#else
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(static_cast<float>(v[j])));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      codes[j] = static_cast<int8_t>(std::nearbyint(static_cast<float>(v[j]) * inv));
+      sum += codes[j];
+    }
+    q.sums[i] = sum;
+#endif
+    q.scales[i] = d;
+  }
+}
+
+// Tokens begin .. end - 1 of x [T, K], each block as quantize_blocks.
 template <typename X>
 void quantize_rows(const X* x, const QActs& q, int64_t begin, int64_t end) {
-  const int64_t blocks = q.k_dim / kBlock;
-  for (int64_t t = begin; t < end; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[kBlock], amax = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        v[i] = static_cast<float>(x[t * q.k_dim + b * kBlock + i]);
-        amax = std::fmax(amax, std::fabs(v[i]));
-      }
-      const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      int8_t* codes = q.codes + t * q.k_dim + b * kBlock;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        codes[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        sum += codes[i];
-      }
-      q.scales[t * blocks + b] = d;
-      q.sums[t * blocks + b] = sum;
-    }
-  }
+  quantize_blocks(x, q, begin * (q.k_dim / kBlock), end * (q.k_dim / kBlock));
 }
 
 struct QuadPanels {
@@ -145,11 +158,16 @@ __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const in
   }
 }
 
-// 16 f16 values widened to fp32.
+// 16 f16 values widened to fp32 (exact): one vcvtph2ps. Sixteen scalar conversions through memory
+// were most of a batch-1 int4 GEMV's instructions (4 vectors of them a block of 512 code bytes).
 inline Vec16 load16_half(const c10::Half* p) {
+#ifdef __AVX512F__
+  return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
   float tmp[16];
   for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
   return llmc_cpu::load16(tmp);
+#endif
 }
 
 // TT tokens from t0 times panel p: per block, the int32 dots (int8: less 128 x the block's code

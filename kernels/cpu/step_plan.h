@@ -211,16 +211,17 @@ void qembed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   }
 }
 
-// A quantized GEMM over quads (int8 activations): x quantized per block (tokens split, then a
-// barrier) into the run's scratch, then the panels split.
+// A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
+// split, so one token's are shared too, then a barrier) into the run's scratch, then the panels split.
 template <typename X>
-void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
+void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group];
   const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(b.widened.data()), rows, k);
-  llmc_qdot::quantize_rows(x_at(a[A::x]), q, first, last);
+  const auto [qfirst, qlast] = share(rows * (k / llmc_qdot::kBlock), tid, team);
+  llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
 #pragma omp barrier
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
@@ -238,7 +239,7 @@ template <typename X>
 void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
-  if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows, first, last);
+  if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
   float* xf = b.widened.data();
