@@ -9,6 +9,11 @@ and stays on the AVX-512 kernel, whose prefetch streams them), in the op (`panel
 plan alike, on the one resident copy of the weight (the bf16 panels are AMX's B tiles already). f32
 GEMMs never take AMX: their products stay fp32.
 
+The same choice (the same support, override and hook) puts a bf16 model's prompt attention (chunks
+of 2 or more queries over a bf16 KV cache) on AMX tiles, kernels/cpu/amx_attention.h, where head_dim
+is a multiple of `AMX_ATTENTION_DEPTH`; else it runs on the AVX-512 (vdpbf16ps) tiles of
+attention_items.h. `attention_path` says which, and why.
+
 Environment:
   LLMC_CPU_AMX=off          bf16 GEMMs on the AVX-512 panel kernel even where AMX is usable (read
                             at each GEMM, so a test can compare both paths in one process)
@@ -26,6 +31,7 @@ import torch
 AMX_OVERRIDE = "LLMC_CPU_AMX"
 AMX_REFUSE_HOOK = "LLMC_AMX_TEST_REFUSE"
 AMX_MIN_TOKENS = 4               # llmc_amx::kMinTokens
+AMX_ATTENTION_DEPTH = 32         # llmc_cpu::kAmxDepth: AMX prompt attention needs head_dim a multiple of it
 
 
 def cpu_gemm_path() -> tuple[str, str]:
@@ -41,9 +47,29 @@ def describe_gemm_path() -> str:
     return f"bf16 GEMMs {path}" + (f" ({why})" if why else "")
 
 
+def attention_path(head_dim: int, cache_dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """(path, why) of bf16 prompt attention over a cache of `cache_dtype` with this head_dim:
+    ("amx-bf16", "") or the fallback and why (the CPU's reason, the cache or the head_dim)."""
+    path, why = cpu_gemm_path()
+    if path != "amx-bf16":
+        return path, why
+    if cache_dtype != torch.bfloat16:
+        return "avx512-bf16", f"the KV cache is {str(cache_dtype).removeprefix('torch.')}"
+    if head_dim % AMX_ATTENTION_DEPTH:
+        return "avx512-bf16", f"head_dim {head_dim} is not a multiple of {AMX_ATTENTION_DEPTH}"
+    return path, ""
+
+
+def describe_attention_path(head_dim: int, cache_dtype: torch.dtype = torch.bfloat16) -> str:
+    """'prompt attention amx-bf16', or 'prompt attention avx512-bf16 (why)', for a report's kernel line."""
+    path, why = attention_path(head_dim, cache_dtype)
+    return f"prompt attention {path}" + (f" ({why})" if why else "")
+
+
 def announce_gemm_path(log: logging.Logger) -> None:
-    """One INFO line where bf16 GEMMs do not run on AMX, saying why (the native kernels' loader
-    calls this once per process)."""
+    """One INFO line where bf16 GEMMs do not run on AMX, and one for prompt attention, saying why
+    (the native kernels' loader calls this once per process)."""
     path, why = cpu_gemm_path()
     if why:
         log.info("%s: bf16 GEMMs run on %s", why, path)
+        log.info("%s: bf16 prompt attention runs on %s tiles", why, path)

@@ -14,7 +14,7 @@ from llmc.compiler.dtypes import dtype_info
 from llmc.compiler.ir import Graph
 from llmc.compiler.quant_format import weight_format
 from llmc.compiler.tensor_parallel import TensorParallelPlan, describe
-from llmc.kernels.amx import describe_gemm_path
+from llmc.kernels.amx import describe_attention_path, describe_gemm_path
 from llmc.kernels.native import EXTENSION_NAME, NativeBuildError, cache_dir, load_native_kernels, native_kernels_loaded
 from llmc.runtime.artifact import REPORT_FILE, load_artifact, verify_artifact
 
@@ -86,7 +86,7 @@ def torch_plans(path: Path) -> str:
     capabilities = backend.build(artifact, cache).capabilities()
     activations = capabilities.kernels.removeprefix("native").lstrip(", ")      # quantized GEMMs: 'int8 activations'
     bf16 = any(w.dtype == torch.bfloat16 for w in artifact.weights.values())
-    gemms = f"; {describe_gemm_path()}" if bf16 else ""
+    gemms = f"; {describe_attention_path(cache.head_dim, cache.dtype)}; {describe_gemm_path()}" if bf16 else ""
     return (f"{activations}; " if activations else "") + capabilities.describe_plans() + gemms
 
 

@@ -38,7 +38,7 @@ import typer
 
 from llmc.compiler.artifact import stale_code
 from llmc.compiler.ir import Graph
-from llmc.kernels.amx import describe_gemm_path
+from llmc.kernels.amx import describe_attention_path, describe_gemm_path
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
 from llmc.runtime.engine import Engine, EngineConfig, kv_cache_dtype
@@ -292,7 +292,8 @@ def profile_cmd(
         typer.echo(f"note: {stale}", err=True)
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "kernels": engine.kernels, "step_plans": capabilities.plans(), "graphs": capabilities.describe_plans(),
-              "cpu_gemm": (describe_gemm_path() if engine.kernels.startswith("native") and dtype == torch.bfloat16
+              "cpu_gemm": (f"{describe_attention_path(art.config.head_dim, getattr(torch, kv_cache_dtype(art)))}; "
+                           f"{describe_gemm_path()}" if engine.kernels.startswith("native") and dtype == torch.bfloat16
                            else ""),
               "decode_tokens": decode_tokens, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}

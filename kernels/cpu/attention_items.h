@@ -9,7 +9,8 @@
 //              GEMMs (attention_tiles.h); tiles past the item's last query, and with a window
 //              the blocks before its first query's window, are never read; the mask is applied
 //              only on the tiles it touches. run_tiles_bf16 is the same
-//              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16.
+//              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16;
+//              amx_attention.h has the AMX tiles' run and run_chunk, which chooses among them.
 #pragma once
 
 #include <algorithm>
@@ -69,6 +70,7 @@ struct Scratch {
   std::vector<float> q, qt, o, s, k, v, max, sum, alpha;
   std::vector<int32_t> pos;
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs
+  std::vector<uint32_t> tail;            // AMX: a partial block's K and V rows, zero-padded
 };
 
 // The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q
@@ -209,6 +211,19 @@ void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   finish_rows(in, it, rows, w);
 }
 
+// w.qp [D/2][R] = w.q's rows (bf16 values held in fp32) transposed, as bf16 pairs of dimensions;
+// padding rows zero.
+inline void pack_query_pairs(Scratch& w, int64_t rows, int64_t padded_rows, int64_t d) {
+  w.qp.assign(d / 2 * padded_rows, 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d / 2; ++j) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, &w.q[r * d + 2 * j], 4);
+      std::memcpy(&hi, &w.q[r * d + 2 * j + 1], 4);
+      w.qp[j * padded_rows + r] = (lo >> 16) | (hi & 0xFFFF0000u);
+    }
+}
+
 #ifdef __AVX512BF16__
 // run_tiles with bf16 operands and fp32 accumulation (vdpbf16ps): q as it is, K and V rounded
 // to bf16 (exact for a bf16 cache; an int8 row's code * scale rounded, as the ref rounds it to
@@ -219,14 +234,7 @@ void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch&
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
   start_tiles(in, it, rows, padded_rows, 1.f, w);  // w.q holds q's bf16 values exactly
-  w.qp.assign(d / 2 * padded_rows, 0u);              // [D/2][R] pairs of dimensions
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < d / 2; ++j) {
-      uint32_t lo, hi;
-      std::memcpy(&lo, &w.q[r * d + 2 * j], 4);
-      std::memcpy(&hi, &w.q[r * d + 2 * j + 1], 4);
-      w.qp[j * padded_rows + r] = (lo >> 16) | (hi & 0xFFFF0000u);
-    }
+  pack_query_pairs(w, rows, padded_rows, d);
   w.kp.resize(tiles::kKeys * d / 2);
   w.vp.resize(tiles::kKeys * d / 2);
   w.pp.resize(tiles::kKeys / 2 * padded_rows);
@@ -247,17 +255,5 @@ void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch&
   finish_rows(in, it, rows, w);
 }
 #endif
-
-// A chunk of more than one query: bf16 pairs where the CPU has AVX512_BF16 and q is bf16, else fp32.
-template <typename T, typename C>
-void run_chunk(const Inputs<T, C>& in, const Item& it, Scratch& w) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    run_tiles_bf16(in, it, w);
-    return;
-  }
-#endif
-  run_tiles(in, it, w);
-}
 
 }  // namespace llmc_cpu

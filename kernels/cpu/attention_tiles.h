@@ -132,8 +132,17 @@ void accumulate(const typename A::Elem* p, const float* alpha, int64_t rows, int
   gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d, alpha);
 }
 
-// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even.
+// out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even (with AVX512_BF16
+// by vcvtne2ps2bf16, which flushes values below 2^-126 to 0: a probability that small adds
+// nothing an fp32 sum keeps).
 inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
+#ifdef __AVX512BF16__
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15,
+                                                           31};
+  const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);   // lo's 16, then hi's
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), halves));
+#else
   Uint16 a, b;
   std::memcpy(&a, &lo, sizeof(a));
   std::memcpy(&b, &hi, sizeof(b));
@@ -141,6 +150,7 @@ inline void store_pairs(Vec16 lo, Vec16 hi, uint32_t* out) {
   b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
   const Uint16 pair = a | b;
   std::memcpy(out, &pair, sizeof(pair));
+#endif
 }
 
 // Two rows of n floats (a multiple of 16) as one row of bf16 pairs.
@@ -214,12 +224,17 @@ inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, co
     };
     const Vec16 old = load16(max + r);
     Vec16 m = old;
-    for (int64_t n = 0; n < keys; ++n) m = vmax(m, score(n));
+    for (int64_t n = 0; n < keys; ++n) {       // the scores made once, kept in st for the exps
+      const Vec16 x = score(n);
+      store16(st + n * rows + r, x);
+      m = vmax(m, x);
+    }
     m = m == kNegInf ? splat(0.f) : m;         // no key seen yet: exps below are 0, max stays -inf
     const Vec16 a = exp_nonpositive(old - m);  // old = -inf on a row's first visible tile: 0
     Vec16 total{};
     for (int64_t n = 0; n < keys; n += 2) {
-      const Vec16 p0 = exp_nonpositive(score(n) - m), p1 = exp_nonpositive(score(n + 1) - m);
+      const Vec16 p0 = exp_nonpositive(load16(st + n * rows + r) - m);
+      const Vec16 p1 = exp_nonpositive(load16(st + (n + 1) * rows + r) - m);
       total += p0 + p1;
       if constexpr (kPairs) {
         store_pairs(p0, p1, pairs + n / 2 * rows + r);

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "amx_attention.h"
 #include "attention_items.h"
 
 namespace llmc_cpu {

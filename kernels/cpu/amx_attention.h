@@ -1,0 +1,225 @@
+// Prompt attention on AMX-BF16 tiles, and run_chunk: the choice of kernel for a chunk of more than
+// one query (this, attention_items.h's run_tiles_bf16 with vdpbf16ps, or its fp32 run_tiles).
+//
+// Contract: run_tiles_bf16's (paged_attention.cpp's, with the meaning of paged_attention_ref) for
+// bf16 q and a bf16 cache, head_dim a multiple of 32: scores q.k of the bf16 values accumulated in
+// fp32, scaled, soft-capped and masked in fp32, an online softmax in fp32, its probabilities
+// (relative to the running max) rounded once to bf16 for the product with V, accumulated in fp32;
+// the output rounded once to bf16. The rounding of the probabilities is the ref's (it rounds the
+// normalised probabilities to q's dtype): each p is off by at most half a bf16 ulp (2^-9
+// relatively), so an output moves by at most 2^-9 max|v| from it, as the ref's does.
+//
+// How: an item's R rows (its queries x the query heads of its KV head, padded to a multiple of 32)
+// meet a tile of up to 64 keys as two AMX GEMMs, with the transposed scores of attention_tiles.h:
+//   scores  S^T [keys][R] = K [keys][D] x Q^T: A tiles are 16 keys x 32 dims read in place from the
+//           cache block (a block's partial tail copied into zeroed rows), B tiles Q^T as pairs of
+//           dims [D/2][R] (packed once per item); C tiles of 16 keys x 16 rows.
+//   softmax attention_tiles.h's (fp32, AVX-512) into bf16 pairs of keys P^T [keys/2][R].
+//   values  O [R][D] += P [R][keys] x V [keys][D]: P^T transposed (16 x 16 uint32 blocks) into A
+//           tiles of 16 rows x 32 keys; V as pairs of keys [keys/2][D] (two cache rows interleaved);
+//           each C tile pair folded into O as O * alpha + PV (the online softmax's rescale).
+// Tiles past the item's last query are never read, as in run_tiles. The calling thread must be
+// allowed the tile state (llmc_amx::support()); it loads the configuration per item and releases
+// the tiles after it. Chosen per chunk where support() holds, LLMC_CPU_AMX is not "off" and head_dim
+// is a multiple of 32 (amx_attention_usable; kernels/amx.py reports the choice).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "amx_gemm.h"
+#include "attention_items.h"
+
+namespace llmc_cpu {
+
+constexpr int64_t kAmxDepth = 32;  // head_dim multiple for the AMX path (one A tile's 32 bf16)
+
+inline bool amx_attention_usable(int64_t head_dim) {
+  return head_dim % kAmxDepth == 0 && llmc_amx::support().usable && !llmc_amx::env_is("LLMC_CPU_AMX", "off");
+}
+
+#if defined(__x86_64__) && defined(__AVX512BF16__)
+namespace amx_attention {
+
+using Bf16 = c10::BFloat16;
+constexpr int64_t kRowTile = 32;           // rows per pair of A (values) / B (scores) tiles
+constexpr int64_t kPairs = tiles::kKeys / 2;  // P's row: the key tile's pairs
+
+// dst[j * dst_stride + i] = src[i * src_stride + j] for a 16 x 16 block of uint32.
+inline void transpose16(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // per 128-bit lane L: columns 4L .. 4L + 3 of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0x88);
+      t[h + j + 4] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {       // column j from t[j] (rows 0-7) and t[j + 8] (rows 8-15)
+    _mm512_storeu_si512(dst + j * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+    _mm512_storeu_si512(dst + (j + 8) * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
+  }
+}
+
+// vp [pairs][d] = rows 2m and 2m + 1 of V interleaved (key pairs), v[b] the tile's block b (16 rows).
+inline void pair_values(const Bf16* const* v, int64_t pairs, int64_t d, uint32_t* vp) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(kLo), hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t m = 0; m < pairs; ++m) {
+    const Bf16* even = v[2 * m / kBlock] + (2 * m % kBlock) * d;
+    for (int64_t c = 0; c < d; c += kAmxDepth) {
+      const __m512i a = _mm512_loadu_si512(even + c), b = _mm512_loadu_si512(even + d + c);
+      _mm512_storeu_si512(vp + m * d + c, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(vp + m * d + c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
+  }
+}
+
+// The tile's key blocks: in place in the cache, a block holding keys past `keys` copied into
+// `tail` [2][16][d] (K, V) with zero rows after them.
+inline void key_blocks(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first, int64_t keys, Bf16* tail,
+                       const Bf16** k, const Bf16** v) {
+  const int64_t d = in.g.head_dim;
+  for (int64_t b = 0; b * kBlock < keys; ++b) {
+    const int64_t at = in.block_offset(it, first / kBlock + b), n = std::min(kBlock, keys - b * kBlock);
+    k[b] = in.k_cache + at;
+    v[b] = in.v_cache + at;
+    if (n == kBlock) continue;
+    std::memset(tail, 0, 2 * kBlock * d * sizeof(Bf16));
+    std::memcpy(tail, k[b], n * d * sizeof(Bf16));
+    std::memcpy(tail + kBlock * d, v[b], n * d * sizeof(Bf16));
+    k[b] = tail;
+    v[b] = tail + kBlock * d;
+  }
+}
+
+// st [blocks * 16][rows] = the blocks' keys . the rows' queries (qp: [d/2][rows] pairs).
+__attribute__((target("amx-tile,amx-bf16"))) inline void scores(const Bf16* const* k, int64_t blocks,
+                                                                const uint32_t* qp, int64_t rows, int64_t d,
+                                                                float* st) {
+  const int64_t row_bytes = rows * sizeof(float);
+  llmc_amx::memory_fence();                       // the tail rows and qp, stored before: see amx_gemm.h
+  for (int64_t b = 0; b < blocks; b += 2)
+    for (int64_t r = 0; r < rows; r += kRowTile) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < d; c += kAmxDepth) {
+        const Bf16* q = reinterpret_cast<const Bf16*>(qp + c / 2 * rows + r);
+        if (b + 1 < blocks)
+          llmc_amx::multiply<2>(k[b] + c, k[b + 1] + c, d * sizeof(Bf16), q, row_bytes);
+        else
+          llmc_amx::multiply<1>(k[b] + c, nullptr, d * sizeof(Bf16), q, row_bytes);
+      }
+      float* out = st + b * kBlock * rows + r;
+      _tile_stored(0, out, row_bytes);
+      _tile_stored(1, out + 16, row_bytes);
+      if (b + 1 < blocks) {
+        _tile_stored(2, out + kBlock * rows, row_bytes);
+        _tile_stored(3, out + kBlock * rows + 16, row_bytes);
+      }
+    }
+  llmc_amx::memory_fence();
+}
+
+// o [rows][d] = o * alpha + p [rows][kPairs pairs] x vp [steps * 16][d], 32 keys a step.
+__attribute__((target("amx-tile,amx-bf16"))) inline void values(const uint32_t* p, int64_t rows, int64_t steps,
+                                                                const uint32_t* vp, int64_t d, const float* alpha,
+                                                                float* o) {
+  alignas(64) float c[4][16][16];
+  llmc_amx::memory_fence();                       // p and vp, stored before
+  for (int64_t r = 0; r < rows; r += kRowTile)
+    for (int64_t col = 0; col < d; col += kAmxDepth) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const Bf16* a = reinterpret_cast<const Bf16*>(p + r * kPairs);   // a row: kPairs pairs, 2 kPairs bf16
+      const Bf16* b = reinterpret_cast<const Bf16*>(vp + col);
+      for (int64_t s = 0; s < steps; ++s)
+        llmc_amx::multiply<2>(a + 32 * s, a + 32 * (kPairs + s), kPairs * sizeof(uint32_t), b + 32 * s * d,
+                              d * sizeof(uint32_t));
+      _tile_stored(0, c[0], 16 * sizeof(float));
+      _tile_stored(1, c[1], 16 * sizeof(float));
+      _tile_stored(2, c[2], 16 * sizeof(float));
+      _tile_stored(3, c[3], 16 * sizeof(float));
+      llmc_amx::memory_fence();
+      for (int t = 0; t < 4; ++t)
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t row = r + 16 * (t / 2) + i;
+          float* out = o + row * d + col + 16 * (t % 2);
+          store16(out, load16(out) * alpha[row] + load16(c[t][i]));
+        }
+    }
+}
+
+// One key tile (keys first .. first + keys - 1) of an item whose rows are set up in w.
+inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first, int64_t keys, int64_t rows,
+                     Scratch& w) {
+  const int64_t d = in.g.head_dim, padded = (keys + 15) / 16 * 16, pairs = padded / 2, steps = (pairs + 15) / 16;
+  const int64_t first_pos = in.first_pos(it), last_pos = first_pos + it.num_queries - 1;
+  const Bf16 *k[tiles::kKeys / kBlock], *v[tiles::kKeys / kBlock];
+  key_blocks(in, it, first, keys, reinterpret_cast<Bf16*>(w.tail.data()), k, v);
+  scores(k, padded / kBlock, w.qp.data(), rows, d, w.s.data());
+  const tiles::ScoreRule rule{in.scale, in.softcap, in.window};
+  tiles::softmax<true>(w.s.data(), rows, padded, first, w.pos.data(), masks(in, first, padded, first_pos, last_pos),
+                       rule, w.max.data(), w.sum.data(), w.alpha.data(), w.pp.data());
+  std::fill(w.pp.begin() + pairs * rows, w.pp.begin() + steps * 16 * rows, 0u);   // a half step: no keys
+  for (int64_t r = 0; r < rows; r += 16)
+    for (int64_t s = 0; s < steps; ++s) transpose16(&w.pp[s * 16 * rows + r], rows, &w.kp[r * kPairs + s * 16], kPairs);
+  pair_values(v, pairs, d, w.vp.data());
+  std::fill(w.vp.begin() + pairs * d, w.vp.begin() + steps * 16 * d, 0u);
+  values(w.kp.data(), rows, steps, w.vp.data(), d, w.alpha.data(), w.o.data());
+}
+
+}  // namespace amx_attention
+
+// A prompt chunk on AMX tiles (the contract above); the thread must be allowed the tile state.
+inline void run_tiles_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, const Item& it, Scratch& w) {
+  const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
+  const int64_t last_pos = first_pos + it.num_queries - 1;
+  const int64_t padded_rows = (rows + amx_attention::kRowTile - 1) / amx_attention::kRowTile * amx_attention::kRowTile;
+  start_tiles(in, it, rows, padded_rows, 1.f, w);   // w.q holds q's bf16 values exactly
+  pack_query_pairs(w, rows, padded_rows, d);
+  w.pp.resize(tiles::kKeys / 2 * padded_rows);
+  w.kp.resize(padded_rows * amx_attention::kPairs);
+  w.vp.resize(tiles::kKeys / 2 * d);
+  w.tail.resize(2 * kBlock * d / 2);                // two blocks of bf16 rows, as uint32 pairs
+  llmc_amx::configure_tiles();
+  for (int64_t first = in.first_block(first_pos) * kBlock; first <= last_pos; first += tiles::kKeys)
+    amx_attention::key_tile(in, it, first, std::min(tiles::kKeys, last_pos + 1 - first), padded_rows, w);
+  llmc_amx::release_tiles();
+  finish_rows(in, it, rows, w);
+}
+#endif
+
+// A chunk of more than one query: AMX tiles for bf16 q and cache where amx_attention_usable, bf16
+// pairs (vdpbf16ps) for other bf16 q where the CPU has AVX512_BF16, else fp32 tiles.
+template <typename T, typename C>
+void run_chunk(const Inputs<T, C>& in, const Item& it, Scratch& w) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if defined(__x86_64__)
+    if constexpr (std::is_same_v<C, c10::BFloat16>)
+      if (amx_attention_usable(in.g.head_dim)) return run_tiles_amx(in, it, w);
+#endif
+    return run_tiles_bf16(in, it, w);
+  }
+#endif
+  run_tiles(in, it, w);
+}
+
+}  // namespace llmc_cpu
