@@ -14,6 +14,11 @@ of 2 or more queries over a bf16 KV cache) on AMX tiles, kernels/cpu/amx_attenti
 is a multiple of `AMX_ATTENTION_DEPTH`; else it runs on the AVX-512 (vdpbf16ps) tiles of
 attention_items.h. `attention_path` says which, and why.
 
+Quantized GEMMs with int8 activations over quads (kernels/cpu/qdot_gemm.cpp) take AMX-INT8 tiles
+(kernels/cpu/amx_qgemm.h; the CPU's AMX-INT8 and the same tile state) from `AMX_INT8_MIN_TOKENS`
+tokens, the AVX512-VNNI kernel below that and wherever AMX-INT8 is not usable, with the same numbers
+on both paths; `cpu_qgemm_path` says which, and why.
+
 Environment:
   LLMC_CPU_AMX=off          bf16 GEMMs on the AVX-512 panel kernel even where AMX is usable (read
                             at each GEMM, so a test can compare both paths in one process)
@@ -31,6 +36,7 @@ import torch
 AMX_OVERRIDE = "LLMC_CPU_AMX"
 AMX_REFUSE_HOOK = "LLMC_AMX_TEST_REFUSE"
 AMX_MIN_TOKENS = 4               # llmc_amx::kMinTokens
+AMX_INT8_MIN_TOKENS = 32         # llmc_amx_int8::kMinTokens
 AMX_ATTENTION_DEPTH = 32         # llmc_cpu::kAmxDepth: AMX prompt attention needs head_dim a multiple of it
 
 
@@ -66,6 +72,23 @@ def describe_attention_path(head_dim: int, cache_dtype: torch.dtype = torch.bflo
     return f"prompt attention {path}" + (f" ({why})" if why else "")
 
 
+def cpu_qgemm_path() -> tuple[str, str]:
+    """(path, why) of int8-activation GEMMs of AMX_INT8_MIN_TOKENS or more tokens: ("amx-int8", "")
+    or the fallback ("avx512-vnni", or "portable" without VNNI) and the reason AMX is not taken.
+    Needs the native kernels loaded."""
+    path, why = torch.ops.llmc.cpu_qgemm_path()
+    return path, why
+
+
+def describe_qgemm_path() -> str:
+    """'amx-int8 from 32 tokens, avx512-vnni below', or 'avx512-vnni; no AMX-INT8: why', for the
+    kernel line of a quantized artifact with int8 activations."""
+    path, why = cpu_qgemm_path()
+    if why:
+        return f"{path}; no AMX-INT8: {why}"
+    return f"{path} from {AMX_INT8_MIN_TOKENS} tokens, {torch.ops.llmc.qdot_isa()} below"
+
+
 def announce_gemm_path(log: logging.Logger) -> None:
     """One INFO line where bf16 GEMMs do not run on AMX, and one for prompt attention, saying why
     (the native kernels' loader calls this once per process)."""
@@ -73,3 +96,11 @@ def announce_gemm_path(log: logging.Logger) -> None:
     if why:
         log.info("%s: bf16 GEMMs run on %s", why, path)
         log.info("%s: bf16 prompt attention runs on %s tiles", why, path)
+
+
+def announce_qgemm_path(log: logging.Logger) -> None:
+    """One INFO line where int8-activation GEMMs do not run on AMX-INT8, saying why (the native
+    kernels' loader calls this once per process)."""
+    path, why = cpu_qgemm_path()
+    if why:
+        log.info("%s: int8-activation GEMMs run on %s", why, path)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .amx import announce_gemm_path
+from .amx import announce_gemm_path, announce_qgemm_path
 from .step_plan_isa import STEP_PLAN_ISA
 from .step_plan_isa_header import HEADER_NAME, render_header
 
@@ -128,3 +128,4 @@ def load_native_kernels() -> None:
         builder_log.setLevel(level)
     check_isa_hash(loaded_isa_hash(), build)
     announce_gemm_path(logging.getLogger("llmc"))
+    announce_qgemm_path(logging.getLogger("llmc"))

@@ -26,6 +26,7 @@ from llmc.compiler.ops import OPS, Operands, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.compiler.ops.rope import norm_rounding, qkv_columns
 
+from .amx import describe_qgemm_path
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
 from .gemv import (GemvWeight, gemv_fits, gemv_ref, int8_activations_fit, prepare_linear_weight,
                    prepare_qlinear_weight, quantized_weight_rows, run_gemv)
@@ -208,15 +209,15 @@ def choose_activations(activations: str) -> str:
 
 
 def described_kernels(weights: dict[str, Any], activations: str) -> str:
-    """'native', or with quantized GEMMs 'native, int8 activations (avx512-vnni)' or '..., float activations'
-    (and how many keep float activations where int8 was asked for)."""
+    """'native', or with quantized GEMMs 'native, int8 activations (amx-int8 from 32 tokens, avx512-vnni
+    below)' or '..., float activations' (and how many keep float activations where int8 was asked for)."""
     quantized = {id(w): w for w in weights.values() if isinstance(w, GemvWeight) and w.bits}.values()
     if not quantized:
         return "native"
     if activations == "float":
         return "native, float activations"
     kept = sum(w.layout != "quads" for w in quantized)
-    return (f"native, int8 activations ({torch.ops.llmc.qdot_isa()})"
+    return (f"native, int8 activations ({describe_qgemm_path()})"
             + (f", {kept} GEMMs float activations" if kept else ""))
 
 

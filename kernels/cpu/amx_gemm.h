@@ -14,7 +14,8 @@
 // T (its rows before the tile's first are computed again and not stored). C tiles go to a 16x16
 // fp32 buffer, then bias, one rounding, and only rows of the tile and columns below N are stored.
 //
-// The AMX path needs the CPU (CPUID.(EAX=7,ECX=0):EDX AMX-TILE bit 24, AMX-BF16 bit 22) and the
+// The AMX path needs the CPU (CPUID.(EAX=7,ECX=0):EDX AMX-TILE bit 24, AMX-BF16 bit 22; the int8
+// GEMM of amx_qgemm.h AMX-INT8 bit 25: support() and int8_support()) and the
 // Linux kernel's leave to use the tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
 // asked once per process, which holds for all its threads); without them, or with the override
 // LLMC_CPU_AMX=off, bf16 GEMMs run on the AVX-512 panel kernel. Each thread that runs AMX loads the
@@ -64,14 +65,22 @@ inline bool env_is(const char* name, const char* value) {
   return v != nullptr && std::string(v) == value;
 }
 
-// The CPU's AMX-BF16 and the kernel's leave for the tile state (asked here, once per process).
-inline Support probe_support() {
-#if !defined(__x86_64__)
-  return {false, "this CPU has no AMX-BF16"};
-#else
+// Whether the CPU has the feature at CPUID.(EAX=7,ECX=0):EDX bit `edx_bit` (AMX-TILE 24, AMX-BF16 22,
+// AMX-INT8 25).
+inline bool cpu_has(unsigned edx_bit) {
+#if defined(__x86_64__)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22)))
-    return {false, "this CPU has no AMX-BF16"};
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx & (1u << edx_bit));
+#else
+  return false;
+#endif
+}
+
+// The kernel's leave for the tile state, asked here (once per process: see probe_feature).
+inline Support probe_tile_state() {
+#if !defined(__x86_64__)
+  return {false, "this CPU has no AMX"};
+#else
   const long feature = env_is("LLMC_AMX_TEST_REFUSE", "1") ? kBogusXfeature : kXfeatureXtiledata;
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, feature) != 0)
     return {false, "AMX tile state refused by the kernel (arch_prctl errno " + std::to_string(errno) + ")"};
@@ -82,8 +91,20 @@ inline Support probe_support() {
 #endif
 }
 
+// One AMX feature (`edx_bit`, named `name`): the CPU's bits, then the tile state.
+inline Support probe_feature(unsigned edx_bit, const std::string& name) {
+  if (!cpu_has(24) || !cpu_has(edx_bit)) return {false, "this CPU has no " + name};
+  static const Support tiles = probe_tile_state();     // the kernel's leave holds for the whole process
+  return tiles;
+}
+
 inline const Support& support() {
-  static const Support s = probe_support();     // the kernel's leave holds for the whole process
+  static const Support s = probe_feature(22, "AMX-BF16");
+  return s;
+}
+
+inline const Support& int8_support() {
+  static const Support s = probe_feature(25, "AMX-INT8");
   return s;
 }
 

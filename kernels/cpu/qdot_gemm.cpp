@@ -9,19 +9,25 @@
 //           32p + j in its low nibble and input 8i + 4 + r in its high (kernels/panels.py)
 //   scales  f16 [P, K/G, 32]; mins (int4) the same layout; G a multiple of 32 dividing K
 //   n       N (32 (P - 1) < N <= 32 P), bias [N] in x's dtype or undefined (added in fp32)
-//   vnni    use AVX512-VNNI where this build has it (else the portable integer dots; same numbers)
+//   vnni    the CPU's integer dot products: AMX-INT8 tiles from llmc_amx_int8::kMinTokens tokens where
+//           usable (amx_qgemm.h), else AVX512-VNNI where this build has it; false: the portable
+//           integer dots (the same numbers on every path)
 //   -> out  [T, N] in x's dtype: per block the exact int32 dot of the codes, times d in fp32,
 //           summed over the group's blocks, times the group's scale; int4 adds min x the group's
 //           sum of d x (the block's code sum); rounded once.
-// qdot_isa() names the integer path `vnni` selects in this build.
+// qdot_isa() names the integer path `vnni` selects in this build below AMX's token count;
+// cpu_qgemm_path() -> ("amx-int8", "") or (qdot_isa(), why AMX-INT8 is not taken);
+// amx_qdot_gemm(x, codes, scales, mins, n, bias, bits, group_size) the same contract, always on AMX
+// tiles (at every token count; an error where AMX-INT8 is not usable): the AMX kernel's own check.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 
-#include "qdot_gemm.h"
+#include "amx_qgemm.h"
 #include "qweight_checks.h"
 
 namespace {
@@ -29,13 +35,18 @@ namespace {
 using llmc_panels::kPanel;
 using llmc_qdot::kBlock;
 
+enum class Path { kPortable, kChosen, kAmx };     // kChosen: qdot_range's choice (AMX or VNNI)
+
 template <int Bits, typename Out>
 void run_typed(const llmc_qdot::QActs& q, const llmc_qdot::QuadPanels& w, int64_t tokens, int64_t num_panels,
-               int64_t n_dim, const at::Tensor& bias, at::Tensor& out, bool vnni) {
+               int64_t n_dim, const at::Tensor& bias, at::Tensor& out, Path path) {
   const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
   Out* o = out.data_ptr<Out>();
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-    llmc_qdot::qdot_gemm_range<Bits>(q, w, tokens, b, o, n_dim, begin, end, vnni);
+#if defined(__x86_64__)
+    if (path == Path::kAmx) return llmc_amx_int8::gemm_range<Bits>(q, w, tokens, b, o, n_dim, begin, end);
+#endif
+    llmc_amx_int8::qdot_range<Bits>(q, w, tokens, b, o, n_dim, begin, end, path == Path::kChosen);
   });
 }
 
@@ -60,9 +71,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   llmc_qweights::check_panel_params(x, scales, mins, bias, n_dim, panels, k_dim / group, bits);
 }
 
-at::Tensor qdot_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias_opt,
-                     int64_t bits, int64_t group, bool vnni) {
+at::Tensor run(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+               const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias_opt,
+               int64_t bits, int64_t group, Path path) {
   const at::Tensor bias = bias_opt.value_or(at::Tensor());
   check_inputs(x_in, codes, scales, mins, n_dim, bias, bits, group);
   const at::Tensor x = x_in.contiguous();
@@ -76,14 +87,32 @@ at::Tensor qdot_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at::
                                 k_dim / group};
   at::Tensor out = at::empty({tokens, n_dim}, x.options());
   if (bits == 8 && f32)
-    run_typed<8, float>(q, w, tokens, panels, n_dim, bias, out, vnni);
+    run_typed<8, float>(q, w, tokens, panels, n_dim, bias, out, path);
   else if (bits == 8)
-    run_typed<8, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, vnni);
+    run_typed<8, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, path);
   else if (f32)
-    run_typed<4, float>(q, w, tokens, panels, n_dim, bias, out, vnni);
+    run_typed<4, float>(q, w, tokens, panels, n_dim, bias, out, path);
   else
-    run_typed<4, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, vnni);
+    run_typed<4, c10::BFloat16>(q, w, tokens, panels, n_dim, bias, out, path);
   return out;
+}
+
+at::Tensor qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias,
+                     int64_t bits, int64_t group, bool vnni) {
+  return run(x, codes, scales, mins, n_dim, bias, bits, group, vnni ? Path::kChosen : Path::kPortable);
+}
+
+at::Tensor amx_qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias,
+                         int64_t bits, int64_t group) {
+  TORCH_CHECK(llmc_amx::int8_support().usable, "AMX-INT8 is not usable here: ", llmc_amx::int8_support().why);
+  return run(x, codes, scales, mins, n_dim, bias, bits, group, Path::kAmx);
+}
+
+std::tuple<std::string, std::string> cpu_qgemm_path() {
+  auto [path, why] = llmc_amx_int8::qgemm_path();
+  return {path, why};
 }
 
 std::string qdot_isa() { return llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable"; }
@@ -93,7 +122,13 @@ std::string qdot_isa() { return llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
         "int group_size, bool vnni) -> Tensor");
+  m.def("amx_qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
+        "int group_size) -> Tensor");
   m.def("qdot_isa() -> str", &qdot_isa);
+  m.def("cpu_qgemm_path() -> (str, str)", &cpu_qgemm_path);
 }
 
-TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("qdot_gemm", &qdot_gemm); }
+TORCH_LIBRARY_IMPL(llmc, CPU, m) {
+  m.impl("qdot_gemm", &qdot_gemm);
+  m.impl("amx_qdot_gemm", &amx_qdot_gemm);
+}

@@ -17,7 +17,7 @@
 #include "attention_decode.h"
 #include "attention_work.h"
 #include "amx_gemm.h"
-#include "qdot_gemm.h"
+#include "amx_qgemm.h"
 #include "qpanel_gemm.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "token_rows.h"
@@ -229,9 +229,9 @@ void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t row
   const auto [begin, end] = share(a[A::num_panels], tid, team);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
   if (a[A::bits] == 8)
-    llmc_qdot::qdot_gemm_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+    llmc_amx_int8::qdot_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
   else
-    llmc_qdot::qdot_gemm_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+    llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
 }
 
 // A quantized GEMM: x widened to fp32 (tokens split, then a barrier), then the panels split.
