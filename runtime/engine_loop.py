@@ -16,7 +16,9 @@ taken at the start of a turn, never while the engine is between stages. A step t
 fails only the requests computed in it (the engine reports them finished with an error); an
 unexpected error outside a step's computation fails every request in flight, and the loop goes
 on serving new ones. Back-pressure: with `max_waiting`, a submit that would leave more than that
-many requests waiting to be scheduled raises QueueFull.
+many requests waiting to be scheduled raises QueueFull. `start` ends the starting thread's idle
+OpenMP workers (step_pipeline.release_idle_threads): with two threads' pools alive the loop
+thread's team sleeps at the step's barriers instead of spinning.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from .request import Completion, PreparedRequest, RequestOutput
 from .sampling_params import RequestError, SamplingParams
+from .step_pipeline import release_idle_threads
 
 if TYPE_CHECKING:
     from .engine import Engine, EngineStats
@@ -88,6 +91,7 @@ class EngineLoop:
         if self.engine.has_unfinished():
             raise RuntimeError("the engine already has requests added directly; finish them before a loop owns it")
         self._accepting = True
+        release_idle_threads(self.engine.runner.device)     # the loop thread's team: the process's only one
         self._thread.start()
         return self
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.kernels.native import native_kernels_loaded
+
 from .scheduler import Chunk, ScheduledStep
 from .step_inputs import StepInputs
 
@@ -77,6 +79,25 @@ def advance(chunks: list[Chunk], now: float) -> None:
         if not c.num_drafts:
             c.seq.num_computed = c.end
             c.seq.num_pending += c.samples
+
+
+def release_idle_threads(device: torch.device) -> None:
+    """End the calling thread's idle OpenMP workers before another thread (an engine loop's)
+    computes the steps on the CPU: OpenMP keeps a pool of workers per thread that opened a parallel
+    region, and libgomp, counting every pool's workers against the cores, shortens its barrier spin
+    from ~300000 to ~100 turns once they outnumber the cores. A step plan meets a barrier after each
+    of its few hundred kernels, so the team then sleeps and wakes in the kernel at most of them:
+    batch-1 decode streamed from the loop thread took ~2.5x the step that `llmc profile` timed in
+    the thread that built the engine (SmolLM2 int4, 2-core Xeon). The runtime starts new workers if the caller computes again. Where the
+    native kernels are not loaded (nothing to call) the workers stay, said at INFO."""
+    if device.type != "cpu":
+        return
+    if not native_kernels_loaded():
+        log.info("the calling thread's idle OpenMP threads stay (the native kernels are not loaded): the "
+                 "loop thread's team may sleep at its barriers")
+    elif torch.ops.llmc.release_idle_threads() != 0:
+        log.info("the OpenMP runtime kept the calling thread's idle threads (called inside a parallel region): "
+                 "the loop thread's team may sleep at its barriers")
 
 
 def leaves_a_core(cores: int, threads: int, local_ranks: int = 1) -> bool:

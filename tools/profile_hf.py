@@ -2,11 +2,11 @@
 same model, same dtype, same machine, in the same run, timed at the same boundaries as llmc.
 
 decode: each side generates greedily from the same 16-token prompt, EOS ignored, and its time per
-output token runs from the first token out to the last (llmc: `served_decode`, the engine's own
-steps with its sampler; transformers: `generate`'s streamer, its own greedy pick inside), so
-neither side's prefill nor its set-up is in the figure. transformers runs every path a user would
-try for batch 1 (hf_paths: sdpa or eager, the static cache, torch.compile over it where asked,
-bf16 autocast for float32), and the fastest counts. prefill: one forward over `prompt_len`
+output token runs from the first token out to the last (llmc: `served_decode`, streamed through
+the engine loop's thread as `llmc generate` streams; transformers: `generate`'s streamer, its own
+greedy pick inside), so neither side's prefill nor its set-up is in the figure. transformers runs
+every path a user would try for batch 1 (hf_paths: sdpa or eager, the static cache, torch.compile
+over it where asked, bf16 autocast for float32), and the fastest counts. prefill: one forward over `prompt_len`
 tokens with the logits of the last position only, as llmc's prefill computes them, with sdpa or
 eager (and bf16 autocast for float32): the best of two timed calls after a warm-up, fastest path;
 and the fastest path without autocast too (`prefill_own_dtype_s`), which computes in the model's
@@ -32,15 +32,14 @@ def decode_prompt(vocab: int, length: int = PROMPT_FOR_DECODE, seed: int = 0) ->
 
 
 def served_decode(engine: Engine, prompt: list[int], tokens: int) -> float:
-    """llmc's batch-1 seconds per output token as a serving engine runs it: one request through
-    `engine.step()` (scheduler, runner, sampler), first token out to last token out."""
-    engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True))
+    """llmc's batch-1 seconds per output token as a user gets them: one request streamed by
+    `engine.stream` (`llmc generate`'s path: an engine loop's thread runs the scheduler, the steps,
+    the sampler and the detokenizer, and hands each output to this thread), first token out to last."""
     clock = TokenClock()
     clock.put(prompt)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids:
-                clock.put(out.new_token_ids)
+    for out in engine.stream(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)):
+        if out.new_token_ids:
+            clock.put(out.new_token_ids)
     return clock.seconds_per_token()
 
 

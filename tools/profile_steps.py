@@ -15,9 +15,12 @@ is the rest of that time (its metadata, the runner, the greedy pick; a serving e
 and sampler are not in it). The bytes one decode step must read are every
 weight it multiplies by (the embedding table only for its one row) plus the sequence's K/V;
 bytes / step time, against the bandwidth, is how near the step is to memory speed.
-Batch-1 decode as served: one request of the same prompt length through the engine's own steps
-(scheduler, runner, sampler), first token out to last token out: the figure `--baseline hf`
-compares with transformers' `generate` timed at the same boundaries (profile_hf).
+Batch-1 decode as served: one request of the same prompt length streamed as `llmc generate`
+streams it (engine.stream: an engine loop's thread runs the scheduler, the steps, the sampler and
+the detokenizer), first token out to last token out, and its ratio to the step above (what the
+serving path adds: the host work, and a step run from another thread than the one that built the
+engine): the figure `--baseline hf` compares with transformers' `generate` timed at the same
+boundaries (profile_hf).
 Prefill: one prompt of `--prompt-len` tokens; its FLOPs are 2 x rows x every GEMM weight (rows:
 every token, or one after the logits gather) plus causal attention's
 2 x 2 x heads x head_dim x tokens (tokens + 1) / 2 per layer; FLOP/s against the matmul peak is
@@ -221,8 +224,9 @@ def format_profile(r: dict) -> str:
         f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
         f"{100 * d['of_bandwidth']:.0f}% of the read bandwidth (median of {len(d['rounds'])} rounds of "
         f"{ROUND_TOKENS} tokens, each against the samples beside it)",
-        f"batch-1 decode as served (engine steps with the sampler, first token out to last): "
-        f"{1000 * r['served_decode_s']:.1f} ms/token",
+        f"batch-1 decode as served (engine.stream: the engine loop's thread with the scheduler, sampler and "
+        f"detokenizer, first token out to last): {1000 * r['served_decode_s']:.1f} ms/token = "
+        f"{r['served_decode_s'] / d['seconds']:.2f}x the step above",
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",

@@ -440,10 +440,20 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
 // The description (kernels/step_plan_isa.py) this build's step_plan_isa.h was rendered from.
 std::string step_plan_isa_hash() { return kIsaHash; }
 
+// Ends the calling thread's idle OpenMP workers (OpenMP 5's soft pause; the runtime starts new ones
+// if this thread opens a parallel region again); 0 when done, nonzero when the runtime could not (the
+// caller is inside a parallel region). Each thread that opens a parallel region keeps its own pool of
+// workers, and libgomp counts every pool's workers against the cores: once they outnumber the cores
+// its barrier waits spin ~100 times instead of ~300000 and then sleep in the kernel, which costs a
+// team that meets a barrier after every kernel (a step plan) a futex wake each time. So the thread
+// that built an engine releases its workers before an engine loop's thread computes the steps.
+int64_t release_idle_threads() { return omp_pause_resource_all(omp_pause_soft); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("step_plan_isa_hash() -> str", &step_plan_isa_hash);
+  m.def("release_idle_threads() -> int", &release_idle_threads);
   m.class_<StepPlan>("StepPlan")
       .def(torch::init<bool, bool>())
       .def("constant", &StepPlan::constant)
