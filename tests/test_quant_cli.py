@@ -97,8 +97,11 @@ def test_quality_inspect_and_eval(tiny_family, tmp_path):
     same = json.loads(run_llmc("eval", float_art, "--against", float_art, "--tokens", "100", "--json").stdout)
     assert same["mean_kl"] == 0 and same["top1_agreement"] == 1 and same["delta_perplexity_percent"] == 0
     moved = json.loads(run_llmc("eval", out, "--against", float_art, "--tokens", "300", "--json").stdout)
-    assert moved["perplexity"] == pytest.approx(report["perplexity"], rel=1e-5)
-    assert moved["mean_kl"] == pytest.approx(report["mean_kl"], rel=1e-4)
+    # the same measurement in two processes: fp32 sums may split differently, and the int8 KV cache turns
+    # a last-bit difference into a flipped code now and then (CI saw the two perplexities 3e-5 apart);
+    # another measurement moves them more (this model with int8 activations: 3.6e-4, its KL by 35%)
+    assert moved["perplexity"] == pytest.approx(report["perplexity"], rel=1e-4)
+    assert moved["mean_kl"] == pytest.approx(report["mean_kl"], rel=0.05)
 
 
 def test_bench_quant_prints_a_row_per_recipe(tiny_family, tmp_path):
