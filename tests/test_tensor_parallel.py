@@ -110,8 +110,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Both ranks wait until rank 0 has saved, then leave without tearing gloo down: a rank that destroyed
+# its process group while the other was still saving died in teardown now and then (SIGABRT,
+# "terminate called without an active exception") after its work was done.
 HF_TP = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM
 dist.init_process_group("gloo")
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], tp_plan="auto", dtype=torch.float32)
@@ -119,7 +122,10 @@ with torch.no_grad():
     logits = model(torch.tensor([[int(t) for t in sys.argv[3].split(",")]])).logits[0]
 if dist.get_rank() == 0:
     torch.save(logits.log_softmax(-1), sys.argv[2])
-dist.destroy_process_group()
+dist.barrier()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
