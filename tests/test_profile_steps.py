@@ -74,6 +74,8 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     assert hf["prefill_own_dtype_s"] == min(own_dtype.values()) and hf["prefill_own_dtype_path"] in own_dtype
     assert ("prefill without autocast" in proc.stdout) == ("autocast" in hf["prefill_path"])
     assert result["served_decode_s"] > 0 and "as served" in proc.stdout and "same boundaries" in proc.stdout
+    served = result["served_decode_s"] / result["decode"]["seconds"]            # streamed, beside the step
+    assert f"{1000 * result['served_decode_s']:.1f} ms/token = {served:.2f}x the step above" in proc.stdout
     assert result["floor_kernel"].startswith("native read_floor")
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round
