@@ -24,8 +24,9 @@
 // wait at the barrier; one that fails stops the team after it and is raised once the region ends.
 //
 // The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
-// (attention_work.h) one at a time; a quantized GEMM first widens x into the run's fp32 scratch
-// (tokens split, then a barrier), as the op does (step_plan.h: each thread's work).
+// (attention_work.h) one at a time; a quantized GEMM first widens or quantizes x into the run's
+// scratch (split, then a barrier; in a small step every thread all of x for itself, no barrier), as the
+// op does (step_plan.h: each thread's work).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -390,7 +391,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   b.seqs = seqs;
   b.inputs = std::move(inputs);
   std::vector<at::Tensor> outputs = bind(b);
-  b.widened.resize(widened_per_row_ * std::max(rows, seqs));
+  const int64_t widened = widened_per_row_ * std::max(rows, seqs);    // the team's x scratch
+  b.widened_alone = widened <= kAloneFloats ? widened : 0;             // and each thread's own, in a small step
+  b.widened.resize(widened + b.widened_alone * at::get_num_threads());
   b.ptrs.assign(code_.size(), {});
   b.strides.assign(code_.size(), {});
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);

@@ -110,10 +110,22 @@ struct Bound {
   std::vector<int32_t> qsl;                   // each sequence's first query row (decode: 0, 1, ..., S)
   std::vector<std::vector<char*>> ptrs;       // per instruction: a generated kernel's ptrs
   std::vector<std::vector<int64_t>> strides;  // and strides (empty for the others)
-  mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums
-                                              // (the team writes it)
+  mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums, or
+                                              // x quantized (the team writes it)
+  int64_t widened_alone = 0;                  // > 0: a small step, each thread's own x scratch of this
+                                              // many floats, after the team's (x_scratch)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
 };
+
+// A quantized GEMM's x of at most this many floats of scratch (rows x (K + K/G)) is prepared (quantized or
+// widened) by every thread for itself, with no barrier: a few thousand values take about as long as a
+// barrier, and a batch-1 decode met one per quantized GEMM while one thread did the whole token.
+constexpr int64_t kAloneFloats = 4096;
+
+// Where thread `tid` prepares a quantized GEMM's x: the team's scratch, or its own in a small step.
+inline float* x_scratch(const Bound& b, int tid) {
+  return b.widened.data() + (b.widened_alone ? (1 + tid) * b.widened_alone : 0);
+}
 
 // Attention: the team takes the step's work items one at a time, most costly first; a decode
 // (one query) runs attention_decode.h's run_decode, a prompt chunk attention_items.h's tiles.
@@ -212,17 +224,23 @@ void qembed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
 }
 
 // A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
-// split, so one token's are shared too, then a barrier) into the run's scratch, then the panels split.
+// split, so one token's are shared too, then a barrier; in a small step each thread all of them for
+// itself), then the panels split.
 template <typename X>
 void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group];
-  const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(b.widened.data()), rows, k);
-  const auto [qfirst, qlast] = share(rows * (k / llmc_qdot::kBlock), tid, team);
-  llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
+  const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(x_scratch(b, tid)), rows, k);
+  const int64_t blocks = rows * (k / llmc_qdot::kBlock);
+  if (b.widened_alone) {
+    llmc_qdot::quantize_blocks(x_at(a[A::x]), q, 0, blocks);
+  } else {
+    const auto [qfirst, qlast] = share(blocks, tid, team);
+    llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
 #pragma omp barrier
+  }
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
                                 reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
@@ -234,7 +252,8 @@ void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t row
     llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
 }
 
-// A quantized GEMM: x widened to fp32 (tokens split, then a barrier), then the panels split.
+// A quantized GEMM: x widened to fp32 (tokens split, then a barrier; in a small step each thread all of
+// them for itself), then the panels split.
 template <typename X>
 void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
   namespace A = arg::qlinear;
@@ -242,10 +261,14 @@ void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, i
   if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
-  float* xf = b.widened.data();
+  float* xf = x_scratch(b, tid);
   float* xsum = xf + rows * k;
-  llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, first, last);
+  if (b.widened_alone) {
+    llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, 0, rows);
+  } else {
+    llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, first, last);
 #pragma omp barrier
+  }
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
                                 group, k / group};
