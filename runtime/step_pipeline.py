@@ -88,8 +88,10 @@ def release_idle_threads(device: torch.device) -> None:
     from ~300000 to ~100 turns once they outnumber the cores. A step plan meets a barrier after each
     of its few hundred kernels, so the team then sleeps and wakes in the kernel at most of them:
     batch-1 decode streamed from the loop thread took ~2.5x the step that `llmc profile` timed in
-    the thread that built the engine (SmolLM2 int4, 2-core Xeon). The runtime starts new workers if the caller computes again. Where the
-    native kernels are not loaded (nothing to call) the workers stay, said at INFO."""
+    the thread that built the engine (SmolLM2 int4, 2-core Xeon). With the release both spin alike,
+    also where other processes load the cores (a preempted teammate then keeps the others spinning:
+    the barrier's cost, the same for the profiled step). The runtime starts new workers if the
+    caller computes again. Where the native kernels are not loaded the workers stay, said at INFO."""
     if device.type != "cpu":
         return
     if not native_kernels_loaded():
