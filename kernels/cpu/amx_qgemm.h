@@ -133,26 +133,39 @@ struct TileSums {
   float msum[2 * kRows];
 };
 
-// Blocks c0 .. c1 - 1 (at most kChunk) of `tile` into its sums: their C tiles first, then per token
-// per block part += dot x d (int4: msum += d x code sum), and at a group's last block acc += part x
-// the group's scales (int4: + mins x msum), part and msum back to 0.
+// Blocks c0 .. c1 - 1 (at most kChunk) of a tile: their C tiles, and at a block that ends a group
+// that group's scales (int4: mins) in fp32.
+struct ChunkTiles {
+  alignas(64) int32_t c[kChunk][4][kRows][kRows];
+  Vec16 scale[kChunk][2], group_min[kChunk][2];
+  bool group_ends[kChunk];
+};
+
+template <int M, int Bits>
+void chunk_tiles(const QActs& x, const int8_t* b, const QuadPanels& w, int64_t p, const TokenTile& tile, int64_t c0,
+                 int64_t c1, ChunkTiles& ct) {
+  const int64_t per_group = w.group / kBlock;
+  for (int64_t blk = c0; blk < c1; ++blk) {
+    ct.group_ends[blk - c0] = (blk + 1) % per_group == 0;
+    block_dots<M>(x.codes + tile.s[0] * x.k_dim + blk * kBlock, x.codes + tile.s[1] * x.k_dim + blk * kBlock,
+                  x.k_dim, b + blk * kBlockRows * kQuadRow, ct.c[blk - c0]);
+    const int64_t at = (p * w.groups + blk / per_group) * kPanel;
+    for (int h = 0; ct.group_ends[blk - c0] && h < 2; ++h) {
+      ct.scale[blk - c0][h] = llmc_qdot::load16_half(w.scales + at + 16 * h);
+      if constexpr (Bits == 4) ct.group_min[blk - c0][h] = llmc_qdot::load16_half(w.mins + at + 16 * h);
+    }
+  }
+}
+
+// Blocks c0 .. c1 - 1 of `tile` into its sums: per token per block part += dot x d (int4: msum +=
+// d x code sum), and at a group's last block acc += part x the group's scales (int4: + mins x
+// msum), part and msum back to 0.
 template <int M, int Bits>
 void chunk_sums(const QActs& x, const int8_t* b, const QuadPanels& w, int64_t p, const TokenTile& tile, int64_t c0,
                 int64_t c1, TileSums& sums) {
-  const int64_t blocks = x.k_dim / kBlock, per_group = w.group / kBlock;
-  alignas(64) int32_t c[kChunk][4][kRows][kRows];
-  Vec16 scale[kChunk][2], group_min[kChunk][2];                 // of the group that ends at each block
-  bool group_ends[kChunk];
-  for (int64_t blk = c0; blk < c1; ++blk) {
-    group_ends[blk - c0] = (blk + 1) % per_group == 0;
-    block_dots<M>(x.codes + tile.s[0] * x.k_dim + blk * kBlock, x.codes + tile.s[1] * x.k_dim + blk * kBlock,
-                  x.k_dim, b + blk * kBlockRows * kQuadRow, c[blk - c0]);
-    const int64_t at = (p * w.groups + blk / per_group) * kPanel;
-    for (int h = 0; group_ends[blk - c0] && h < 2; ++h) {
-      scale[blk - c0][h] = llmc_qdot::load16_half(w.scales + at + 16 * h);
-      if constexpr (Bits == 4) group_min[blk - c0][h] = llmc_qdot::load16_half(w.mins + at + 16 * h);
-    }
-  }
+  const int64_t blocks = x.k_dim / kBlock;
+  ChunkTiles ct;
+  chunk_tiles<M, Bits>(x, b, w, p, tile, c0, c1, ct);
   for (int64_t i = 0; i < tile.tt; ++i) {
     const int64_t t = tile.t0 + i, m = i >= kRows, row = tile.c_row(i);
     Vec16 part[2] = {sums.part[i][0], sums.part[i][1]}, acc[2] = {sums.acc[i][0], sums.acc[i][1]};
@@ -161,14 +174,14 @@ void chunk_sums(const QActs& x, const int8_t* b, const QuadPanels& w, int64_t p,
       const float d = x.scales[t * blocks + blk];
       for (int h = 0; h < 2; ++h) {
         Int16 dots;
-        std::memcpy(&dots, c[blk - c0][2 * m + h][row], sizeof(dots));
+        std::memcpy(&dots, ct.c[blk - c0][2 * m + h][row], sizeof(dots));
         part[h] += __builtin_convertvector(dots, Vec16) * llmc_cpu::splat(d);
       }
       if constexpr (Bits == 4) msum += d * static_cast<float>(x.sums[t * blocks + blk]);
-      if (!group_ends[blk - c0]) continue;
-      for (int h = 0; h < 2; ++h) acc[h] += part[h] * scale[blk - c0][h], part[h] = Vec16{};
+      if (!ct.group_ends[blk - c0]) continue;
+      for (int h = 0; h < 2; ++h) acc[h] += part[h] * ct.scale[blk - c0][h], part[h] = Vec16{};
       if constexpr (Bits == 4)
-        for (int h = 0; h < 2; ++h) acc[h] += group_min[blk - c0][h] * llmc_cpu::splat(msum);
+        for (int h = 0; h < 2; ++h) acc[h] += ct.group_min[blk - c0][h] * llmc_cpu::splat(msum);
       msum = 0.f;
     }
     for (int h = 0; h < 2; ++h) sums.part[i][h] = part[h], sums.acc[i][h] = acc[h];
