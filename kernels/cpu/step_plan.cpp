@@ -1,9 +1,10 @@
 // A step plan: one entry graph lowered to a list of native kernel calls (runtime/step_plan.py does
 // the lowering and states the contract), run in one OpenMP parallel region by one team of
-// threads with a barrier between calls. A decode step of a small model is a few hundred short
-// calls; launched one by one from Python, each pays the interpreter, the dispatcher, an output
-// allocation and a fork/join of the threads, which together cost as much as a quarter of the
-// step. Here a step costs one call from Python, and a barrier per kernel.
+// threads with a barrier between calls (team_barrier.h: it spins a bounded time, then sleeps). A
+// decode step of a small model is a few hundred short calls; launched one by one from Python, each
+// pays the interpreter, the dispatcher, an output allocation and a fork/join of the threads, which
+// together cost as much as a quarter of the step. Here a step costs one call from Python, and a
+// barrier per kernel.
 //
 // Values live in four places: constants (weights, held by the plan), the step's inputs (given to
 // run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
@@ -401,6 +402,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
+  llmc_cpu::TeamBarrier barrier;            // spins a while, then sleeps (team_barrier.h)
+  b.barrier = &barrier;
   std::atomic<int64_t> failed_at{-1};       // a collective that failed: the team stops after it
   std::string failure;
   const auto typed = [&](auto* x_type, auto* c_type) {
@@ -411,6 +414,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
       llmc_cpu::Scratch scratch;
       std::vector<float> row(2 * max_head_dim_);  // a rotation's scratch: its normed head and rotated row
+#pragma omp single
+      barrier.reset(team);
       if (timed && tid == 0) stamps[0] = Clock::now();
       for (size_t i = 0; i < code_.size(); ++i) {
         if (code_[i].op == kAllReduce || code_[i].op == kAllGather) {
@@ -418,7 +423,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
         } else {
           llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
         }
-#pragma omp barrier
+        barrier.wait();
         if (timed && tid == 0) stamps[i + 1] = Clock::now();
         if (failed_at.load() == static_cast<int64_t>(i)) break;
       }

@@ -20,6 +20,7 @@
 #include "amx_qgemm.h"
 #include "qpanel_gemm.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
+#include "team_barrier.h"
 #include "token_rows.h"
 
 namespace llmc_plan {
@@ -115,6 +116,7 @@ struct Bound {
   int64_t widened_alone = 0;                  // > 0: a small step, each thread's own x scratch of this
                                               // many floats, after the team's (x_scratch)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
+  llmc_cpu::TeamBarrier* barrier = nullptr;   // the team's (team_barrier.h), between kernels and inside one
 };
 
 // A quantized GEMM's x of at most this many floats of scratch (rows x (K + K/G)) is prepared (quantized or
@@ -239,7 +241,7 @@ void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t row
   } else {
     const auto [qfirst, qlast] = share(blocks, tid, team);
     llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
-#pragma omp barrier
+    b.barrier->wait();
   }
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
@@ -267,7 +269,7 @@ void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, i
     llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, 0, rows);
   } else {
     llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, first, last);
-#pragma omp barrier
+    b.barrier->wait();
   }
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
