@@ -7,8 +7,8 @@ read from memory; a CPU with a larger cache takes larger buffers), and a sample 
 over them. Software prefetch helps some CPUs and not others, at distances and cache hints that
 differ, and so does whether a core reads several streams faster than one, so every strategy in
 kernels/read_floor.py's list (prefetches times 1, 2 or 4 streams a thread; the panel GEMVs' own among
-them) is tried each time and the best counts. The floor moves with the neighbours' load on a shared machine, so a profile samples it
-beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
+them) is tried each time and the best counts. The floor moves with the neighbours' load on a shared
+machine, so a profile samples it beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
 GEMV has read faster than, so it is no ceiling) and says so once.
 """
 
