@@ -18,14 +18,12 @@ import torch
 
 from llmc.compiler.driver import CompileConfig, compile_model
 from llmc.kernels.amx import AMX_OVERRIDE, attention_path, cpu_gemm_path, describe_attention_path
-from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.model_runner import build_step_inputs
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.step_plan import StepPlanProgram
-from paged_layout import poisoned_caches
 from test_step_plan import executor, sequences
-from test_native_int8_kv import poison_outside_window
+from test_native_int8_kv import attention_run
 from tolerances import EPS, assert_as_close_as_ref
 
 BF16 = torch.bfloat16
@@ -50,17 +48,8 @@ def amx_or_skip() -> None:
 
 def check(lens, chunks, heads, kv_heads, head_dim, seed, window=0, softcap=0.0) -> None:
     """The native op over a poisoned cache against the ref and float64 over a clean one."""
-    clean, poisoned, tables = poisoned_caches(lens, kv_heads, head_dim, BF16, BF16, 16, seed)
-    if window:
-        poison_outside_window(poisoned, tables, lens, chunks, window)
-    qsl = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(sum(chunks), heads * head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(BF16)
-    seq_lens, scale, options = torch.tensor(lens, dtype=torch.int32), head_dim ** -0.5, dict(window=window,
-                                                                                            softcap=softcap)
-    got = paged_attention_cpu(q, poisoned, tables, seq_lens, qsl, 1, scale, **options)
-    want = paged_attention_ref(q, clean, tables, seq_lens, qsl, 1, head_dim, scale, **options)
-    exact = paged_attention_ref(q.double(), clean.double(), tables, seq_lens, qsl, 1, head_dim, scale, **options)
-    assert got.isfinite().all()
+    got, want, exact, clean = attention_run(lens, chunks, heads, kv_heads, head_dim, BF16, BF16, seed,
+                                            window=window, softcap=softcap)
     assert_as_close_as_ref(got, want, exact, BF16)
     bound = HALF_ULP * (clean[1, 1].abs().max().item() + exact.abs().max().item()) * 1.01   # fp32 slack
     assert (got.double() - exact).abs().max().item() <= bound

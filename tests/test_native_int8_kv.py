@@ -23,10 +23,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 BS = 16
 
 
-def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu,
-                    window=0, softcap=0.0):
-    """`kernel` (the native launcher or op) over a cache with NaN rows against the ref over a clean
-    one; with a window, the blocks before every query's window are NaN too (they must not be read)."""
+def attention_run(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu,
+                  window=0, softcap=0.0):
+    """(`kernel` (the native launcher or op) over a cache with NaN rows, the ref over a clean one, the
+    ref in float64, the clean cache); with a window, the blocks before every query's window are NaN
+    too (they must not be read)."""
     clean, poisoned, tables = poisoned_caches(lens, kv_heads, head_dim, cache_dtype, dtype, BS, seed)
     if window:
         poison_outside_window(poisoned, tables, lens, chunks, window)
@@ -39,6 +40,14 @@ def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype,
     exact_cache = clean if cache_dtype == torch.int8 else clean.double()
     exact = paged_attention_ref(q.double(), exact_cache, tables, seq_lens, qsl, 1, head_dim, scale, **options)
     assert got.isfinite().all()
+    return got, want, exact, clean
+
+
+def check_attention(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed=0, kernel=paged_attention_cpu,
+                    window=0, softcap=0.0):
+    """attention_run's kernel against the ref, as close to float64 as the ref is."""
+    got, want, exact, _ = attention_run(lens, chunks, heads, kv_heads, head_dim, cache_dtype, dtype, seed, kernel,
+                                        window, softcap)
     assert_matches(got, want, exact, dtype, max(lens))
 
 
