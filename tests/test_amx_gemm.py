@@ -94,16 +94,23 @@ print(cpu_gemm_path()[0], (got.float() - want.float()).abs().max().item())
 """
 
 
+def run_refused(script: str) -> tuple[str, float, str]:
+    """`script` in a fresh process whose tile-state request the kernel is made to refuse (the test
+    hook, no override): (the path it printed, the error it printed, its stderr)."""
+    env = dict(os.environ, **{AMX_REFUSE_HOOK: "1"})
+    env.pop(AMX_OVERRIDE, None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path, err = proc.stdout.split()
+    return path, float(err), proc.stderr
+
+
 def test_a_refused_tile_state_falls_back_with_one_info_line(monkeypatch):
     monkeypatch.delenv(AMX_OVERRIDE, raising=False)
     amx_or_skip()
-    env = dict(os.environ, **{AMX_REFUSE_HOOK: "1"})
-    env.pop(AMX_OVERRIDE, None)
-    proc = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    path, err = proc.stdout.split()
-    assert path == "avx512-bf16" and float(err) <= 0.0625          # one bf16 rounding of values ~8
-    said = [line for line in proc.stderr.splitlines() if "bf16 GEMMs run on" in line]
+    path, err, stderr = run_refused(REFUSED)
+    assert path == "avx512-bf16" and err <= 0.0625          # one bf16 rounding of values ~8
+    said = [line for line in stderr.splitlines() if "bf16 GEMMs run on" in line]
     assert said == ["INFO AMX tile state refused by the kernel (arch_prctl errno 22): bf16 GEMMs run on avx512-bf16"]
 
 

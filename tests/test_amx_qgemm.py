@@ -17,19 +17,16 @@ and its executor's kernel line names the path. The AMX tests skip, saying why, w
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from llmc.kernels.amx import (AMX_INT8_MIN_TOKENS, AMX_OVERRIDE, AMX_REFUSE_HOOK, cpu_qgemm_path,
+from llmc.kernels.amx import (AMX_INT8_MIN_TOKENS, AMX_OVERRIDE, cpu_qgemm_path,
                               describe_qgemm_path)
 from llmc.kernels.gemv import prepare_qlinear_weight
 from llmc.kernels.quant import qlinear_int8act_ref
 from llmc.runtime.step_plan import StepPlanProgram
 import test_int8_activations
+from test_amx_gemm import run_refused
 from test_int8_activations import executor, quantized
 from tolerances import tolerance
 
@@ -131,13 +128,9 @@ print(cpu_qgemm_path()[0], (got.double() - want).abs().max().item() / want.abs()
 def test_a_refused_tile_state_falls_back_with_one_info_line(monkeypatch):
     monkeypatch.delenv(AMX_OVERRIDE, raising=False)
     amx_int8_or_skip()
-    env = dict(os.environ, **{AMX_REFUSE_HOOK: "1"})
-    env.pop(AMX_OVERRIDE, None)
-    proc = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    path, err = proc.stdout.split()
-    assert path == "avx512-vnni" and float(err) <= 1e-5                 # fp32 sums over 8 terms, relative
-    said = [line for line in proc.stderr.splitlines() if "int8-activation GEMMs run on" in line]
+    path, err, stderr = run_refused(REFUSED)
+    assert path == "avx512-vnni" and err <= 1e-5                 # fp32 sums over 8 terms, relative
+    said = [line for line in stderr.splitlines() if "int8-activation GEMMs run on" in line]
     assert said == ["INFO AMX tile state refused by the kernel (arch_prctl errno 22): "
                     "int8-activation GEMMs run on avx512-vnni"]
 
