@@ -1,7 +1,7 @@
 """The step plan's instruction set, described once: each instruction's name, its args in order with
 the role of each, and what its one float arg means. Both sides follow from it: `encode` (what
 runtime/step_plan.py's lowerings call, naming every arg) and the C++ header that
-kernels/cpu/step_plan.h and step_plan.cpp read args through (step_plan_isa_header.py renders it;
+kernels/cpu/step_plan.h, step_plan.cpp and step_plan_checks.cpp read args through (step_plan_isa_header.py renders it;
 kernels/native.py writes it before every build).
 
 Contract: an instruction's opcode is its place in `STEP_PLAN_ISA`; its args travel as one list of

@@ -1,6 +1,7 @@
 """The C++ side of the step plan's instruction set (kernels/step_plan_isa.py), rendered as a header:
 kernels/native.py writes it into the build folder as `step_plan_isa.h` before every build, and
-kernels/cpu/step_plan.h and step_plan.cpp read an instruction's args only through its names.
+kernels/cpu/step_plan.h, step_plan.cpp and step_plan_checks.cpp read an instruction's args only through
+its names.
 
 Contract: `render_header(isa)` is a self-contained C++17 header (it includes only <cstdint>) that
 declares, in namespace llmc_plan: `kIsaHash` (isa.hash()); `enum Op` numbered in the description's

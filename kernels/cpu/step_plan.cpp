@@ -9,11 +9,11 @@
 // Values live in four places: constants (weights, held by the plan), the step's inputs (given to
 // run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
 // overlap share a register, as runtime/step_plan.py assigned them) and outputs (fresh tensors
-// each run). Every
-// activation is [rows, width] in the plan's dtype (f32 or bf16), its rows the step's tokens or, after
-// a gather (index_select), the rows gathered (one per sequence, or more where a step asks for
-// logits at several positions); the KV cache is the plan's dtype or int8. Everything a kernel will read or write is checked before the parallel region (ids,
-// slots, block tables, lengths, shapes), so nothing inside it can fail.
+// each run). Every activation is [rows, width] in the plan's dtype (f32 or bf16), its rows the
+// step's tokens or, after a gather (index_select), the rows gathered (one per sequence, or more
+// where a step asks for logits at several positions); the KV cache is the plan's dtype or int8.
+// Everything a kernel will read or write is checked before the parallel region (ids, slots, block
+// tables, lengths, shapes: step_plan_checks.cpp), so nothing inside it can fail.
 //
 // Instructions: kernels/step_plan_isa.py describes each one (its args by name and role, in
 // order, and its float arg); the step_plan_isa.h generated from it (kernels/native.py writes it
@@ -32,7 +32,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <chrono>
@@ -41,116 +40,9 @@
 #include <tuple>
 #include <vector>
 
-#include "plan_collectives.h"
-#include "step_plan.h"
+#include "step_plan_program.h"
 
-namespace {
-
-using namespace llmc_plan;  // Op, arg::, the tables of step_plan_isa.h; Instr, Bound
-
-enum Place : int64_t { kConstant, kInput, kTemporary, kOutput };
-
-struct Value {
-  Place place;
-  int64_t index;   // constant, input or output number; a temporary's register
-  int64_t width;   // elements per row (temporaries and outputs)
-  bool seqs;       // rows are the gathered rows (IR dim R, logit rows), not the step's tokens
-  int64_t stride;  // elements from one row to the next: an activation's width, a constant's row
-                   // stride (0 if 1-D: one row for all); an input's is taken at each run
-};
-
-class StepPlan : public torch::CustomClassHolder {
- public:
-  StepPlan(bool bf16, bool int8_cache) : bf16_(bf16), int8_cache_(int8_cache) {}
-
-  int64_t constant(at::Tensor t) {
-    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), "a plan constant must be a contiguous CPU tensor");
-    const int64_t stride = t.dim() >= 2 ? t.stride(0) : 0;
-    constants_.push_back(std::move(t));
-    const int64_t id = add_value({kConstant, static_cast<int64_t>(constants_.size()) - 1, 0, false, stride});
-    constant_at_[id] = static_cast<char*>(constants_.back().data_ptr());
-    return id;
-  }
-  int64_t input(int64_t index, at::Tensor like) {
-    input_types_.resize(std::max<int64_t>(input_types_.size(), index + 1), at::kFloat);
-    input_types_[index] = like.scalar_type();
-    return add_value({kInput, index, 0, false, 0});
-  }
-  int64_t temporary(int64_t reg, int64_t width, bool seqs) {
-    for (auto* bytes : {&reg_bytes_, &reg_seq_bytes_}) bytes->resize(std::max<int64_t>(bytes->size(), reg + 1), 0);
-    int64_t& widest = (seqs ? reg_seq_bytes_ : reg_bytes_)[reg];
-    widest = std::max(widest, (width * element_bytes() + 63) / 64 * 64);
-    return add_value({kTemporary, reg, width, seqs, width});
-  }
-  int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs, width}); }
-  // The process group (c10d's name for it) the plan's collectives run on.
-  void set_group(std::string name) { group_ = std::move(name); }
-  // Instruction `op` (step_plan_isa.h's numbering) with its args, checked against the description.
-  void add(int64_t op, std::vector<int64_t> args, double f) {
-    TORCH_CHECK(op >= 0 && op < kNumOps, "plan op ", op, " is not one of step_plan_isa.h's ", kNumOps,
-                " instructions");
-    const int64_t count = args.size(), fixed = kFixedArgs[op];
-    TORCH_CHECK(kVariadic[op] ? count >= fixed : count == fixed, "plan instruction ", kOpNames[op], " takes ", fixed,
-                kVariadic[op] ? " args and a list of values" : " args", ", not ", count);
-    const auto is_value = [&](int64_t v) { return v >= 0 && v < static_cast<int64_t>(values_.size()); };
-    for (int64_t i = 0; i < fixed; ++i) {
-      TORCH_CHECK(!(kValueArgs[op] >> i & 1) || is_value(args[i]), "arg ", kArgNames[op][i], " of ", kOpNames[op],
-                  " is not a value");
-      TORCH_CHECK(!(kOptionalArgs[op] >> i & 1) || args[i] == -1 || is_value(args[i]), "arg ", kArgNames[op][i],
-                  " of ", kOpNames[op], " is neither -1 nor a value");
-    }
-    for (int64_t i = fixed; i < count; ++i)
-      TORCH_CHECK(is_value(args[i]), "value ", i - fixed, " of ", kOpNames[op], "'s list is not a value");
-    Instr in{static_cast<Op>(op), std::move(args), f};
-    note(in);
-    code_.push_back(std::move(in));
-  }
-  std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs) {
-    return std::get<0>(execute(std::move(inputs), rows, seqs, false));
-  }
-  // run, and each instruction's seconds (from the barrier before it to the one after).
-  std::tuple<std::vector<at::Tensor>, std::vector<double>> run_timed(std::vector<at::Tensor> inputs, int64_t rows,
-                                                                     int64_t seqs) {
-    return execute(std::move(inputs), rows, seqs, true);
-  }
-
- private:
-  int64_t add_value(Value v) {
-    values_.push_back(v);
-    constant_at_.push_back(nullptr);
-    return static_cast<int64_t>(values_.size()) - 1;
-  }
-  int64_t element_bytes() const { return bf16_ ? 2 : 4; }
-  void note(const Instr& in);
-  void check_generated(const Instr& in) const;
-  void check_collective(const Instr& in) const;
-  std::string run_collective(const Instr& in, const Bound& b) const;
-  void check_qembedding(const Instr& in) const;
-
-  std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
-                                                                   int64_t seqs, bool timed);
-  void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
-  std::vector<at::Tensor> bind(Bound& b);
-  void check(const Instr& in, int64_t index, Bound& b) const;
-  void check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t head_dim) const;
-  void bind_generated(const Instr& in, int64_t index, Bound& b) const;
-
-  bool bf16_, int8_cache_;
-  std::vector<at::Tensor> constants_;
-  std::vector<at::ScalarType> input_types_;
-  std::vector<Value> values_;
-  std::vector<char*> constant_at_;          // value id -> a constant's address (null for the others)
-  std::vector<int64_t> reg_bytes_;          // bytes of one row of each register's widest per-token value
-  std::vector<int64_t> reg_seq_bytes_;      // and of its widest per-sequence value
-  at::Tensor arena_;                        // the temporaries, kept between runs
-  std::mutex running_;                      // one run at a time uses the arena
-  std::vector<Instr> code_;
-  std::vector<int64_t> attention_meta_;     // attention's kind and the tables, lengths (and query starts) it reads
-  int64_t max_head_dim_ = 16;
-  int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
-  int64_t num_outputs_ = 0;
-  std::string group_;                       // the collectives' process group (set_group)
-};
+namespace llmc_plan {
 
 // Addresses of every value for the run's rows: constants where they are, the arena's registers
 // laid out one after another, each as large as its largest value (rows rounded up to 64 bytes),
@@ -198,7 +90,7 @@ void StepPlan::note(const Instr& in) {
     namespace A = arg::qlinear;
     widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
   }
-  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, for every layer
+  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, every layer
     const AttentionArgs x = attention_args(in);
     const std::vector<int64_t> meta{in.op, x.block_tables, x.seq_lens, x.query_start_loc};
     TORCH_CHECK(attention_meta_.empty() || attention_meta_ == meta,
@@ -212,171 +104,6 @@ void StepPlan::note(const Instr& in) {
   if (in.op == kQembedding) check_qembedding(in);
 }
 
-// A quantized table's constants hold every row the instruction may read, in its layout.
-void StepPlan::check_qembedding(const Instr& in) const {
-  namespace A = arg::qembedding;
-  const auto& a = in.a;
-  const int64_t bits = a[A::bits], width = a[A::width], group = a[A::group], layout = a[A::layout];
-  TORCH_CHECK((bits == 8 || (bits == 4 && width % 32 == 0)) && group > 0 && width % group == 0 &&
-                  layout >= 0 && layout <= 2 && a[A::vocab] > 0,
-              "qembedding of ", bits, " bits, width ", width, ", group ", group, " and layout ", layout,
-              " is not a quantized table the plan reads");
-  const int64_t rows = layout == 0 ? a[A::vocab] : (a[A::vocab] + llmc_panels::kPanel - 1) / llmc_panels::kPanel *
-                                                        llmc_panels::kPanel;
-  const auto bytes = [&](int64_t id) {   // a constant's bytes, -1 for any other value
-    return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].nbytes() : int64_t{-1};
-  };
-  TORCH_CHECK(bytes(a[A::codes]) == rows * width * bits / 8 && bytes(a[A::scales]) == rows * (width / group) * 2 &&
-                  (a[A::mins] < 0 ? bits == 8 : bytes(a[A::mins]) == rows * (width / group) * 2),
-              "qembedding's codes, scales and mins are not constants of ", rows, " rows of ", width, " values");
-}
-
-// A generated kernel writes temporaries or outputs, and every activation it touches has the rows
-// of its first output.
-void StepPlan::check_generated(const Instr& in) const {
-  const GeneratedArgs g = generated_args(in);
-  TORCH_CHECK(in.a[arg::generated::fn] != 0, "a generated kernel's fn is a null address");
-  TORCH_CHECK(g.num_inputs >= 0 && g.num_inputs < g.count, "a generated kernel of ", g.count,
-              " values cannot take ", g.num_inputs, " of them as inputs and write at least one");
-  const bool seqs = values_[g.values[g.num_inputs]].seqs;
-  for (int64_t i = 0; i < g.count; ++i) {
-    const Value& v = values_[g.values[i]];
-    const bool activation = v.place == kTemporary || v.place == kOutput;
-    TORCH_CHECK(i < g.num_inputs || activation, "output ", i - g.num_inputs,
-                " of a generated kernel is not a temporary or an output of the plan");
-    TORCH_CHECK(!activation || v.seqs == seqs, "value ", i, " of a generated kernel has other rows than its first output");
-  }
-}
-
-// A collective reads an activation and writes one `size` times as wide (all_gather) or as wide
-// (all_reduce), on the group set_group named.
-void StepPlan::check_collective(const Instr& in) const {
-  const bool gather = in.op == kAllGather;
-  const int64_t out = gather ? in.a[arg::all_gather::out] : in.a[arg::all_reduce::out];
-  const int64_t x = gather ? in.a[arg::all_gather::x] : in.a[arg::all_reduce::x];
-  const int64_t width = gather ? in.a[arg::all_gather::width] : in.a[arg::all_reduce::width];
-  const int64_t size = gather ? in.a[arg::all_gather::size] : in.a[arg::all_reduce::size];
-  TORCH_CHECK(!group_.empty(), kOpNames[in.op], " needs the plan's process group: call set_group first");
-  const auto activation = [&](int64_t id) { return values_[id].place == kTemporary || values_[id].place == kOutput; };
-  TORCH_CHECK(size >= 1 && activation(x) && activation(out) && values_[x].width == width &&
-                  values_[out].width == (gather ? size : 1) * width && values_[x].seqs == values_[out].seqs,
-              kOpNames[in.op], " of ", size, " ranks does not read an activation of ", width,
-              " values and write one of ", (gather ? size : 1) * width);
-}
-
-// Instruction `in`'s collective on this run's rows (the team's first thread): "" or why it failed.
-std::string StepPlan::run_collective(const Instr& in, const Bound& b) const {
-  const bool gather = in.op == kAllGather;
-  const int64_t out = gather ? in.a[arg::all_gather::out] : in.a[arg::all_reduce::out];
-  const int64_t x = gather ? in.a[arg::all_gather::x] : in.a[arg::all_reduce::x];
-  const int64_t rows = b.rows_at[x], width = values_[x].width, size = in.a[arg::all_gather::size];
-  const auto options = at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat);
-  const at::Tensor x_rows = at::from_blob(b.at[x], {rows, width}, options);
-  const at::Tensor out_rows = at::from_blob(b.at[out], {rows, values_[out].width}, options);
-  return gather ? plan_all_gather(x_rows, out_rows, size, group_) : plan_all_reduce(x_rows, out_rows, group_);
-}
-
-// What instruction `index` (`in`) will touch, checked against this run's inputs.
-void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
-  const auto& a = in.a;
-  if (in.op == kEmbedding || in.op == kQembedding) {
-    const bool q = in.op == kQembedding;
-    const int64_t vocab = q ? a[arg::qembedding::vocab] : a[arg::embedding::vocab];
-    const at::Tensor& ids = *b.tensor_at[q ? a[arg::qembedding::ids] : a[arg::embedding::ids]];
-    TORCH_CHECK(ids.numel() == b.rows, "the step has ", b.rows, " tokens but ", ids.numel(), " token ids");
-    const int64_t* p = ids.const_data_ptr<int64_t>();
-    for (int64_t t = 0; t < b.rows; ++t)
-      TORCH_CHECK(p[t] >= 0 && p[t] < vocab, "token id ", p[t], " is outside the vocabulary of ", vocab);
-  } else if (in.op == kIndexSelect) {
-    namespace A = arg::index_select;
-    const at::Tensor& indices = *b.tensor_at[a[A::indices]];
-    const int64_t from = b.rows_at[a[A::x]], rows = b.rows_at[a[A::out]];
-    TORCH_CHECK(indices.numel() == rows, "index_select needs ", rows, " indices, not ", indices.numel());
-    const int64_t* p = indices.const_data_ptr<int64_t>();
-    for (int64_t s = 0; s < indices.numel(); ++s)
-      TORCH_CHECK(p[s] >= 0 && p[s] < from, "row index ", p[s], " is outside the step's ", from, " rows");
-  } else if (in.op == kRopeKvWrite) {
-    namespace A = arg::rope_kv_write;
-    const at::Tensor& cache = *b.tensor_at[a[A::cache]];
-    check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
-    const at::Tensor& slots = *b.tensor_at[a[A::slots]];
-    TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 2 == 0 && a[A::rotary_dim] <= a[A::head_dim],
-                "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not even and within head_dim");
-    TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::rotary_dim] / 2,
-                "slot_mapping and the RoPE tables need one row per token");
-    const int64_t span = a[A::norm_span], d = a[A::head_dim];
-    TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");
-    TORCH_CHECK(a[A::norm_product] == 0 || a[A::norm_product] == 1, "rope_kv_write's norm_product ",
-                a[A::norm_product], " is not 0 or 1");
-    const auto elems = [&](int64_t id) {   // a norm weight: a plan constant
-      return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].numel() : -1;
-    };
-    if (span)
-      TORCH_CHECK(elems(a[A::q_norm]) == (span == 1 ? d : a[A::heads] * d) &&
-                      elems(a[A::k_norm]) == (span == 1 ? d : a[A::kv_heads] * d),
-                  "rope_kv_write's q_norm and k_norm are not constants that fit its norm_span ", span);
-    const int64_t* p = slots.const_data_ptr<int64_t>();
-    for (int64_t t = 0; t < b.rows; ++t)
-      TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
-                  cache.size(2) * llmc_cpu::kBlock, " slots");
-  } else if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {
-    const AttentionArgs x = attention_args(in);
-    const at::Tensor& cache = *b.tensor_at[x.cache];
-    check_cache(cache, x.layer, x.kv_heads, x.head_dim);
-    if (b.qsl.empty()) plan_attention(in, b, cache);
-  } else if (in.op == kGenerated) {
-    bind_generated(in, index, b);
-  }
-}
-
-void StepPlan::check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t d) const {
-  TORCH_CHECK(cache.dim() == 6 && cache.size(4) == llmc_cpu::kBlock && cache.size(3) == kv_heads &&
-                  cache.size(5) == d + (int8_cache_ ? llmc_cpu::kScaleBytes : 0) && layer < cache.size(0),
-              "the KV cache ", cache.sizes(), " is not the [L, 2, NB, ", kv_heads, ", 16, ", d,
-              "] cache this plan was built for");
-}
-
-// A generated kernel's ptrs and strides for this run; a constant or input it reads row by row
-// has at least the rows of its outputs.
-void StepPlan::bind_generated(const Instr& in, int64_t index, Bound& b) const {
-  const GeneratedArgs g = generated_args(in);
-  const int64_t rows = b.rows_at[g.values[g.num_inputs]];
-  for (int64_t i = 0; i < g.count; ++i) {
-    const int64_t id = g.values[i];
-    b.ptrs[index].push_back(b.at[id]);
-    b.strides[index].push_back(b.stride_at[id]);
-    const Value& v = values_[id];
-    if (v.place == kConstant || v.place == kInput) {
-      const at::Tensor& t = v.place == kConstant ? constants_[v.index] : *b.tensor_at[id];
-      TORCH_CHECK(b.stride_at[id] == 0 || t.size(0) >= rows, "input ", i, " of a generated kernel has ", t.size(0),
-                  " rows, fewer than its outputs' ", rows);
-    }
-  }
-}
-
-// The first attention call's inputs, checked, and the step's work items for every layer's call:
-// each sequence's query rows (a decode step's one each), the reads within the cache, the items
-// most costly first.
-void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const {
-  const AttentionArgs a = attention_args(in);
-  const at::Tensor& tables = *b.tensor_at[a.block_tables];
-  const at::Tensor& lens = *b.tensor_at[a.seq_lens];
-  const int64_t num_seqs = lens.numel();
-  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs, "attention needs a block-table row per sequence");
-  if (in.op == kPagedDecodeAttention) {
-    TORCH_CHECK(b.rows == num_seqs, "a decode step has one token per sequence");
-    for (int64_t s = 0; s <= num_seqs; ++s) b.qsl.push_back(static_cast<int32_t>(s));
-  } else {
-    const at::Tensor& starts = *b.tensor_at[a.query_start_loc];
-    TORCH_CHECK(starts.numel() == num_seqs + 1, "query_start_loc needs S+1 entries");
-    b.qsl.assign(starts.const_data_ptr<int32_t>(), starts.const_data_ptr<int32_t>() + num_seqs + 1);
-  }
-  const int32_t* seq_lens = lens.const_data_ptr<int32_t>();
-  llmc_cpu::check_layout(b.qsl.data(), seq_lens, tables.const_data_ptr<int32_t>(), num_seqs, tables.size(1), b.rows,
-                         cache.size(2));
-  const auto items = llmc_cpu::plan_items(b.qsl.data(), num_seqs, cache.size(3), true, at::get_num_threads());
-  for (int64_t i : llmc_cpu::by_cost(items, seq_lens, b.qsl.data())) b.items.push_back(items[i]);
-}
 
 std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::vector<at::Tensor> inputs,
                                                                            int64_t rows, int64_t seqs, bool timed) {
@@ -445,8 +172,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   return {outputs, seconds};
 }
 
+}  // namespace llmc_plan
+
+namespace {
+
 // The description (kernels/step_plan_isa.py) this build's step_plan_isa.h was rendered from.
-std::string step_plan_isa_hash() { return kIsaHash; }
+std::string step_plan_isa_hash() { return llmc_plan::kIsaHash; }
 
 // Ends the calling thread's idle OpenMP workers (OpenMP 5's soft pause; the runtime starts new ones
 // if this thread opens a parallel region again); 0 when done, nonzero when the runtime could not (the
@@ -462,14 +193,14 @@ int64_t release_idle_threads() { return omp_pause_resource_all(omp_pause_soft); 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("step_plan_isa_hash() -> str", &step_plan_isa_hash);
   m.def("release_idle_threads() -> int", &release_idle_threads);
-  m.class_<StepPlan>("StepPlan")
+  m.class_<llmc_plan::StepPlan>("StepPlan")
       .def(torch::init<bool, bool>())
-      .def("constant", &StepPlan::constant)
-      .def("input", &StepPlan::input)
-      .def("temporary", &StepPlan::temporary)
-      .def("output", &StepPlan::output)
-      .def("add", &StepPlan::add)
-      .def("set_group", &StepPlan::set_group)
-      .def("run", &StepPlan::run)
-      .def("run_timed", &StepPlan::run_timed);
+      .def("constant", &llmc_plan::StepPlan::constant)
+      .def("input", &llmc_plan::StepPlan::input)
+      .def("temporary", &llmc_plan::StepPlan::temporary)
+      .def("output", &llmc_plan::StepPlan::output)
+      .def("add", &llmc_plan::StepPlan::add)
+      .def("set_group", &llmc_plan::StepPlan::set_group)
+      .def("run", &llmc_plan::StepPlan::run)
+      .def("run_timed", &llmc_plan::StepPlan::run_timed);
 }

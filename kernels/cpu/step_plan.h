@@ -1,7 +1,7 @@
 // The work each thread of a step plan's team does for one instruction (kernels/step_plan_isa.py
 // describes the instructions, the generated step_plan_isa.h numbers them and names their args;
-// step_plan.cpp holds the plan and its checks; everything here runs inside the parallel region,
-// on inputs the plan has checked, so nothing here fails).
+// step_plan.cpp holds the plan, step_plan_checks.cpp its checks; everything here runs inside the
+// parallel region, on inputs the plan has checked, so nothing here fails).
 #pragma once
 
 #include <ATen/ATen.h>
