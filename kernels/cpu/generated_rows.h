@@ -91,12 +91,17 @@ inline void each_chunk(Body&& body) {
 }
 
 inline Vec16 round_bf16(Vec16 v) {
+#ifdef __AVX512BF16__   // as vec16.h's store16 rounds: one vcvtneps2bf16 (fp32 subnormals flushed to 0)
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+  return (Vec16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
   Uint16 bits;
   std::memcpy(&bits, &v, sizeof(bits));
   bits += 0x7FFFu + ((bits >> 16) & 1u);   // as vec16.h's store16 rounds
   bits &= 0xFFFF0000u;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+#endif
 }
 
 inline Vec16 round_f16(Vec16 v) { return __builtin_convertvector(__builtin_convertvector(v, F16x16), Vec16); }
