@@ -11,7 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmc.kernels.amx import AMX_OVERRIDE
+from llmc.kernels.attention import paged_attention_cpu, paged_attention_ref
+from paged_layout import poisoned_caches
 from test_native_int8_kv import check_attention
+from test_native_kernels import assert_matches
 
 DTYPES = [torch.float32, torch.bfloat16]
 CACHES = ["float", "int8"]
@@ -43,6 +47,30 @@ def test_other_head_shapes(heads, kv_heads, head_dim):
     lens, chunks = [150, 40, 9], [150, 23, 1]
     check_attention(lens, chunks, heads, kv_heads, head_dim, torch.float32, torch.float32, seed=head_dim)
     check_attention(lens, chunks, heads, kv_heads, head_dim, torch.int8, torch.bfloat16, seed=head_dim)
+
+
+@pytest.mark.parametrize("path", ["f32", "bf16", "bf16-no-amx"])
+def test_scores_rising_tile_after_tile(path, monkeypatch):
+    """Keys that grow with their position (times 1 + p / 32): each 64-key tile's largest score passes
+    the last tile's by more than the softmax reference may trail a row's max (attention_tiles.h's kLag),
+    so the rows rescale their earlier output on most tiles, which random keys seldom make them do.
+    bf16 runs on AMX where it is usable and on the AVX-512 tiles."""
+    dtype = torch.float32 if path == "f32" else torch.bfloat16
+    if path == "bf16-no-amx":
+        monkeypatch.setenv(AMX_OVERRIDE, "off")
+    lens, chunks = [300, 130], [300, 65]
+    clean, poisoned, tables = poisoned_caches(lens, 3, 64, dtype, dtype, 16, seed=18)
+    for s, n in enumerate(lens):
+        for p in range(n):
+            for cache in (clean, poisoned):
+                cache[1, 0, tables[s, p // 16], :, p % 16] *= 1 + p / 32
+    q = torch.randn(sum(chunks), 9 * 64, generator=torch.Generator().manual_seed(19)).to(dtype)
+    qsl = torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32)
+    args = (tables, torch.tensor(lens, dtype=torch.int32), qsl, 1)
+    got = paged_attention_cpu(q, poisoned, *args, 0.125)
+    want = paged_attention_ref(q, clean, *args, 64, 0.125)
+    exact = paged_attention_ref(q.double(), clean.double(), *args, 64, 0.125)
+    assert_matches(got, want, exact, dtype, max(lens))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,7 +17,8 @@
 //   softmax attention_tiles.h's (fp32, AVX-512) into bf16 pairs of keys P^T [keys/2][R].
 //   values  O [R][D] += P [R][keys] x V [keys][D]: P^T transposed (16 x 16 uint32 blocks) into A
 //           tiles of 16 rows x 32 keys; V as pairs of keys [keys/2][D] (two cache rows interleaved);
-//           each C tile pair folded into O as O * alpha + PV (the online softmax's rescale).
+//           O's C tiles loaded, accumulated and stored back, after the rows whose softmax reference
+//           moved (alpha != 1: rare, see attention_tiles.h) were rescaled.
 // Tiles past the item's last query are never read, as in run_tiles. The calling thread must be
 // allowed the tile state (llmc_amx::support()); it loads the configuration per item and releases
 // the tiles after it. Chosen per chunk where support() holds, LLMC_CPU_AMX is not "off" and head_dim
@@ -135,35 +136,30 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void scores(const Bf16* cons
   llmc_amx::memory_fence();
 }
 
-// o [rows][d] = o * alpha + p [rows][kPairs pairs] x vp [steps * 16][d], 32 keys a step.
+// o [rows][d] += p [rows][kPairs pairs] x vp [steps * 16][d], 32 keys a step: C tiles loaded from o
+// and stored back.
 __attribute__((target("amx-tile,amx-bf16"))) inline void values(const uint32_t* p, int64_t rows, int64_t steps,
-                                                                const uint32_t* vp, int64_t d, const float* alpha,
-                                                                float* o) {
-  alignas(64) float c[4][16][16];
-  llmc_amx::memory_fence();                       // p and vp, stored before
+                                                                const uint32_t* vp, int64_t d, float* o) {
+  const int64_t row_bytes = d * sizeof(float);
+  llmc_amx::memory_fence();                       // p, vp and o, stored before
   for (int64_t r = 0; r < rows; r += kRowTile)
     for (int64_t col = 0; col < d; col += kAmxDepth) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      float* c = o + r * d + col;
+      _tile_loadd(0, c, row_bytes);
+      _tile_loadd(1, c + 16, row_bytes);
+      _tile_loadd(2, c + 16 * d, row_bytes);
+      _tile_loadd(3, c + 16 * d + 16, row_bytes);
       const Bf16* a = reinterpret_cast<const Bf16*>(p + r * kPairs);   // a row: kPairs pairs, 2 kPairs bf16
       const Bf16* b = reinterpret_cast<const Bf16*>(vp + col);
       for (int64_t s = 0; s < steps; ++s)
         llmc_amx::multiply<2>(a + 32 * s, a + 32 * (kPairs + s), kPairs * sizeof(uint32_t), b + 32 * s * d,
                               d * sizeof(uint32_t));
-      _tile_stored(0, c[0], 16 * sizeof(float));
-      _tile_stored(1, c[1], 16 * sizeof(float));
-      _tile_stored(2, c[2], 16 * sizeof(float));
-      _tile_stored(3, c[3], 16 * sizeof(float));
-      llmc_amx::memory_fence();
-      for (int t = 0; t < 4; ++t)
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t row = r + 16 * (t / 2) + i;
-          float* out = o + row * d + col + 16 * (t % 2);
-          store16(out, load16(out) * alpha[row] + load16(c[t][i]));
-        }
+      _tile_stored(0, c, row_bytes);
+      _tile_stored(1, c + 16, row_bytes);
+      _tile_stored(2, c + 16 * d, row_bytes);
+      _tile_stored(3, c + 16 * d + 16, row_bytes);
     }
+  llmc_amx::memory_fence();
 }
 
 // One key tile (keys first .. first + keys - 1) of an item whose rows are set up in w.
@@ -182,7 +178,8 @@ inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first
     for (int64_t s = 0; s < steps; ++s) transpose16(&w.pp[s * 16 * rows + r], rows, &w.kp[r * kPairs + s * 16], kPairs);
   pair_values(v, pairs, d, w.vp.data());
   std::fill(w.vp.begin() + pairs * d, w.vp.begin() + steps * 16 * d, 0u);
-  values(w.kp.data(), rows, steps, w.vp.data(), d, w.alpha.data(), w.o.data());
+  tiles::rescale(w.alpha.data(), rows, d, w.o.data());
+  values(w.kp.data(), rows, steps, w.vp.data(), d, w.o.data());
 }
 
 }  // namespace amx_attention

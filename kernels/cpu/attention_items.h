@@ -206,7 +206,8 @@ void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
     tiles::scores<tiles::F32>(w.qt.data(), padded_rows, d, w.k.data(), padded, w.s.data());
     tiles::softmax<false>(w.s.data(), padded_rows, padded, first, w.pos.data(), masks(in, first, padded, first_pos,
                           last_pos), rule, w.max.data(), w.sum.data(), w.alpha.data(), nullptr);
-    tiles::accumulate<tiles::F32>(w.s.data(), w.alpha.data(), padded_rows, padded, w.v.data(), d, w.o.data());
+    tiles::rescale(w.alpha.data(), padded_rows, d, w.o.data());
+    tiles::accumulate<tiles::F32>(w.s.data(), padded_rows, padded, w.v.data(), d, w.o.data());
   }
   finish_rows(in, it, rows, w);
 }
@@ -249,8 +250,8 @@ void run_tiles_bf16(const Inputs<c10::BFloat16, C>& in, const Item& it, Scratch&
     tiles::softmax<true>(w.s.data(), padded_rows, padded, first, w.pos.data(),
                          masks(in, first, padded, first_pos, last_pos), rule, w.max.data(), w.sum.data(),
                          w.alpha.data(), w.pp.data());
-    tiles::accumulate<tiles::Bf16Pairs>(w.pp.data(), w.alpha.data(), padded_rows, padded / 2, w.vp.data(), d,
-                                        w.o.data());
+    tiles::rescale(w.alpha.data(), padded_rows, d, w.o.data());
+    tiles::accumulate<tiles::Bf16Pairs>(w.pp.data(), padded_rows, padded / 2, w.vp.data(), d, w.o.data());
   }
   finish_rows(in, it, rows, w);
 }

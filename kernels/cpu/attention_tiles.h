@@ -8,11 +8,13 @@
 //                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
 //   softmax<kPairs>(st, R, keys, ...)    st scaled, soft-capped (ScoreRule), masked (causal and
 //                                        the sliding window), turned into probabilities against
-//                                        each row's running max (in place, or as bf16 pairs);
-//                                        alpha[r] the factor that rescales row r's earlier output
+//                                        each row's running reference, which trails its max by
+//                                        at most 2^kLag (in place, or as bf16 pairs); alpha[r]
+//                                        the factor that rescales row r's earlier output
+//   rescale(alpha, R, d, o)              o[r] *= alpha[r] where alpha[r] != 1 (rarely: the
+//                                        reference moves only on a tile with a much larger score)
 //   soft_cap(x, cap)                     cap * tanh(x / cap) per lane (cap > 0), -inf kept
-//   accumulate<A>(p, alpha, R, keys, v, d, o) o[r] = o[r] * alpha[r] + sum_n p[n][r] v[n],
-//                                        v [keys][d], o [R][d]
+//   accumulate<A>(p, R, keys, v, d, o)   o[r] += sum_n p[n][r] v[n], v [keys][d], o [R][d]
 // A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
 // GEMMs take A = F32 (fp32 FMAs) or, on CPUs with AVX512_BF16, A = Bf16Pairs (vdpbf16ps).
 #pragma once
@@ -34,6 +36,8 @@ namespace llmc_cpu::tiles {
 constexpr int64_t kKeys = 64;  // keys per K/V tile: four cache blocks of 16
 constexpr int kRows = 6;       // rows of a register block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLag = 8.f;    // log2 units a row's softmax reference may trail its max (ScoreRule's softmax)
 
 // A loaded vector held in a register: without this GCC folds the load into each of the MR
 // FMAs that use it, and the GEMMs become bound by loads rather than FMAs.
@@ -65,14 +69,13 @@ struct Bf16Pairs {
 #endif
 
 // out[m][c] (+)= sum_j a[m * a_row + j * a_step] * b[j * b_row + 16c ..]: MR broadcast rows
-// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart, scaled
-// by out_scale[m] first where kAccumulate.
+// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart.
 template <typename A, int MR, int NV, bool kAccumulate>
 inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
-                       int64_t b_row, int64_t depth, float* out, int64_t out_row, const float* out_scale) {
+                       int64_t b_row, int64_t depth, float* out, int64_t out_row) {
   Vec16 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < NV; ++c) acc[m][c] = kAccumulate ? load16(out + m * out_row + 16 * c) * out_scale[m] : Vec16{};
+    for (int c = 0; c < NV; ++c) acc[m][c] = kAccumulate ? load16(out + m * out_row + 16 * c) : Vec16{};
   for (int64_t j = 0; j < depth; ++j) {
     typename A::Operand x[NV];
     for (int c = 0; c < NV; ++c) x[c] = in_register(A::load(b + j * b_row + 16 * c));
@@ -88,14 +91,14 @@ inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step,
 // gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time.
 template <typename A, int MR, bool kAccumulate>
 inline void gemm_rows(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
-                      int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
+                      int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row) {
   int64_t c = 0;
   for (; c + 64 <= cols; c += 64)
-    gemm_block<A, MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    gemm_block<A, MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
   switch ((cols - c) / 16) {
-    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
-    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
-    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row, scale);
+    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
+    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
+    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
     default: return;
   }
 }
@@ -103,17 +106,14 @@ inline void gemm_rows(const typename A::Elem* a, int64_t a_row, int64_t a_step, 
 // All `rows` rows of the product, kRows at a time.
 template <typename A, bool kAccumulate>
 inline void gemm(const typename A::Elem* a, int64_t a_row, int64_t a_step, int64_t rows, const typename A::Elem* b,
-                 int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row, const float* scale) {
+                 int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row) {
   int64_t m = 0;
   for (; m + kRows <= rows; m += kRows)
-    gemm_rows<A, kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                                     scale + m);
+    gemm_rows<A, kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
   for (; m + 2 <= rows; m += 2)
-    gemm_rows<A, 2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                                 scale + m);
+    gemm_rows<A, 2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
   if (m < rows)
-    gemm_rows<A, 1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row,
-                                 scale + m);
+    gemm_rows<A, 1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
 }
 
 // `depth` is d for F32 and d / 2 for Bf16Pairs (qt then [d/2][R] pairs of dimensions, k
@@ -121,15 +121,15 @@ inline void gemm(const typename A::Elem* a, int64_t a_row, int64_t a_step, int64
 template <typename A>
 void scores(const typename A::Elem* qt, int64_t rows, int64_t depth, const typename A::Elem* k, int64_t keys,
             float* st) {
-  gemm<A, false>(k, depth, 1, keys, qt, rows, depth, rows, st, rows, nullptr);
+  gemm<A, false>(k, depth, 1, keys, qt, rows, depth, rows, st, rows);
 }
 
 // `depth` is keys for F32 and keys / 2 for Bf16Pairs (p then [keys/2][R] pairs of keys, v
 // [keys/2][d] pairs of keys, as pair_rows makes them).
 template <typename A>
-void accumulate(const typename A::Elem* p, const float* alpha, int64_t rows, int64_t depth,
-                const typename A::Elem* v, int64_t d, float* o) {
-  gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d, alpha);
+void accumulate(const typename A::Elem* p, int64_t rows, int64_t depth, const typename A::Elem* v, int64_t d,
+                float* o) {
+  gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d);
 }
 
 // out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even (with AVX512_BF16
@@ -158,20 +158,29 @@ inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out
   for (int64_t i = 0; i < n; i += 16) store_pairs(load16(lo + i), load16(hi + i), out + i);
 }
 
-// e^x for x <= 0 (the softmax's score - max; -inf gives 0), relative error ~2e-7. On AVX-512
-// 2^(x log2 e) = 2^f * 2^n with |f| <= 1/2: a degree-6 polynomial for 2^f and vscalefps for
-// 2^n, about half the instructions of vec16.h's exp16, which other CPUs use.
-inline Vec16 exp_nonpositive(Vec16 x) {
 #ifdef __AVX512F__
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-200.f)), log2e);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
+// 2^t = 2^f * 2^n, |f| <= 1/2: a degree-6 polynomial for 2^f and vscalefps for 2^n. Lanes below
+// -125 (-inf, NaN) give 0 by the scale's zero mask, never a subnormal: a subnormal result takes a
+// microcode assist, which made a tile whose keys were half masked ten times as slow.
+inline __m512 pow2_of(__m512 t) {
+  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
+  const __m512 x = _mm512_max_ps(t, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
   for (const float c : {1.3333558146428443e-3f, 9.618129107628477e-3f, 5.550410866482158e-2f, 0.2402265069591007f,
                         0.6931471805599453f, 1.f})
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return (Vec16)_mm512_scalef_ps(p, n);  // 2^-289 and below: 0
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+#endif
+
+// e^x for x <= 0 (the softmax's score - max; -inf gives 0, as does any e^x below 2^-125),
+// relative error ~2e-7. On AVX-512 pow2_of(x log2 e), about half the instructions of vec16.h's
+// exp16, which other CPUs use.
+inline Vec16 exp_nonpositive(Vec16 x) {
+#ifdef __AVX512F__
+  return (Vec16)pow2_of(_mm512_mul_ps((__m512)x, _mm512_set1_ps(kLog2e)));
 #else
   return exp16(x);
 #endif
@@ -204,37 +213,77 @@ struct ScoreRule {
   int64_t window;
 };
 
+// Rows r .. r + 15 of a tile's scores in log2 units, scaled, soft-capped and masked by `rule`
+// (masked lanes -inf), written back into st; returns their max per row.
+inline Vec16 log2_scores(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
+                         const ScoreRule& rule, int64_t r) {
+  Int16 last;
+  std::memcpy(&last, pos, sizeof(last));
+  const Int16 edge = last - static_cast<int32_t>(rule.window > 0 ? rule.window : INT32_MAX / 2);  // keys <= edge out
+  const float cap = rule.softcap, scale = rule.softcap > 0 ? rule.scale / cap : rule.scale * kLog2e;
+  Vec16 top = splat(kNegInf);
+  for (int64_t n = 0; n < keys; ++n) {
+    Vec16 x = load16(st + n * rows + r) * scale;
+    if (cap > 0) x = tanh16(x) * (cap * kLog2e);
+    const int32_t key = static_cast<int32_t>(first_key + n);
+    if (masked) x = (last < key) | (edge >= key) ? splat(kNegInf) : x;
+    store16(st + n * rows + r, x);
+    top = vmax(top, x);
+  }
+  return top;
+}
+
+// a * b - c per lane, rounded once where the CPU has FMA.
+inline Vec16 mul_sub(Vec16 a, float b, Vec16 c) {
+#ifdef __AVX512F__
+  return (Vec16)_mm512_fmsub_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+#else
+  return a * b - c;
+#endif
+}
+
+// 2^t per lane for t <= kLag (the softmax's log2 score - reference), relative error ~2e-7;
+// exp_nonpositive's arithmetic without its multiply by log2 e.
+inline Vec16 pow2(Vec16 t) {
+#ifdef __AVX512F__
+  return (Vec16)pow2_of((__m512)t);
+#else
+  return exp16(t * 0.6931471805599453f);
+#endif
+}
+
 // The online-softmax step over a tile of transposed scores st [keys][rows] whose key indices
 // start at first_key, made scores by `rule`; pos[r] is row r's position (keys after it, and
-// keys outside its window, are masked where `masked`). max, sum, alpha are [rows]; a row that
-// has seen no visible key keeps max -inf, sum 0 (its alpha is then 0). The probabilities go
-// back into st, or, kPairs, into pairs [keys/2][rows] as bf16 pairs.
+// keys outside its window, are masked where `masked`). Scores are taken in log2 units (times
+// log2 e) and p = 2^(score - ref[r]), where ref[r] (held in max, log2 units) is a row's running
+// reference: raised to the tile's max only where that exceeds it by more than kLag, so it trails
+// the row's max by at most kLag (p <= 2^kLag) and most tiles leave it, and alpha, alone (1). sum
+// and alpha are [rows]; alpha[r] is the factor that rescales row r's earlier output (1 where the
+// reference held or the row had seen no key); a row that has seen no visible key keeps ref -inf
+// and sum 0. The probabilities go back into st, or, kPairs, into pairs [keys/2][rows] as bf16
+// pairs. A tile needing neither the mask nor the softcap is read once for its max and once for
+// its exps, scaled in the exps' multiply-add.
 template <bool kPairs>
 inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
                     const ScoreRule& rule, float* max, float* sum, float* alpha, uint32_t* pairs) {
+  const bool raw = !masked && rule.softcap <= 0;
+  const float unit = raw ? rule.scale * kLog2e : 1.f;   // st's values times unit: log2 scores
   for (int64_t r = 0; r < rows; r += 16) {
-    Int16 last, edge;
-    std::memcpy(&last, pos + r, sizeof(last));
-    edge = last - static_cast<int32_t>(rule.window > 0 ? rule.window : INT32_MAX / 2);  // keys <= edge: outside
-    const auto score = [&](int64_t n) {
-      Vec16 x = load16(st + n * rows + r) * rule.scale;
-      if (rule.softcap > 0) x = tanh16(x * (1.f / rule.softcap)) * rule.softcap;
-      const int32_t key = static_cast<int32_t>(first_key + n);
-      return masked ? ((last < key) | (edge >= key) ? splat(kNegInf) : x) : x;
-    };
-    const Vec16 old = load16(max + r);
-    Vec16 m = old;
-    for (int64_t n = 0; n < keys; ++n) {       // the scores made once, kept in st for the exps
-      const Vec16 x = score(n);
-      store16(st + n * rows + r, x);
-      m = vmax(m, x);
+    Vec16 top = splat(kNegInf);
+    if (raw) {
+      for (int64_t n = 0; n < keys; ++n) top = vmax(top, load16(st + n * rows + r));
+      top = top * unit;                        // unit > 0: the max of the products, as rounded
+    } else {
+      top = log2_scores(st, rows, keys, first_key, pos + r, masked, rule, r);
     }
-    m = m == kNegInf ? splat(0.f) : m;         // no key seen yet: exps below are 0, max stays -inf
-    const Vec16 a = exp_nonpositive(old - m);  // old = -inf on a row's first visible tile: 0
+    const Vec16 old = load16(max + r);
+    const Vec16 ref = top > old + kLag ? top : old;
+    const Vec16 a = ref == old ? splat(1.f) : (old == kNegInf ? splat(1.f) : pow2(old - ref));
+    const Vec16 shift = ref == kNegInf ? splat(0.f) : ref;   // no key seen yet: every p below is 0
     Vec16 total{};
     for (int64_t n = 0; n < keys; n += 2) {
-      const Vec16 p0 = exp_nonpositive(load16(st + n * rows + r) - m);
-      const Vec16 p1 = exp_nonpositive(load16(st + (n + 1) * rows + r) - m);
+      const Vec16 p0 = pow2(mul_sub(load16(st + n * rows + r), unit, shift));
+      const Vec16 p1 = pow2(mul_sub(load16(st + (n + 1) * rows + r), unit, shift));
       total += p0 + p1;
       if constexpr (kPairs) {
         store_pairs(p0, p1, pairs + n / 2 * rows + r);
@@ -243,10 +292,17 @@ inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, co
         store16(st + (n + 1) * rows + r, p1);
       }
     }
-    store16(max + r, total == 0.f ? old : m);  // total 0 only while no key is seen (old = -inf)
+    store16(max + r, ref);
     store16(sum + r, load16(sum + r) * a + total);
     store16(alpha + r, a);
   }
+}
+
+// o[r] *= alpha[r] for the rows [rows][d] whose alpha is not 1 (a tile that raised their reference).
+inline void rescale(const float* alpha, int64_t rows, int64_t d, float* o) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (alpha[r] != 1.f)
+      for (int64_t j = 0; j < d; j += 16) store16(o + r * d + j, load16(o + r * d + j) * alpha[r]);
 }
 
 }  // namespace llmc_cpu::tiles
