@@ -48,31 +48,6 @@ using Bf16 = c10::BFloat16;
 constexpr int64_t kRowTile = 32;           // rows per pair of A (values) / B (scores) tiles
 constexpr int64_t kPairs = tiles::kKeys / 2;  // P's row: the key tile's pairs
 
-// dst[j * dst_stride + i] = src[i * src_stride + j] for a 16 x 16 block of uint32.
-inline void transpose16(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {   // per 128-bit lane L: columns 4L .. 4L + 3 of rows i .. i + 3
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[h + j] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0x88);
-      t[h + j + 4] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {       // column j from t[j] (rows 0-7) and t[j + 8] (rows 8-15)
-    _mm512_storeu_si512(dst + j * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
-    _mm512_storeu_si512(dst + (j + 8) * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
-  }
-}
-
 // vp [pairs][d] = rows 2m and 2m + 1 of V interleaved (key pairs), v[b] the tile's block b (16 rows).
 inline void pair_values(const Bf16* const* v, int64_t pairs, int64_t d, uint32_t* vp) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,

@@ -191,14 +191,56 @@ bool masks(const Inputs<T, C>& in, int64_t first, int64_t padded, int64_t first_
   return first + padded - 1 > first_pos || first < in.first_key(last_pos);
 }
 
+#ifdef __AVX512F__
+// dst[j * dst_stride + i] = src[i * src_stride + j] for a 16 x 16 block of uint32.
+inline void transpose16(const uint32_t* src, int64_t src_stride, uint32_t* dst, int64_t dst_stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {   // per 128-bit lane L: columns 4L .. 4L + 3 of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[h + j] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0x88);
+      t[h + j + 4] = _mm512_shuffle_i32x4(r[h + j], r[h + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {       // column j from t[j] (rows 0-7) and t[j + 8] (rows 8-15)
+    _mm512_storeu_si512(dst + j * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+    _mm512_storeu_si512(dst + (j + 8) * dst_stride, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
+  }
+}
+#endif
+
+// w.qt [D][R] = w.q's rows [R][D] transposed (rows past `rows` zero): by 16 x 16 blocks on AVX-512.
+inline void transpose_queries(Scratch& w, int64_t rows, int64_t padded_rows, int64_t d) {
+#ifdef __AVX512F__
+  w.qt.resize(d * padded_rows);
+  w.q.resize(padded_rows * d);
+  std::fill(w.q.begin() + rows * d, w.q.end(), 0.f);
+  for (int64_t r = 0; r < padded_rows; r += 16)
+    for (int64_t j = 0; j < d; j += 16)
+      transpose16(reinterpret_cast<const uint32_t*>(&w.q[r * d + j]), d,
+                  reinterpret_cast<uint32_t*>(&w.qt[j * padded_rows + r]), padded_rows);
+#else
+  w.qt.assign(d * padded_rows, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
+#endif
+}
+
 template <typename T, typename C>
 void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1, padded_rows = (rows + 15) / 16 * 16;
   start_tiles(in, it, rows, padded_rows, in.scale, w);
-  w.qt.assign(d * padded_rows, 0.f);  // [D][R]
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < d; ++j) w.qt[j * padded_rows + r] = w.q[r * d + j];
+  transpose_queries(w, rows, padded_rows, d);
   const tiles::ScoreRule rule{1.f, in.softcap, in.window};  // q holds the scale
   for (int64_t first = in.first_block(first_pos) * kBlock; first <= last_pos; first += tiles::kKeys) {
     const int64_t keys = std::min(tiles::kKeys, last_pos + 1 - first), padded = (keys + 15) / 16 * 16;
@@ -212,12 +254,25 @@ void run_tiles(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   finish_rows(in, it, rows, w);
 }
 
+#ifdef __AVX512BF16__
 // w.qp [D/2][R] = w.q's rows (bf16 values held in fp32) transposed, as bf16 pairs of dimensions;
-// padding rows zero.
+// padding rows zero. A bf16 row is its own row of pairs: where D/2 is a multiple of 16 the rows
+// are rounded (exactly) into w.pp [R][D/2] and transposed in 16 x 16 blocks.
 inline void pack_query_pairs(Scratch& w, int64_t rows, int64_t padded_rows, int64_t d) {
-  w.qp.assign(d / 2 * padded_rows, 0u);
+  const int64_t half = d / 2;
+  w.qp.assign(half * padded_rows, 0u);
+  if (half % 16 == 0) {
+    w.pp.assign(padded_rows * half, 0u);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < d; j += 16)
+        store16(reinterpret_cast<c10::BFloat16*>(&w.pp[r * half]) + j, load16(&w.q[r * d + j]));
+    for (int64_t r = 0; r < padded_rows; r += 16)
+      for (int64_t j = 0; j < half; j += 16)
+        transpose16(&w.pp[r * half + j], half, &w.qp[j * padded_rows + r], padded_rows);
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < d / 2; ++j) {
+    for (int64_t j = 0; j < half; ++j) {
       uint32_t lo, hi;
       std::memcpy(&lo, &w.q[r * d + 2 * j], 4);
       std::memcpy(&hi, &w.q[r * d + 2 * j + 1], 4);
@@ -225,7 +280,6 @@ inline void pack_query_pairs(Scratch& w, int64_t rows, int64_t padded_rows, int6
     }
 }
 
-#ifdef __AVX512BF16__
 // run_tiles with bf16 operands and fp32 accumulation (vdpbf16ps): q as it is, K and V rounded
 // to bf16 (exact for a bf16 cache; an int8 row's code * scale rounded, as the ref rounds it to
 // q's dtype), the scale applied to the fp32 scores, probabilities rounded to bf16 (as the
