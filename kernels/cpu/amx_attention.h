@@ -137,6 +137,21 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void values(const uint32_t* 
   llmc_amx::memory_fence();
 }
 
+// w.qp [D/2][R] = the item's bf16 query rows as pairs of dimensions (a bf16 row is its own row of
+// pairs), copied into w.pp [R][D/2] with zero padding rows and transposed in 16 x 16 blocks.
+inline void pack_queries(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t rows, int64_t padded_rows,
+                         Scratch& w) {
+  const int64_t d = in.g.head_dim, half = d / 2;
+  w.pp.resize(padded_rows * half);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(&w.pp[r * half], in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d, d * sizeof(Bf16));
+  std::fill(w.pp.begin() + rows * half, w.pp.begin() + padded_rows * half, 0u);
+  w.qp.resize(half * padded_rows);
+  for (int64_t r = 0; r < padded_rows; r += 16)
+    for (int64_t j = 0; j < half; j += 16)
+      transpose16(&w.pp[r * half + j], half, &w.qp[j * padded_rows + r], padded_rows);
+}
+
 // One key tile (keys first .. first + keys - 1) of an item whose rows are set up in w.
 inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first, int64_t keys, int64_t rows,
                      Scratch& w) {
@@ -164,8 +179,9 @@ inline void run_tiles_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, const 
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1;
   const int64_t padded_rows = (rows + amx_attention::kRowTile - 1) / amx_attention::kRowTile * amx_attention::kRowTile;
-  start_tiles(in, it, rows, padded_rows, 1.f, w);   // w.q holds q's bf16 values exactly
-  pack_query_pairs(w, rows, padded_rows, d);
+  reset_rows(padded_rows, d, w);
+  tile_positions(in, it, rows, padded_rows, w);
+  amx_attention::pack_queries(in, it, rows, padded_rows, w);
   w.pp.resize(tiles::kKeys / 2 * padded_rows);
   w.kp.resize(padded_rows * amx_attention::kPairs);
   w.vp.resize(tiles::kKeys / 2 * d);

@@ -73,6 +73,13 @@ struct Scratch {
   std::vector<uint32_t> tail;            // AMX: a partial block's K and V rows, zero-padded
 };
 
+// Zeroed outputs and fresh online-softmax state for `allocated` rows.
+inline void reset_rows(int64_t allocated, int64_t d, Scratch& w) {
+  w.o.assign(allocated * d, 0.f);
+  w.max.assign(allocated, tiles::kNegInf);
+  w.sum.assign(allocated, 0.f);
+}
+
 // The item's rows of q, widened to fp32 and multiplied by `scale` (1 or the op's), into w.q
 // [rows][D]; zeroed outputs and fresh online-softmax state for `allocated` >= rows rows.
 template <typename T, typename C>
@@ -83,9 +90,7 @@ void start_rows(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t al
     const T* src = in.q + (in.token(it, r) * in.g.heads + in.head(it, r)) * d;
     for (int64_t j = 0; j < d; j += 16) store16(w.q.data() + r * d + j, load16(src + j) * scale);
   }
-  w.o.assign(allocated * d, 0.f);
-  w.max.assign(allocated, tiles::kNegInf);
-  w.sum.assign(allocated, 0.f);
+  reset_rows(allocated, d, w);
 }
 
 template <typename T, typename C>
@@ -170,18 +175,23 @@ void run_rows(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   finish_rows(in, it, rows, w);
 }
 
-// The tiles' shared set-up: queries (scaled by `scale`) in w.q, each row's position in w.pos
-// [R] (padding rows: zero queries at the last position), scratch for one tile.
+// Each row's position in w.pos [R] (padding rows: the last query's) and scratch for one tile.
 template <typename T, typename C>
-void start_tiles(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t padded_rows, float scale, Scratch& w) {
+void tile_positions(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t padded_rows, Scratch& w) {
   const int64_t d = in.g.head_dim, first_pos = in.first_pos(it);
-  start_rows(in, it, rows, padded_rows, scale, w);
   w.pos.assign(padded_rows, static_cast<int32_t>(first_pos + it.num_queries - 1));
   for (int64_t r = 0; r < rows; ++r) w.pos[r] = static_cast<int32_t>(first_pos + r / in.g.groups);
   w.k.resize(tiles::kKeys * d);
   w.v.resize(tiles::kKeys * d);
   w.s.resize(tiles::kKeys * padded_rows);
   w.alpha.resize(padded_rows);
+}
+
+// The tiles' shared set-up: queries (scaled by `scale`) in w.q, fresh rows, tile_positions.
+template <typename T, typename C>
+void start_tiles(const Inputs<T, C>& in, const Item& it, int64_t rows, int64_t padded_rows, float scale, Scratch& w) {
+  start_rows(in, it, rows, padded_rows, scale, w);
+  tile_positions(in, it, rows, padded_rows, w);
 }
 
 // Whether a tile of keys first .. first + padded - 1 needs the mask for rows at positions
