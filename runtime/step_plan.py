@@ -17,8 +17,10 @@ collectives all_reduce / all_gather of a tensor-parallel graph
 rows the step's tokens (the rows of the graph's first input) or, after the one gather of rows, its
 indices' count (the IR's R, logit rows: one a sequence, or more where a step asks for logits at
 several positions), and a paged KV cache of that dtype or int8 in blocks of 16. Each call runs the
-same kernel, on the same split of the work, as the op-by-op native table does, so a plan's outputs
-equal that table's bit for bit; the torch refs are the meaning (tests compare both).
+same kernel as the op-by-op native table does, on the same split of the work but for a prompt's GEMM
+on AMX tiles (split by tokens, so each thread's rows stay in its core's caches; each output is the
+same dot product), so a plan's outputs equal that table's bit for bit; the torch refs are the meaning
+(tests compare both).
 
 The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
 gives each instruction's time as measured inside the parallel region.

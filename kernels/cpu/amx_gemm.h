@@ -267,6 +267,12 @@ inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_
 
 #endif
 
+// Whether a float GEMM of `tokens` runs on AMX tiles (linear_range's choice): bf16 where use_amx.
+template <typename X>
+bool on_amx(int64_t tokens) {
+  return std::is_same_v<X, Bf16> && use_amx(tokens);
+}
+
 // A float GEMM's share (panels begin .. end - 1) on the path use_amx chose for its token count.
 template <typename X>
 void linear_range(const X* x, const X* panels, int64_t tokens, int64_t k_dim, const X* bias, X* out, int64_t n_dim,
