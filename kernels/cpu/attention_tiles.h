@@ -212,6 +212,15 @@ struct ScoreRule {
   int64_t window;
 };
 
+// The max of st[n * rows + 0..15] over n < keys (a multiple of 16), four independent chains of
+// vmaxps: one chain waited out vmaxps' latency for every key.
+inline Vec16 column_max(const float* st, int64_t rows, int64_t keys) {
+  Vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+  for (int64_t n = 0; n < keys; n += 4)
+    for (int i = 0; i < 4; ++i) m[i] = vmax(m[i], load16(st + (n + i) * rows));
+  return vmax(vmax(m[0], m[1]), vmax(m[2], m[3]));
+}
+
 // Rows r .. r + 15 of a tile's scores in log2 units, scaled, soft-capped and masked by `rule`
 // (masked lanes -inf), written back into st; returns their max per row.
 inline Vec16 log2_scores(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
@@ -268,13 +277,8 @@ inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, co
   const bool raw = !masked && rule.softcap <= 0;
   const float unit = raw ? rule.scale * kLog2e : 1.f;   // st's values times unit: log2 scores
   for (int64_t r = 0; r < rows; r += 16) {
-    Vec16 top = splat(kNegInf);
-    if (raw) {
-      for (int64_t n = 0; n < keys; ++n) top = vmax(top, load16(st + n * rows + r));
-      top = top * unit;                        // unit > 0: the max of the products, as rounded
-    } else {
-      top = log2_scores(st, rows, keys, first_key, pos + r, masked, rule, r);
-    }
+    const Vec16 top = raw ? column_max(st + r, rows, keys) * unit   // unit > 0: the products' max, as rounded
+                          : log2_scores(st, rows, keys, first_key, pos + r, masked, rule, r);
     const Vec16 old = load16(max + r);
     const Vec16 ref = top > old + kLag ? top : old;
     const Vec16 a = ref == old ? splat(1.f) : (old == kNegInf ? splat(1.f) : pow2(old - ref));
