@@ -4,21 +4,23 @@
 // Contract: run_tiles_bf16's (paged_attention.cpp's, with the meaning of paged_attention_ref) for
 // bf16 q and a bf16 cache, head_dim a multiple of 32: scores q.k of the bf16 values accumulated in
 // fp32, scaled, soft-capped and masked in fp32, an online softmax in fp32, its probabilities
-// (relative to the running max) rounded once to bf16 for the product with V, accumulated in fp32;
-// the output rounded once to bf16. The rounding of the probabilities is the ref's (it rounds the
-// normalised probabilities to q's dtype): each p is off by at most half a bf16 ulp (2^-9
-// relatively), so an output moves by at most 2^-9 max|v| from it, as the ref's does.
+// (relative to the row's running reference, attention_tiles.h) rounded once to bf16 for the product
+// with V, accumulated in fp32; the output rounded once to bf16. The rounding of the probabilities
+// is the ref's (it rounds the normalised probabilities to q's dtype): each p is off by at most half
+// a bf16 ulp (2^-9 relatively), so an output moves by at most 2^-9 max|v| from it, as the ref's does.
 //
 // How: an item's R rows (its queries x the query heads of its KV head, padded to a multiple of 32)
-// meet a tile of up to 64 keys as two AMX GEMMs, with the transposed scores of attention_tiles.h:
-//   scores  S^T [keys][R] = K [keys][D] x Q^T: A tiles are 16 keys x 32 dims read in place from the
+// meet a tile of up to 64 keys 32 rows at a time (so a row block's scores, probabilities and outputs
+// stay in L1: the whole item's at once took a fifth longer), as two AMX GEMMs with the transposed
+// scores of attention_tiles.h:
+//   scores  S^T [keys][32] = K [keys][D] x Q^T: A tiles are 16 keys x 32 dims read in place from the
 //           cache block (a block's partial tail copied into zeroed rows), B tiles Q^T as pairs of
-//           dims [D/2][R] (packed once per item); C tiles of 16 keys x 16 rows.
-//   softmax attention_tiles.h's (fp32, AVX-512) into bf16 pairs of keys P^T [keys/2][R].
-//   values  O [R][D] += P [R][keys] x V [keys][D]: P^T transposed (16 x 16 uint32 blocks) into A
-//           tiles of 16 rows x 32 keys; V as pairs of keys [keys/2][D] (two cache rows interleaved);
-//           O's C tiles loaded, accumulated and stored back, after the rows whose softmax reference
-//           moved (alpha != 1: rare, see attention_tiles.h) were rescaled.
+//           dims [D/2][32] (packed once per item, row block by row block); C tiles of 16 keys x 16 rows.
+//   softmax attention_tiles.h's (fp32, AVX-512) into bf16 pairs of keys P^T [keys/2][32].
+//   values  O [32][D] += P [32][keys] x V [keys][D]: P^T transposed (16 x 16 uint32 blocks) into A
+//           tiles of 16 rows x 32 keys; V as pairs of keys [keys/2][D] (two cache rows interleaved,
+//           once per tile); O's C tiles loaded, accumulated and stored back, after the rows whose
+//           softmax reference moved (alpha != 1: rare, see attention_tiles.h) were rescaled.
 // Tiles past the item's last query are never read, as in run_tiles. The calling thread must be
 // allowed the tile state (llmc_amx::support()); it loads the configuration per item and releases
 // the tiles after it. Chosen per chunk where support() holds, LLMC_CPU_AMX is not "off" and head_dim
@@ -137,8 +139,9 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void values(const uint32_t* 
   llmc_amx::memory_fence();
 }
 
-// w.qp [D/2][R] = the item's bf16 query rows as pairs of dimensions (a bf16 row is its own row of
-// pairs), copied into w.pp [R][D/2] with zero padding rows and transposed in 16 x 16 blocks.
+// w.qp [R/32][D/2][32] = each block of 32 of the item's bf16 query rows as pairs of dimensions (a
+// bf16 row is its own row of pairs), copied into w.pp [R][D/2] with zero padding rows and transposed
+// in 16 x 16 blocks.
 inline void pack_queries(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t rows, int64_t padded_rows,
                          Scratch& w) {
   const int64_t d = in.g.head_dim, half = d / 2;
@@ -149,7 +152,8 @@ inline void pack_queries(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t r
   w.qp.resize(half * padded_rows);
   for (int64_t r = 0; r < padded_rows; r += 16)
     for (int64_t j = 0; j < half; j += 16)
-      transpose16(&w.pp[r * half + j], half, &w.qp[j * padded_rows + r], padded_rows);
+      transpose16(&w.pp[r * half + j], half, &w.qp[r / kRowTile * kRowTile * half + j * kRowTile + r % kRowTile],
+                  kRowTile);
 }
 
 // One key tile (keys first .. first + keys - 1) of an item whose rows are set up in w.
@@ -159,17 +163,21 @@ inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first
   const int64_t first_pos = in.first_pos(it), last_pos = first_pos + it.num_queries - 1;
   const Bf16 *k[tiles::kKeys / kBlock], *v[tiles::kKeys / kBlock];
   key_blocks(in, it, first, keys, reinterpret_cast<Bf16*>(w.tail.data()), k, v);
-  scores(k, padded / kBlock, w.qp.data(), rows, d, w.s.data());
-  const tiles::ScoreRule rule{in.scale, in.softcap, in.window};
-  tiles::softmax<true>(w.s.data(), rows, padded, first, w.pos.data(), masks(in, first, padded, first_pos, last_pos),
-                       rule, w.max.data(), w.sum.data(), w.alpha.data(), w.pp.data());
-  std::fill(w.pp.begin() + pairs * rows, w.pp.begin() + steps * 16 * rows, 0u);   // a half step: no keys
-  for (int64_t r = 0; r < rows; r += 16)
-    for (int64_t s = 0; s < steps; ++s) transpose16(&w.pp[s * 16 * rows + r], rows, &w.kp[r * kPairs + s * 16], kPairs);
   pair_values(v, pairs, d, w.vp.data());
   std::fill(w.vp.begin() + pairs * d, w.vp.begin() + steps * 16 * d, 0u);
-  tiles::rescale(w.alpha.data(), rows, d, w.o.data());
-  values(w.kp.data(), rows, steps, w.vp.data(), d, w.o.data());
+  const tiles::ScoreRule rule{in.scale, in.softcap, in.window};
+  const bool masked = masks(in, first, padded, first_pos, last_pos);
+  for (int64_t r = 0; r < rows; r += kRowTile) {
+    scores(k, padded / kBlock, w.qp.data() + r * d / 2, kRowTile, d, w.s.data());
+    tiles::softmax<true>(w.s.data(), kRowTile, padded, first, w.pos.data() + r, masked, rule, w.max.data() + r,
+                         w.sum.data() + r, w.alpha.data() + r, w.pp.data());
+    std::fill(w.pp.begin() + pairs * kRowTile, w.pp.begin() + steps * 16 * kRowTile, 0u);   // a half step: no keys
+    for (int64_t h = 0; h < kRowTile; h += 16)
+      for (int64_t s = 0; s < steps; ++s)
+        transpose16(&w.pp[s * 16 * kRowTile + h], kRowTile, &w.kp[h * kPairs + s * 16], kPairs);
+    tiles::rescale(w.alpha.data() + r, kRowTile, d, w.o.data() + r * d);
+    values(w.kp.data(), kRowTile, steps, w.vp.data(), d, w.o.data() + r * d);
+  }
 }
 
 }  // namespace amx_attention
@@ -182,8 +190,8 @@ inline void run_tiles_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, const 
   reset_rows(padded_rows, d, w);
   tile_positions(in, it, rows, padded_rows, w);
   amx_attention::pack_queries(in, it, rows, padded_rows, w);
-  w.pp.resize(tiles::kKeys / 2 * padded_rows);
-  w.kp.resize(padded_rows * amx_attention::kPairs);
+  w.pp.resize(tiles::kKeys / 2 * amx_attention::kRowTile);
+  w.kp.resize(amx_attention::kRowTile * amx_attention::kPairs);
   w.vp.resize(tiles::kKeys / 2 * d);
   w.tail.resize(2 * kBlock * d / 2);                // two blocks of bf16 rows, as uint32 pairs
   llmc_amx::configure_tiles();
