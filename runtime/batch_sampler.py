@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.kernels.argmax import argmax_rows
+
 from .sampler import SampleResult
 from .sampling_params import SamplingParams
 
@@ -181,14 +183,14 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     penalised = apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not sampled:
-        return penalised.argmax(dim=-1), penalised
+        return argmax_rows(penalised), penalised
     picked = [rows[i] for i in sampled]
     u = torch.tensor([r.uniform for r in picked], dtype=torch.float64).to(logits.device, non_blocking=True)
     if len(sampled) == len(rows):
         return draw_tokens(filter_logits(penalised, picked), u), penalised
     index = torch.tensor(sampled).to(logits.device, non_blocking=True)
     drawn = draw_tokens(filter_logits(penalised[index], picked), u)
-    return penalised.argmax(dim=-1).index_copy(0, index, drawn), penalised
+    return argmax_rows(penalised).index_copy(0, index, drawn), penalised
 
 
 def logprobs_of(logprobs: torch.Tensor, tokens: torch.Tensor, most: int) -> tuple[list[float], list, list]:

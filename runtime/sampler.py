@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.kernels.argmax import argmax_rows
+
 from .sampling_params import SamplingParams
 
 
@@ -99,7 +101,7 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """Pick one token from one row of fp32 logits [vocab]."""
     logits = apply_penalties(logits.clone(), params, prompt_ids, output_ids)
     if params.greedy:
-        token = int(logits.argmax())
+        token = int(argmax_rows(logits[None])[0])
     else:
         token = draw_token(filter_logits(logits, params), generator)
     if params.logprobs is None:
@@ -117,6 +119,6 @@ def needs_row_sampling(params: SamplingParams) -> bool:
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            histories: list[tuple[list[int], list[int]]]) -> list[SampleResult]:
     """One token per row of fp32 `logits` [S, vocab]; `histories` gives (prompt, output) ids."""
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = argmax_rows(logits).tolist()
     return [sample_row(logits[i], p, g, *h) if needs_row_sampling(p) else SampleResult(greedy[i])
             for i, (p, g, h) in enumerate(zip(params, generators, histories))]

@@ -42,6 +42,7 @@ import typer
 from llmc.compiler.artifact import stale_code
 from llmc.compiler.ir import Graph
 from llmc.kernels.amx import describe_attention_path, describe_gemm_path
+from llmc.kernels.argmax import argmax_rows
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
 from llmc.runtime.engine import Engine, EngineConfig, kv_cache_dtype
@@ -128,7 +129,7 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
     for c in chunks:
         c.seq.num_computed = c.end
     if on_token:
-        on_token(int(logits[-1].argmax()))
+        on_token(int(argmax_rows(logits[-1:])[0]))
     elapsed = time.perf_counter() - start
     for launch in launches:
         totals[CATEGORIES.get(launch.kind, "other kernels")] += launch.seconds
@@ -142,7 +143,7 @@ def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     logits = engine.runner.run_on_device("decode", build_step_inputs(chunks, engine.blocks))
     for c in chunks:
         c.seq.num_computed = c.end
-    on_token(int(logits[-1].argmax()))
+    on_token(int(argmax_rows(logits[-1:])[0]))
     return time.perf_counter() - start
 
 
