@@ -61,7 +61,7 @@ inline float softmax_tile(float* s, int64_t keys, float& max, float& sum) {
   const float alpha = std::exp(max - new_max);  // 0 on the first tile (max = -inf)
   Vec16 total{};
   for (int64_t n = 0; n < keys; n += 16) {
-    const Vec16 p = tiles::exp_nonpositive(load16(s + n) - new_max);
+    const Vec16 p = exp_nonpositive(load16(s + n) - new_max);
     total += p;
     store16(s + n, p);
   }

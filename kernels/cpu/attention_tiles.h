@@ -158,33 +158,6 @@ inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out
   for (int64_t i = 0; i < n; i += 16) store_pairs(load16(lo + i), load16(hi + i), out + i);
 }
 
-#ifdef __AVX512F__
-// 2^t = 2^f * 2^n, |f| <= 1/2: a degree-5 polynomial for 2^f (fitted for relative error, 1.9e-7
-// in fp32) and vscalefps for 2^n. Lanes below -125 (-inf, NaN) give 0 by the scale's zero mask,
-// never a subnormal: a subnormal result takes a microcode assist, which made a tile whose keys were
-// half masked ten times as slow.
-inline __m512 pow2_of(__m512 t) {
-  const __mmask16 live = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);           // NaN where t is -inf or NaN: those lanes are masked
-  __m512 p = _mm512_set1_ps(1.326472708006744e-3f);
-  for (const float c : {9.671512862236187e-3f, 5.5507337456463635e-2f, 0.24022242081842402f, 0.6931469775965883f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-#endif
-
-// e^x for x <= 0 (the softmax's score - max; -inf gives 0, as does any e^x below 2^-125),
-// relative error ~2e-7. On AVX-512 pow2_of(x log2 e), about half the instructions of vec16.h's
-// exp16, which other CPUs use.
-inline Vec16 exp_nonpositive(Vec16 x) {
-#ifdef __AVX512F__
-  return (Vec16)pow2_of(_mm512_mul_ps((__m512)x, _mm512_set1_ps(kLog2e)));
-#else
-  return exp16(x);
-#endif
-}
-
 // tanh per lane, relative error ~3e-7 everywhere (Eigen's rational approximation; the
 // exp form 1 - 2 / (e^2x + 1) loses all relative accuracy near 0).
 inline Vec16 tanh16(Vec16 x) {
