@@ -27,7 +27,8 @@ def test_native_equals_torch_argmax(rows, vocab, dtype):
 def test_ties_nans_and_infinities_pick_what_torch_picks(dtype):
     vocab = 40                                      # two whole vectors and a tail of 8
     cases = {"tie in one vector": {11: 9.0, 6: 9.0}, "tie in the body": {5: 9.0, 21: 9.0},
-             "tie body and tail": {37: 9.0, 3: 9.0}, "tie in the tail": {33: 9.0, 38: 9.0}, "max in the tail": {35: 9.0},
+             "tie body and tail": {37: 9.0, 3: 9.0}, "tie in the tail": {33: 9.0, 38: 9.0},
+             "max in the tail": {35: 9.0},
              "NaN after the max": {2: 9.0, 30: NAN}, "NaN in the tail": {1: 9.0, 36: NAN, 39: NAN},
              "two NaNs": {20: NAN, 4: NAN}, "+inf twice": {17: INF, 9: INF}, "NaN beside +inf": {0: INF, 12: NAN}}
     logits = torch.randn(len(cases) + 2, vocab, generator=torch.Generator().manual_seed(0))

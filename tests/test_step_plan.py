@@ -1,8 +1,8 @@
 """Step plans (runtime/step_plan.py, kernels/cpu/step_plan.cpp): a decode or prefill graph run as
 one native call equals the same graph run op by op with the native kernels, bit for bit (the same
-kernels; a prompt's AMX GEMMs split by tokens, not panels: bf16's 204-token prefill at 2 threads), and the torch refs within the dtype's tolerance (bf16:
-as close to an fp32 run on the same weights as the bf16 refs are; planted bugs fail it); the KV
-cache it writes is the op-by-op one. Prefill steps mix prompt chunks (whole, first parts, a rest
+kernels; a prompt's AMX GEMMs split by tokens, not panels: bf16's 204-token prefill at 2 threads),
+and the torch refs within the dtype's tolerance (bf16: as close to an fp32 run on the same weights as
+the bf16 refs are; planted bugs fail it); the KV cache it writes is the op-by-op one. Prefill steps mix prompt chunks (whole, first parts, a rest
 over its cached part) with decodes. Tiny random models whose shapes every plan kernel takes (widths a
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
 and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of
