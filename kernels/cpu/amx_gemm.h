@@ -187,7 +187,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void multiply_tail(const Bf1
 // Cache lines of the next panel to fetch into L2 while this one is multiplied: `lines` a K step from
 // `from` (none: nullptr). The hardware prefetchers do not run ahead of tile loads into the next panel,
 // whose first tiles then waited on memory (a prompt's weights come from L3 or DRAM): with it, a
-// 512-token bf16 prefill's GEMMs took 52.4 ms, not 57.6 (2-core Xeon, three A/B runs).
+// 512-token bf16 prefill's GEMMs took 52.4 ms, not 58.3 (2-core Xeon, the mean of three A/B runs).
 struct Prefetch {
   const char* from;
   int64_t lines;
