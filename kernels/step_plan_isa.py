@@ -182,6 +182,18 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("generated", _args("fn:address num_inputs:int values:values",
                                    fn="a generated kernel's C function (its ABI: runtime/step_plan.py)",
                                    values="the unit's inputs, then its outputs")),
+    Instruction("linear_epilogue", _args("out x panels bias:optional k:int n:int num_panels:int fn:address "
+                                         "window_fn:address source:int reads:int width:int num_inputs:int "
+                                         "values:values",
+                                         fn="the epilogue's generated kernel (as `generated`)",
+                                         window_fn="its window form (compiler/codegen/cpp.py's NAME_cols)",
+                                         source="which of values is out, the GEMM's result the epilogue reads",
+                                         reads="out's column groups of `width` it reads, at 0, width, ...",
+                                         width="the epilogue's output width, a multiple of 32 (a panel)",
+                                         values="the epilogue's inputs, then its outputs"),
+                doc="linear, then a column-local generated kernel over its result: on AMX tiles split by "
+                    "tokens the kernel runs on each 32 columns as the GEMM makes them (out never written); "
+                    "otherwise the GEMM, a barrier, the kernel"),
     Instruction("qembedding", _args("out codes scales mins:optional ids layout:int vocab:int width:int bits:int "
                                     "group:int",
                                     layout="0: codes, scales, mins as the artifact stores them [V, ...]; "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmc.compiler.artifact_format import CPU_KERNELS_FILE
+from llmc.compiler.codegen.cpp import ColumnReads
 from llmc.compiler.codegen.cpu_lowering import CpuLowering, lower_cpu
 from llmc.compiler.codegen.cpu_units import unit_kind
 from llmc.compiler.codegen.units import KernelUnit
@@ -48,6 +49,13 @@ class CpuKernels:
         lowering = self.lowering if self.graphs.get(graph.name) is graph else lower_cpu({graph.name: graph})
         return [(unit, None if name is None else self.library.address(name))
                 for unit, name in zip(lowering.units[graph.name], lowering.plan[graph.name])]
+
+    def windows(self, graph: Graph) -> list[tuple[int, ColumnReads] | None]:
+        """For each of `units(graph)`: its window function's address and what it reads (None: a
+        template node, or a unit that is not column-local; compiler/codegen/cpp.py)."""
+        lowering = self.lowering if self.graphs.get(graph.name) is graph else lower_cpu({graph.name: graph})
+        return [(self.library.address(name + "_cols"), lowering.windows[name]) if name in lowering.windows else None
+                for name in lowering.plan[graph.name]]
 
 
 def load_cpu_kernels(artifact: Artifact) -> CpuKernels:

@@ -56,7 +56,8 @@ def _lower_qembedding(lo, node: Node) -> Encoded:
                   ids=lo.graph_input(x.ids, node), layout=layout, vocab=vocab, width=width, bits=bits, group=group)
 
 
-def _lower_linear(lo, node: Node) -> Encoded:
+def linear_args(lo, node: Node) -> dict:
+    """The args of instruction `linear` for `node` (and of `linear_epilogue` before its epilogue's)."""
     named = operands_of(node)
     x, bias = named.x, named.get("bias")
     w, b = lo.weight(named.weight), lo.weight(bias) if bias else None
@@ -67,8 +68,12 @@ def _lower_linear(lo, node: Node) -> Encoded:
     if lo.width(x, node) != w.in_features:
         raise NotPlannable(f"{node.name} (linear) multiplies {lo.width(x, node)} inputs by a weight of {w.in_features}")
     bias_id = lo.constant(b.contiguous()) if bias else -1
-    return encode("linear", out=lo.result(node), x=lo.activation(x, node), panels=lo.panels(w)[0], bias=bias_id,
-                  k=w.in_features, n=w.out_features, num_panels=w.weight.shape[0])
+    return dict(out=lo.result(node), x=lo.activation(x, node), panels=lo.panels(w)[0], bias=bias_id,
+                k=w.in_features, n=w.out_features, num_panels=w.weight.shape[0])
+
+
+def _lower_linear(lo, node: Node) -> Encoded:
+    return encode("linear", **linear_args(lo, node))
 
 
 def _lower_qlinear(lo, node: Node) -> Encoded:

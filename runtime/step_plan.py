@@ -37,7 +37,12 @@ row r of value i at `(T*)ptrs[i] + r * strides[i]` (strides in elements: an acti
 2-D constant's row stride, 0 for a 1-D constant such as a norm weight, 1 for a 1-D graph input);
 it computes rows [first, last) of every output (the team splits its first output's rows), its
 widths, dtypes and attributes baked in; it never fails or allocates, and runs concurrently on
-disjoint row ranges.
+disjoint row ranges. A float linear whose result only the generated unit after it reads, at
+columns 0, W, 2W, ... (W that unit's output width, whole panels of 32), where the unit is
+column-local (codegen gave it a window form, NAME_cols), runs with it as one instruction,
+`linear_epilogue` (`_epilogue_reads` decides): on AMX tiles the unit runs on each 32 columns as the
+GEMM makes them (kernels/cpu/amx_epilogue.h), otherwise the GEMM, a barrier and the unit; the same
+values either way.
 """
 
 from __future__ import annotations
@@ -54,13 +59,14 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
+from llmc.kernels.panels import PANEL
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
 from .cpu_program import CpuKernels
 from .liveness import dying_after
 from .slot_program import LaunchTime
-from .plan_gemm import GEMM_LOWERINGS, NotPlannable
+from .plan_gemm import GEMM_LOWERINGS, NotPlannable, linear_args
 from .tensor_parallel.plan_collectives import COLLECTIVE_LOWERINGS
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
@@ -307,6 +313,39 @@ def lower_generated(lo: _Lowering, fn_address: int, inputs: list[Value], outputs
     return encode("generated", fn=fn_address, num_inputs=len(inputs), values=ids)
 
 
+def _epilogue_reads(lo: _Lowering, gemm: KernelUnit, unit: KernelUnit, window: tuple | None) -> int:
+    """How many column groups of its own width a column-local generated `unit` (its window function
+    and ColumnReads in `window`) reads of the result of `gemm`, a float linear before it, when the
+    step plan can run it as that GEMM's epilogue; 0 when not: the result must be read by `unit`
+    alone, at columns 0, W, 2W, ... of a GEMM W, 2W, ... wide, W a multiple of the panel width."""
+    if window is None or len(gemm.nodes) != 1 or gemm.nodes[0].op != "linear":
+        return 0
+    _, reads = window
+    result = gemm.nodes[0].value()
+    n, names = lo.graph.type_of(result).shape[1], {node.name for node in unit.nodes}
+    readers = {node.name for node in lo.graph.nodes if result in node.inputs}
+    if result not in unit.inputs or result in lo.graph.outputs or not readers <= names or reads.width % PANEL:
+        return 0
+    groups = n // reads.width
+    wanted = tuple(range(0, n, reads.width))
+    return groups if n % reads.width == 0 and reads.starts[unit.inputs.index(result)] == wanted else 0
+
+
+def lower_epilogue(lo: _Lowering, gemm: Node, unit: KernelUnit, fn_address: int, window: tuple, reads: int,
+                   keepalive: Any) -> Encoded:
+    """`gemm` (a float linear) and the generated `unit` after it as instruction `linear_epilogue`
+    (the unit's outputs made before the GEMM's dying values are released: the GEMM still reads
+    its x while the epilogue writes)."""
+    args = linear_args(lo, gemm)
+    ids = [_generated_input(lo, v, lo.nodes[unit.outputs[0].node]) for v in unit.inputs]
+    ids += [lo.result(lo.nodes[v.node], v.index) for v in unit.outputs]
+    lo.keepalive.append(keepalive)
+    window_fn, columns = window
+    return encode("linear_epilogue", **args, fn=fn_address, window_fn=window_fn,
+                  source=list(unit.inputs).index(gemm.value()), reads=reads, width=columns.width,
+                  num_inputs=len(unit.inputs), values=ids)
+
+
 def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
     """The plan value of a generated kernel's input `v` (`unit` reads it)."""
     op = lo.nodes[v.node].op
@@ -347,11 +386,22 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
     `lowerings` (without `kernels`, a generated unit's nodes need entries too); NotPlannable names
     the first node it cannot take."""
     units = _plan_units(graph, lowerings, kernels)
+    windows = kernels.windows(graph) if kernels is not None else [None] * len(units)
     lo = _Lowering(graph, weights, block_size)
     names = lo.add_inputs()
     launches = []
-    for unit, address in units:
-        if address is not None:                  # one generated kernel: the unit's values die after it
+    fused = set()                                # units run as the epilogue of the GEMM before them
+    for i, (unit, address) in enumerate(units):
+        if i in fused:
+            continue
+        reads = _epilogue_reads(lo, unit, units[i + 1][0], windows[i + 1]) if i + 1 < len(units) else 0
+        if reads and lowerings.get("linear") is LOWERINGS["linear"]:   # the GEMM and its epilogue: one call
+            fused.add(i + 1)
+            epilogue, fn = units[i + 1]
+            label = "+".join(n.op for n in (*unit.nodes, *epilogue.nodes))
+            steps = [(lower_epilogue(lo, unit.nodes[0], epilogue, fn, windows[i + 1], reads, kernels.library),
+                      (*unit.nodes, *epilogue.nodes), PlanLaunch(label, "gemm"))]
+        elif address is not None:                # one generated kernel: the unit's values die after it
             steps = [(lower_generated(lo, address, list(unit.inputs), list(unit.outputs), kernels.library),
                       unit.nodes, PlanLaunch("+".join(n.op for n in unit.nodes), unit_kind(unit)))]
         else:

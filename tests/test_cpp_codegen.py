@@ -9,7 +9,9 @@ round at the same points from fp32 values that differ only in fp32 rounding: eve
 one ulp of the result, and only as many differing as fp32-sized differences make (a dropped
 rounding makes far more, and a planted one must fail). Outputs are poisoned with NaN in a buffer
 wider than the row: a call on rows [first, last) writes every element of those rows and nothing
-else, and run_generated (the op-by-op launcher, all rows, ATen's threads) gives the same bits.
+else, and run_generated (the op-by-op launcher, all rows, ATen's threads) gives the same bits. A
+column-local unit's window function (NAME_cols), called on each 16 columns in turn, gives the row
+function's bits and writes only its window; a unit with a row sum or outputs of two widths has none.
 """
 
 from __future__ import annotations
@@ -313,3 +315,52 @@ def test_a_bug_planted_in_the_generator_fails_the_check(every_primitive_op, bug,
         with pytest.raises(AssertionError):
             for unit, function in units:
                 check_unit(graph, unit, library.address(function), 64, seed=7)
+
+
+COLS_FN = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+COLUMN_LOCAL = {"add", "mul", "cast", "silu", "silu_then_mul", "silu_mul_halves", "silu_mul_apart",
+                "gemma_chain"}                                  # no row sums: each has a window function
+
+
+def call_window(address: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], first: int, last: int,
+                col0: int, col1: int) -> None:
+    """A window function's ABI (compiler/codegen/cpp.py's NAME_cols), called directly."""
+    values = inputs + outputs
+    ptrs = (ctypes.c_void_p * len(values))(*[t.data_ptr() for t in values])
+    strides = (ctypes.c_int64 * len(values))(*[t.stride(0) if t.dim() == 2 else 0 for t in values])
+    COLS_FN(address)(ptrs, strides, first, last, col0, col1)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(COLUMN_LOCAL) + ["split", "rmsnorm", "add_then_rmsnorm", "every_primitive"])
+def test_window_functions_compute_their_columns_as_the_row_function(library, case, dtype, width):
+    """A column-local unit's window function, called on each 16 columns in turn, writes those columns
+    of rows [first, last) and nothing else, and in all gives the row function's bits; a unit with a
+    row sum has none."""
+    graph = graph_of(case, dtype, width)
+    lowering = lower_cpu({graph.name: graph})
+    units = generated_units(graph)
+    assert all((f in lowering.windows) == (case in COLUMN_LOCAL) for _, f in units), case
+    feeds, weights = feeds_for(graph, 5, seed=width)
+    values = interpret_values(graph, weights, feeds)
+    for unit, function in (u for u in units if u[1] in lowering.windows):
+        inputs = [values[v] for v in unit.inputs]
+        whole = generated_launch(library.address(function), unit, graph)(inputs, {})
+        buffers = [poisoned(5, graph.type_of(v).shape[-1], to_torch(graph.type_of(v).dtype)) for v in unit.outputs]
+        for col0 in range(0, width, 16):
+            call_window(library.address(function + "_cols"), inputs, [view for _, view in buffers], 1, 4, col0,
+                        min(col0 + 16, width))
+            for (_, view), want in zip(buffers, whole, strict=True):
+                assert torch.equal(view[1:4, :col0 + 16], want[1:4, :col0 + 16]), "a window's columns differ"
+                assert view[1:4, col0 + 16:].isnan().all(), "a column past the window written"
+        for (buffer, view), want in zip(buffers, whole, strict=True):
+            assert buffer[0].isnan().all() and buffer[4].isnan().all(), "a row outside [first, last) written"
+            assert buffer[1:4, width:].isnan().all(), "a column past the row's end written"
+
+
+def test_a_gated_window_reads_both_halves():
+    graph = graph_of("silu_mul_halves", "bf16", 72)
+    (unit, function), = generated_units(graph)
+    assert lower_cpu({graph.name: graph}).windows[function] == cpp.ColumnReads(((0, 72),), 72)

@@ -12,6 +12,16 @@ function computes rows [first, last) of every output and writes nothing else; wi
 (f32, bf16, f16) and attributes are constants of its text; it never fails or allocates (a row's
 intermediates live on the stack) and runs concurrently on disjoint row ranges.
 
+A generated unit whose ops are column-local (no row sums: output column j reads only input
+columns start + j, one pass width for all of them) also gets a window function, which a GEMM calls
+as its epilogue on the columns it has just computed (kernels/cpu/amx_epilogue.h):
+
+    extern "C" void NAME_cols(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last,
+                              int64_t col0, int64_t col1);
+
+the same values, rows [first, last) and output columns [col0, col1) only (col0 a multiple of 16,
+col1 a multiple of 16 or the width); `ColumnReads` says which columns of each input it reads.
+
 Inside, each op is its record's formula (compiler/formula.py) in fp32 over Vec16 chunks of a row
 (kernels/cpu/vec16.h and generated_rows.h: a partial last chunk where a width is not a multiple
 of 16): a row sum is a pass over the row before the pass that uses it; each op's result is
@@ -40,6 +50,19 @@ CALLS = {"add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
          "sqrt": "sqrt16({})", "max": "max16({}, {})", "min": "min16({}, {})"}
 MAX_SCRATCH_BYTES = 512 * 1024       # a unit's stack rows (intermediates only later ops of it read)
 INCLUDE = '#include "generated_rows.h"'
+
+
+@dataclass(frozen=True)
+class ColumnReads:
+    """What a window function reads: for each input of the unit (in unit order) the column offsets
+    of its reads (output column j reads input column start + j), and the width of every output."""
+
+    starts: tuple[tuple[int, ...], ...]
+    width: int
+
+
+class NotColumnLocal(Exception):
+    """A unit with a row sum or passes of several widths: it has no window function."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +98,8 @@ class _Function:
     lines: list[str] = field(default_factory=list)         # the body of the row loop
     scratch_bytes: int = 0
     names: int = 0
+    window: int | None = None                              # the output width of a window function
+    starts: dict[Value, set[int]] = field(default_factory=dict)   # input -> the column offsets read
 
     def fail(self, why: str) -> CodegenError:
         return CodegenError(f"{self.unit.label} ({'+'.join(n.op for n in self.unit.nodes)}): {why}")
@@ -137,6 +162,8 @@ class _Chunk:
             return const(e.value)
         if e.scalar:
             return _scalar(self.fn, self.node, self.operands, e, self.scalars)
+        if e.op == "operand" and self.fn.window is not None:
+            self.fn.starts.setdefault(self.operands[e.value.name], set()).add(e.value.start)
         key = e.value if e.op == "operand" else e
         if key not in self.memo:
             self.memo[key] = self._define(e)
@@ -165,7 +192,11 @@ class _Chunk:
     def loop(self, tail: list[str]) -> list[str]:
         """The pass as a C++ statement, `tail` (stores, a sum) after the body."""
         body = [f"  {line}" for line in self.lines + tail]
-        return [f"each_chunk<{self.width}>([&](int64_t j, auto n) {{", *body, "});"]
+        if self.fn.window is None:
+            return [f"each_chunk<{self.width}>([&](int64_t j, auto n) {{", *body, "});"]
+        if self.width != self.fn.window:
+            raise NotColumnLocal(f"a pass over {self.width} columns beside outputs of {self.fn.window}")
+        return [f"each_window<{self.width}>(col0, col1, [&](int64_t j, auto n) {{", *body, "});"]
 
 
 def _leaf_width(e: Expr) -> int | None:
@@ -180,6 +211,8 @@ def _scalar(fn: _Function, node: Node, operands: dict, e: Expr, scalars: dict) -
     before the pass that reads it; a row sum's own pass comes first."""
     if e.op == "const":
         return const(e.value)
+    if fn.window is not None:
+        raise NotColumnLocal(f"{node.op} computes a per-row value")
     if e in scalars:
         return scalars[e]
     if e.op == "row_sum":
@@ -225,9 +258,9 @@ def _emit_node(fn: _Function, node: Node) -> None:
         fn.lines += chunk.loop(stores)
 
 
-def cpp_function_source(unit: KernelUnit, types: dict[Value, TensorType], name: str) -> str:
-    """The C++ function of generated unit `unit`, named `name` (see module docstring)."""
-    fn = _Function(unit, types)
+def _write(unit: KernelUnit, types: dict[Value, TensorType], window: int | None) -> _Function:
+    """The function's pointers, scratch rows and body (see module docstring)."""
+    fn = _Function(unit, types, window=window)
     for i, v in enumerate(unit.inputs):
         fn.pointer(i, v, f"in{i}", writes=False)
     for i, v in enumerate(unit.outputs):
@@ -242,8 +275,12 @@ def cpp_function_source(unit: KernelUnit, types: dict[Value, TensorType], name: 
             if node.value(i) in read_later and node.value(i) not in fn.homes:
                 fn.scratch(node.value(i))
         _emit_node(fn, node)
+    return fn
+
+
+def _text(fn: _Function, name: str, params: str) -> str:
     return "\n".join([
-        f"extern \"C\" void {name}(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last) {{",
+        f"extern \"C\" void {name}({params}) {{",
         "  using namespace llmc_gen;",
         *(f"  {line}" for line in fn.prologue),
         "  for (int64_t r = first; r < last; ++r) {",
@@ -251,3 +288,25 @@ def cpp_function_source(unit: KernelUnit, types: dict[Value, TensorType], name: 
         "  }",
         "}",
     ])
+
+
+ROWS = "char* const* ptrs, const int64_t* strides, int64_t first, int64_t last"
+
+
+def cpp_function_source(unit: KernelUnit, types: dict[Value, TensorType], name: str) -> str:
+    """The C++ function of generated unit `unit`, named `name` (see module docstring)."""
+    return _text(_write(unit, types, None), name, ROWS)
+
+
+def cpp_window_source(unit: KernelUnit, types: dict[Value, TensorType], name: str) -> tuple[str, ColumnReads] | None:
+    """The window function of `unit`, named `name`, and what it reads; None where the unit is not
+    column-local or its outputs differ in width (see module docstring)."""
+    widths = {types[v].shape[-1] for v in unit.outputs}
+    if len(widths) != 1:
+        return None
+    try:
+        fn = _write(unit, types, widths.pop())
+    except NotColumnLocal:
+        return None
+    starts = tuple(tuple(sorted(fn.starts.get(v, {0}))) for v in unit.inputs)
+    return _text(fn, name, ROWS + ", int64_t col0, int64_t col1"), ColumnReads(starts, fn.window)

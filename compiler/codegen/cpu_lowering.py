@@ -7,17 +7,18 @@ function's comment lists the IR lines of the units it serves. `lower_cpu(graphs)
 deterministic: the compiler writes its source into the artifact, and the runtime lowers the
 artifact's IR again to know which function each unit calls and to check that the file is the one
 this llmc generates (runtime/cpu_program.py). Template units (GEMMs, attention, RoPE + KV write,
-gathers) call no generated function: their plan entry is None.
+gathers) call no generated function: their plan entry is None. A column-local function also has
+its window form, NAME_cols (cpp.py), listed in `windows` with what it reads.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmc.compiler.ir import Graph, TensorType, Value
 
-from .cpp import INCLUDE, cpp_function_source
+from .cpp import INCLUDE, ColumnReads, cpp_function_source, cpp_window_source
 from .cpu_units import cpu_units, is_generated
 from .units import KernelUnit
 
@@ -30,6 +31,7 @@ class CpuLowering:
     functions: dict[str, str]                    # function name -> its C++ (comment and definition)
     plan: dict[str, list[str | None]]            # graph entry -> each CPU unit's function (None: a template)
     units: dict[str, list[KernelUnit]]           # graph entry -> its CPU units in launch order
+    windows: dict[str, ColumnReads] = field(default_factory=dict)   # function -> what its NAME_cols reads
 
     def units_of(self, function: str) -> list[KernelUnit]:
         return [u for entry, names in self.plan.items() for u, n in zip(self.units[entry], names) if n == function]
@@ -60,6 +62,7 @@ def _comment(name: str, units: list[KernelUnit]) -> str:
 def lower_cpu(graphs: dict[str, Graph]) -> CpuLowering:
     """A C++ function for every generated CPU unit of `graphs` (CodegenError names one it cannot write)."""
     bodies: dict[str, str] = {}                         # body text -> function name
+    windows: dict[str, tuple[str, ColumnReads] | None] = {}     # body text -> its window form
     plan: dict[str, list[str | None]] = {}
     units = {entry: cpu_units(graph) for entry, graph in graphs.items()}
     for entry, graph in graphs.items():
@@ -73,8 +76,14 @@ def lower_cpu(graphs: dict[str, Graph]) -> CpuLowering:
             if body not in bodies:
                 ops = "_".join(dict.fromkeys(n.op for n in unit.nodes))
                 bodies[body] = f"llmc_{ops}_{hashlib.sha256(body.encode()).hexdigest()[:8]}"
+                windows[body] = cpp_window_source(unit, types, PLACEHOLDER + "_cols")
             plan[entry].append(bodies[body])
     lowering = CpuLowering({}, plan, units)
     for body, name in bodies.items():
-        lowering.functions[name] = _comment(name, lowering.units_of(name)) + "\n" + body.replace(PLACEHOLDER, name)
+        text = _comment(name, lowering.units_of(name)) + "\n" + body.replace(PLACEHOLDER, name)
+        if windows[body] is not None:
+            window, reads = windows[body]
+            text += "\n\n" + window.replace(PLACEHOLDER, name)
+            lowering.windows[name] = reads
+        lowering.functions[name] = text
     return lowering

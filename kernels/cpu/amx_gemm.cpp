@@ -2,6 +2,11 @@
 //   amx_panel_gemm(x, panels, n, bias) -> out   panel_gemm's contract for bf16, always on AMX tiles
 //                                               (at every token count; an error where AMX is not
 //                                               usable): the kernel's own check
+//   amx_gemm_epilogue(x, panels, bias, window_fn, reads, out)
+//                                               amx_epilogue.h's fused GEMM, for tests: a one-input
+//                                               generated epilogue (window_fn: its NAME_cols
+//                                               address) over the GEMM's result into out [T, W]
+//                                               (N = reads x W), the tokens split among ATen's threads
 //   cpu_gemm_path() -> (str, str)               the path a bf16 GEMM of kMinTokens or more tokens
 //                                               takes here: ("amx-bf16", ""), or ("avx512-bf16",
 //                                               why AMX is not taken)
@@ -15,6 +20,7 @@
 #include <string>
 #include <tuple>
 
+#include "amx_epilogue.h"
 #include "amx_gemm.h"
 
 namespace {
@@ -48,6 +54,29 @@ at::Tensor amx_panel_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t
   return out;
 }
 
+void amx_gemm_epilogue(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                       int64_t window_fn, int64_t reads, const at::Tensor& out) {
+  TORCH_CHECK(llmc_amx::support().usable, "AMX is not usable here: ", llmc_amx::support().why);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && panels.dim() == 4 &&
+                  panels.is_contiguous() && panels.scalar_type() == at::kBFloat16 && panels.size(1) * 2 == x.size(1),
+              "x must be a contiguous bf16 [T, K] tensor and panels bf16 [P, K/2, 32, 2]");
+  const int64_t width = out.size(1), n_dim = panels.size(0) * llmc_panels::kPanel;
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kBFloat16 &&
+                  out.size(0) == x.size(0) && width % llmc_panels::kPanel == 0 && reads >= 1 && reads * width == n_dim,
+              "out must be a contiguous bf16 [T, W] tensor, W a multiple of 32 and N = ", n_dim, " = reads x W");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == n_dim && bias->scalar_type() == at::kBFloat16),
+              "bias must be a contiguous bf16 [N] tensor");
+#if defined(__x86_64__)
+  const auto* bp = bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    const llmc_amx::Epilogue e{reinterpret_cast<llmc_amx::WindowFn>(static_cast<intptr_t>(window_fn)),
+                               {nullptr, static_cast<char*>(out.data_ptr())}, {n_dim, width}, 0, width, reads, begin};
+    llmc_amx::epilogue_range(x.const_data_ptr<c10::BFloat16>() + begin * x.size(1),
+                             panels.const_data_ptr<c10::BFloat16>(), end - begin, x.size(1), bp, e);
+  });
+#endif
+}
+
 std::tuple<std::string, std::string> cpu_gemm_path() {
   auto [path, why] = llmc_amx::gemm_path();
   return {path, why};
@@ -57,7 +86,11 @@ std::tuple<std::string, std::string> cpu_gemm_path() {
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("amx_panel_gemm(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("amx_gemm_epilogue(Tensor x, Tensor panels, Tensor? bias, int window_fn, int reads, Tensor(a!) out) -> ()");
   m.def("cpu_gemm_path() -> (str, str)", &cpu_gemm_path);
 }
 
-TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("amx_panel_gemm", &amx_panel_gemm); }
+TORCH_LIBRARY_IMPL(llmc, CPU, m) {
+  m.impl("amx_panel_gemm", &amx_panel_gemm);
+  m.impl("amx_gemm_epilogue", &amx_gemm_epilogue);
+}

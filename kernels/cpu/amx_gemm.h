@@ -223,15 +223,21 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void panel_tiles(const Bf16*
   memory_fence();
 }
 
+// Where a GEMM's outputs go: row t, column c (c < n_dim) at out + t * stride + c.
+struct Dest {
+  Bf16* out;
+  int64_t stride, n_dim;
+};
+
 // Output rows from .. to - 1 of a C tile pair (c[0], c[1]: row t is row t - s there), columns n0 ..
 // n0 + 31 below N, plus bias, rounded once.
 inline void store_rows(const float (*c)[kRows][kRows], int64_t s, int64_t from, int64_t to, const Bf16* bias,
-                       Bf16* out, int64_t n0, int64_t n_dim) {
-  const int64_t cols = std::min(llmc_panels::kPanel, n_dim - n0);
+                       const Dest& d, int64_t n0) {
+  const int64_t cols = std::min(llmc_panels::kPanel, d.n_dim - n0);
   float b[llmc_panels::kPanel] = {};
   for (int64_t j = 0; bias && j < cols; ++j) b[j] = static_cast<float>(bias[n0 + j]);
   for (int64_t t = from; t < to; ++t) {
-    Bf16 row[llmc_panels::kPanel], *dst = out + t * n_dim + n0;
+    Bf16 row[llmc_panels::kPanel], *dst = d.out + t * d.stride + n0;
     Bf16* to_row = cols == llmc_panels::kPanel ? dst : row;   // a whole panel straight to out: a memcpy of
     for (int h = 0; h < 2; ++h)                                // variable length per row was a libc call,
       llmc_cpu::store16(to_row + kRows * h, llmc_cpu::load16(c[h][t - s]) + llmc_cpu::load16(b + kRows * h));
@@ -240,18 +246,19 @@ inline void store_rows(const float (*c)[kRows][kRows], int64_t s, int64_t from, 
 }
 
 // A token tile's C tiles of one panel, stored from the tiles and waiting for their epilogue (bias,
-// one rounding, the stores to out): rows t0 .. t0 + tt - 1 of out (tt <= 32, none: tt 0), the A
-// tiles having started at rows s0 and s1, the panel's first column n0.
+// one rounding, the stores to `dest`): rows t0 .. t0 + tt - 1 (tt <= 32, none: tt 0), the A tiles
+// having started at rows s0 and s1, the panel's first column n0.
 struct TileBlock {
   alignas(64) float c[4][kRows][kRows];
   int64_t s0 = 0, s1 = 0, t0 = 0, tt = 0, n0 = 0;
+  Dest dest{nullptr, 0, 0};
 
-  void store(const Bf16* bias, Bf16* out, int64_t n_dim) {
+  void store(const Bf16* bias) {
     if (tt > kRows) {
-      store_rows(c, s0, t0, t0 + kRows, bias, out, n0, n_dim);
-      store_rows(c + 2, s1, t0 + kRows, t0 + tt, bias, out, n0, n_dim);
+      store_rows(c, s0, t0, t0 + kRows, bias, dest, n0);
+      store_rows(c + 2, s1, t0 + kRows, t0 + tt, bias, dest, n0);
     } else if (tt > 0) {
-      store_rows(c, s0, t0, t0 + tt, bias, out, n0, n_dim);
+      store_rows(c, s0, t0, t0 + tt, bias, dest, n0);
     }
     tt = 0;
   }
@@ -261,17 +268,22 @@ struct TileBlock {
 // last tile shifted back to end at row `last` + 16), while the AMX unit multiplies, the epilogue of
 // `waiting`, the previous tile's: its stores to out (lines from L2 or memory) overlap the multiplies
 // instead of waiting for them (K 576 x N 3072, one thread with weights hot: 1187 -> 1425 GFLOP/s).
-inline void panel_rows(const Bf16* x, const Bf16* panels, int64_t k_dim, const Bf16* bias, Bf16* out,
-                       int64_t n_dim, int64_t p, int64_t t0, int64_t tt, int64_t last, Prefetch ahead,
-                       TileBlock& done, TileBlock& waiting) {
+// Then, still while it multiplies, `during()`: other work of the caller's.
+template <typename During>
+void panel_rows(const Bf16* x, const Bf16* panels, int64_t k_dim, const Bf16* bias, const Dest& dest, int64_t p,
+                int64_t t0, int64_t tt, int64_t last, Prefetch ahead, TileBlock& done, TileBlock& waiting,
+                During&& during) {
   const Bf16* panel = panels + p * k_dim * llmc_panels::kPanel;
   const int64_t s0 = std::min(t0, last), s1 = std::min(t0 + kRows, last);
-  const auto store_waiting = [&] { waiting.store(bias, out, n_dim); };
+  const auto store_waiting = [&] {
+    waiting.store(bias);
+    during();
+  };
   if (tt > kRows)
     panel_tiles<2>(x + s0 * k_dim, x + s1 * k_dim, k_dim, panel, done.c, ahead, store_waiting);
   else
     panel_tiles<1>(x + s0 * k_dim, nullptr, k_dim, panel, done.c, ahead, store_waiting);
-  done.s0 = s0, done.s1 = s1, done.t0 = t0, done.tt = tt, done.n0 = p * llmc_panels::kPanel;
+  done.s0 = s0, done.s1 = s1, done.t0 = t0, done.tt = tt, done.n0 = p * llmc_panels::kPanel, done.dest = dest;
 }
 
 // The share of panel `next` (none: -1) that token tile `tile` of `tiles` prefetches: the panel's lines
@@ -284,14 +296,18 @@ inline Prefetch next_panel_share(const Bf16* panels, int64_t k_dim, int64_t next
           (std::min(share, lines - from) + steps - 1) / steps};
 }
 
-// out [T, N] columns of panels begin .. end - 1 = x [T, K] times those panels (+ bias), on AMX, on
-// the calling thread (which must be allowed the tile state: support().usable). Tokens go in blocks
-// whose x fits kBlockBytes, every panel meeting a whole block before the next (panel_tiles.h's
-// walk_tiles, with blocks 4x the AVX-512 kernel's: AMX consumes a panel ~10x faster, so the weight
-// is read fewer times; K 1536 x N 576 at 512 tokens on one thread: 543 -> 1067 GFLOP/s).
-inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_dim, const Bf16* bias, Bf16* out,
-                       int64_t n_dim, int64_t begin, int64_t end) {
-  if (begin >= end || tokens == 0) return;
+// x [T, K] times the panels of `order`, in that order, on AMX, on the calling thread (which must be
+// allowed the tile state: support().usable), `group` panels at a time: a group's outputs go to
+// dest_of(b0, g), and once they are all stored finished(b0, b1, g) runs (b0 .. b1 - 1 the block's
+// tokens, g the group); during() runs once a token tile, while the AMX unit multiplies. Tokens go
+// in blocks whose x fits kBlockBytes, every panel meeting a whole block before the next
+// (panel_tiles.h's walk_tiles, with blocks 4x the AVX-512 kernel's: AMX consumes a panel ~10x
+// faster, so the weight is read fewer times; K 1536 x N 576 at 512 tokens on one thread: 543 ->
+// 1067 GFLOP/s).
+template <typename DestOf, typename Finished, typename During>
+void gemm_groups(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_dim, const Bf16* bias,
+                 const std::vector<int64_t>& order, int64_t group, DestOf&& dest_of, Finished&& finished,
+                 During&& during) {
   std::vector<Bf16> padded;                                  // fewer than 16 tokens: zero rows after
   if (tokens < kRows) {
     padded.assign(kRows * k_dim, Bf16(0.0f));
@@ -301,18 +317,35 @@ inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_
   const int64_t last = std::max(tokens, kRows) - kRows;      // the last row an A tile may start at
   configure_tiles();
   const int64_t tile = 2 * kRows, block = std::max(tile, kBlockBytes / (k_dim * int64_t{sizeof(Bf16)}) / tile * tile);
+  const int64_t count = static_cast<int64_t>(order.size());
   TileBlock blocks[2];                                       // one filled while the other is stored
   int64_t n = 0;
   for (int64_t b0 = 0; b0 < tokens; b0 += block) {
     const int64_t b1 = std::min(tokens, b0 + block), tiles = (b1 - b0 + tile - 1) / tile;
-    for (int64_t p = begin; p < end; ++p)
+    for (int64_t i = 0; i < count; ++i) {
+      const Dest dest = dest_of(b0, i / group);
       for (int64_t t0 = b0; t0 < b1; t0 += tile, ++n)
-        panel_rows(x, panels, k_dim, bias, out, n_dim, p, t0, std::min(tile, b1 - t0), last,
-                   next_panel_share(panels, k_dim, p + 1 < end ? p + 1 : -1, (t0 - b0) / tile, tiles),
-                   blocks[n % 2], blocks[(n + 1) % 2]);
+        panel_rows(x, panels, k_dim, bias, dest, order[i], t0, std::min(tile, b1 - t0), last,
+                   next_panel_share(panels, k_dim, i + 1 < count ? order[i + 1] : -1, (t0 - b0) / tile, tiles),
+                   blocks[n % 2], blocks[(n + 1) % 2], during);
+      if ((i + 1) % group == 0 || i + 1 == count) {
+        blocks[(n + 1) % 2].store(bias);                   // the group's last tile
+        finished(b0, b1, i / group);
+      }
+    }
   }
-  blocks[(n + 1) % 2].store(bias, out, n_dim);
   release_tiles();
+}
+
+// out [T, N] columns of panels begin .. end - 1 = x [T, K] times those panels (+ bias), on AMX (as
+// gemm_groups, the panels in order, one group).
+inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_dim, const Bf16* bias, Bf16* out,
+                       int64_t n_dim, int64_t begin, int64_t end) {
+  if (begin >= end || tokens == 0) return;
+  std::vector<int64_t> order(end - begin);
+  for (int64_t p = begin; p < end; ++p) order[p - begin] = p;
+  const auto to_out = [&](int64_t, int64_t) { return Dest{out, n_dim, n_dim}; };
+  gemm_groups(x, panels, tokens, k_dim, bias, order, end - begin, to_out, [](int64_t, int64_t, int64_t) {}, [] {});
 }
 
 #endif

@@ -5,6 +5,8 @@
 //
 //   each_chunk<W>(body)  body(j, Full{}) for every whole chunk of a W-wide row, then
 //                        body(j, Part<W % 16>{}) for the rest (if any); j is the chunk's first column
+//   each_window<W>(c0, c1, body)  the same for columns c0 .. c1 - 1 only (c0 a multiple of 16, c1 a
+//                        multiple of 16 or W): a window of the row
 //   ld(p, n), st(p, v, n)  n = Full{}: 16 lanes (vec16.h's load16 / store16); Part<N>{}: the first N
 //                        lanes only, nothing past them read or written (lanes past N load as 0)
 //   keep(v, n)           v with the lanes past the row's end zeroed (before a row sum)
@@ -88,6 +90,13 @@ template <int64_t W, typename Body>
 inline void each_chunk(Body&& body) {
   for (int64_t j = 0; j + 16 <= W; j += 16) body(j, Full{});
   if constexpr (W % 16 != 0) body(W / 16 * 16, Part<W % 16>{});
+}
+
+template <int64_t W, typename Body>
+inline void each_window(int64_t c0, int64_t c1, Body&& body) {
+  for (int64_t j = c0; j + 16 <= c1; j += 16) body(j, Full{});
+  if constexpr (W % 16 != 0)
+    if (c1 == W) body(W / 16 * 16, Part<W % 16>{});
 }
 
 inline Vec16 round_bf16(Vec16 v) {

@@ -20,7 +20,8 @@
 // into the build folder) numbers them and names their args, and this file and step_plan.h read an
 // arg only by its name (arg::linear::bias), so a layout the description lacks does not compile.
 // `generated` calls a generated kernel's C function (runtime/step_plan.py states its ABI) on the
-// team's split of its first output's rows. `all_reduce` and `all_gather` (tensor parallelism,
+// team's split of its first output's rows; `linear_epilogue` is a float GEMM with a column-local
+// generated kernel as its epilogue (step_plan.h, amx_epilogue.h). `all_reduce` and `all_gather` (tensor parallelism,
 // plan_collectives.h) run on the team's first thread, on the group set_group named, while the others
 // wait at the barrier; one that fails stops the team after it and is raised once the region ends.
 //
@@ -100,6 +101,7 @@ void StepPlan::note(const Instr& in) {
     attention_meta_ = meta;
   }
   if (in.op == kGenerated) check_generated(in);
+  if (in.op == kLinearEpilogue) check_linear_epilogue(in);
   if (in.op == kAllReduce || in.op == kAllGather) check_collective(in);
   if (in.op == kQembedding) check_qembedding(in);
 }

@@ -1,7 +1,8 @@
 // The work each thread of a step plan's team does for one instruction (kernels/step_plan_isa.py
 // describes the instructions, the generated step_plan_isa.h numbers them and names their args;
-// step_plan.cpp holds the plan, step_plan_checks.cpp its checks; everything here runs inside the
-// parallel region, on inputs the plan has checked, so nothing here fails).
+// step_plan_bound.h holds what they read, step_plan_gemm.h the GEMMs' work, step_plan.cpp the plan,
+// step_plan_checks.cpp its checks; everything here runs inside the parallel region, on inputs the
+// plan has checked, so nothing here fails).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,120 +17,11 @@
 
 #include "attention_decode.h"
 #include "attention_work.h"
-#include "amx_gemm.h"
-#include "amx_qgemm.h"
-#include "qpanel_gemm.h"
-#include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
-#include "team_barrier.h"
+#include "step_plan_bound.h"
+#include "step_plan_gemm.h"
 #include "token_rows.h"
 
 namespace llmc_plan {
-
-struct Instr {
-  Op op;                     // step_plan_isa.h's, numbered as kernels/step_plan_isa.py describes
-  std::vector<int64_t> a;    // its args, read only as a[arg::<instruction>::<name>]
-  double f;
-};
-
-// A generated kernel's C function (runtime/step_plan.py states its ABI): rows [first, last) of
-// every output; ptrs and strides hold its inputs', then its outputs' first rows and row strides.
-using GeneratedFn = void (*)(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last);
-
-constexpr int64_t kTokenSplit = 64;   // tokens a thread gets before an AMX GEMM is split by tokens
-
-// Items [first, second) of `count` for thread `tid` of a team of `team`.
-inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
-  return {count * tid / team, count * (tid + 1) / team};
-}
-
-// A "float" arg (kernels/step_plan_isa.py): a double that travels as its IEEE-754 bits.
-inline double float_arg(int64_t bits) {
-  double x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-
-// The args the two attention instructions share, read by name (a decode has no query_start_loc: -1).
-struct AttentionArgs {
-  int64_t out, q, cache, block_tables, seq_lens, query_start_loc, layer, heads, kv_heads, head_dim, window;
-  double softcap;
-};
-
-inline AttentionArgs attention_args(const Instr& in) {
-  const auto& a = in.a;
-  if (in.op == kPagedAttention) {
-    namespace A = arg::paged_attention;
-    return {a[A::out],   a[A::q],     a[A::cache],    a[A::block_tables], a[A::seq_lens], a[A::query_start_loc],
-            a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim],     a[A::window],   float_arg(a[A::softcap])};
-  }
-  namespace A = arg::paged_decode_attention;
-  return {a[A::out],   a[A::q],     a[A::cache],    a[A::block_tables], a[A::seq_lens], -1,
-          a[A::layer], a[A::heads], a[A::kv_heads], a[A::head_dim],     a[A::window],   float_arg(a[A::softcap])};
-}
-
-// A generated kernel's values: the first of them, how many inputs, and how many in all.
-struct GeneratedArgs {
-  const int64_t* values;
-  int64_t num_inputs, count;
-};
-
-inline GeneratedArgs generated_args(const Instr& in) {
-  namespace A = arg::generated;
-  return {in.a.data() + A::values, in.a[A::num_inputs], static_cast<int64_t>(in.a.size()) - A::values};
-}
-
-// The value an instruction's rows are split by: its (first) result.
-inline int64_t result_of(const Instr& in) {
-  const auto& a = in.a;
-  switch (in.op) {
-    case kEmbedding: return a[arg::embedding::out];
-    case kQembedding: return a[arg::qembedding::out];
-    case kLinear: return a[arg::linear::out];
-    case kQlinear: return a[arg::qlinear::out];
-    case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
-    case kIndexSelect: return a[arg::index_select::out];
-    case kAllReduce: return a[arg::all_reduce::out];
-    case kAllGather: return a[arg::all_gather::out];
-    case kGenerated: {
-      const GeneratedArgs g = generated_args(in);
-      return g.values[g.num_inputs];
-    }
-    case kPagedDecodeAttention:
-    case kPagedAttention:
-    case kNumOps: break;
-  }
-  return attention_args(in).out;
-}
-
-// One run's addresses and the attention work every attention call of the step shares.
-struct Bound {
-  int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
-  std::vector<char*> at;                      // value id -> its first row
-  std::vector<int64_t> rows_at;               // value id -> its rows (activations)
-  std::vector<int64_t> stride_at;             // value id -> elements from one row to the next (0: one row for all)
-  std::vector<const at::Tensor*> tensor_at;   // value id -> the input tensor (inputs)
-  std::vector<at::Tensor> inputs;
-  std::vector<llmc_cpu::Item> items;          // attention's work items, most costly first
-  std::vector<int32_t> qsl;                   // each sequence's first query row (decode: 0, 1, ..., S)
-  std::vector<std::vector<char*>> ptrs;       // per instruction: a generated kernel's ptrs
-  std::vector<std::vector<int64_t>> strides;  // and strides (empty for the others)
-  mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums, or
-                                              // x quantized (the team writes it)
-  int64_t widened_alone = 0;                  // > 0: a small step, each thread's own x scratch of this
-                                              // many floats, after the team's (x_scratch)
-  std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
-  llmc_cpu::TeamBarrier* barrier = nullptr;   // the team's (team_barrier.h), between kernels and inside one
-};
-
-// A quantized GEMM's x of at most this many floats of scratch (rows x (K + K/G)) is prepared (quantized or
-// widened) by every thread for itself, with no barrier: a few thousand values take about as long as a
-// barrier, and a batch-1 decode met one per quantized GEMM while one thread did the whole token.
-constexpr int64_t kAloneFloats = 4096;
-
-// Where thread `tid` prepares a quantized GEMM's x: the team's scratch, or its own in a small step.
-inline float* x_scratch(const Bound& b, int tid) {
-  return b.widened.data() + (b.widened_alone ? (1 + tid) * b.widened_alone : 0);
-}
 
 // Attention: the team takes the step's work items one at a time, most costly first; a decode
 // (one query) runs attention_decode.h's run_decode, a prompt chunk attention_items.h's tiles.
@@ -233,86 +125,6 @@ void qembed_rows(const Instr& in, const Bound& b, int64_t first, int64_t last) {
   }
 }
 
-// A float GEMM: on AMX tiles with at least kTokenSplit tokens a thread (a prompt), split by tokens,
-// each thread all the panels for the rows the row-wise kernels before and after it give that thread,
-// so its x and out stay in that core's caches (a 512-token bf16 prefill on a 2-core Xeon: 2.5% less
-// time, the median of 8 quiet runs); otherwise split by panels: a decode step's GEMV reads each
-// weight once, and the AVX-512 panel kernel reads a panel once per block of ~100 tokens, which split
-// by tokens each thread would do (an fp32 prefill took 4-8% more time). Each output is the same dot
-// product either way.
-template <typename X>
-void linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
-  namespace A = arg::linear;
-  const auto& a = in.a;
-  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t k = a[A::k], n = a[A::n];
-  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (rows >= kTokenSplit * team && llmc_amx::on_amx<X>(rows / team)) {
-    llmc_amx::linear_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias,
-                           x_at(a[A::out]) + first * n, n, 0, a[A::num_panels]);
-    return;
-  }
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
-  llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), n, begin, end);
-}
-
-// A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
-// split, so one token's are shared too, then a barrier; in a small step each thread all of them for
-// itself), then the panels split.
-template <typename X>
-void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows) {
-  namespace A = arg::qlinear;
-  const auto& a = in.a;
-  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t k = a[A::k], group = a[A::group];
-  const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(x_scratch(b, tid)), rows, k);
-  const int64_t blocks = rows * (k / llmc_qdot::kBlock);
-  if (b.widened_alone) {
-    llmc_qdot::quantize_blocks(x_at(a[A::x]), q, 0, blocks);
-  } else {
-    const auto [qfirst, qlast] = share(blocks, tid, team);
-    llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
-    b.barrier->wait();
-  }
-  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
-  const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
-                                reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
-  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (a[A::bits] == 8)
-    llmc_amx_int8::qdot_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
-  else
-    llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
-}
-
-// A quantized GEMM: x widened to fp32 (tokens split, then a barrier; in a small step each thread all of
-// them for itself), then the panels split.
-template <typename X>
-void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
-  namespace A = arg::qlinear;
-  const auto& a = in.a;
-  if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows);
-  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
-  float* xf = x_scratch(b, tid);
-  float* xsum = xf + rows * k;
-  if (b.widened_alone) {
-    llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, 0, rows);
-  } else {
-    llmc_qpanels::widen_rows(x_at(a[A::x]), k, group, static_cast<int>(bits), xf, xsum, first, last);
-    b.barrier->wait();
-  }
-  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
-  const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
-                                group, k / group};
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
-  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (bits == 8)
-    llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
-  else
-    llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
-}
-
 template <typename X, typename C>
 void rope_kv_write(const Instr& in, const Bound& b, int64_t first, int64_t last, float* row) {
   namespace A = arg::rope_kv_write;
@@ -353,6 +165,9 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
       break;
     case kLinear:
       linear<X>(in, b, tid, team, rows, first, last);
+      break;
+    case kLinearEpilogue:
+      linear_epilogue<X>(in, index, b, tid, team, rows, first, last);
       break;
     case kQlinear:
       qlinear<X>(in, b, tid, team, rows, first, last);

@@ -38,7 +38,8 @@ void StepPlan::check_qembedding(const Instr& in) const {
 // of its first output.
 void StepPlan::check_generated(const Instr& in) const {
   const GeneratedArgs g = generated_args(in);
-  TORCH_CHECK(in.a[arg::generated::fn] != 0, "a generated kernel's fn is a null address");
+  const int64_t fn = in.op == kGenerated ? in.a[arg::generated::fn] : in.a[arg::linear_epilogue::fn];
+  TORCH_CHECK(fn != 0, "a generated kernel's fn is a null address");
   TORCH_CHECK(g.num_inputs >= 0 && g.num_inputs < g.count, "a generated kernel of ", g.count,
               " values cannot take ", g.num_inputs, " of them as inputs and write at least one");
   const bool seqs = values_[g.values[g.num_inputs]].seqs;
@@ -50,6 +51,22 @@ void StepPlan::check_generated(const Instr& in) const {
     TORCH_CHECK(!activation || v.seqs == seqs, "value ", i,
                 " of a generated kernel has other rows than its first output");
   }
+}
+
+// A GEMM's epilogue (linear_epilogue): a window function, the GEMM's result among its inputs, and
+// N = reads x W with W whole panels; then its values as a generated kernel's.
+void StepPlan::check_linear_epilogue(const Instr& in) const {
+  namespace A = arg::linear_epilogue;
+  const auto& a = in.a;
+  const GeneratedArgs g = generated_args(in);
+  TORCH_CHECK(a[A::window_fn] != 0, "a GEMM epilogue's window_fn is a null address");
+  TORCH_CHECK(a[A::source] >= 0 && a[A::source] < g.num_inputs && g.values[a[A::source]] == a[A::out],
+              "a GEMM epilogue's source ", a[A::source], " is not the input that is the GEMM's result");
+  TORCH_CHECK(a[A::width] > 0 && a[A::width] % llmc_panels::kPanel == 0 && a[A::reads] >= 1 &&
+                  a[A::reads] * a[A::width] == a[A::n],
+              "a GEMM epilogue of width ", a[A::width], " reading ", a[A::reads], " column groups does not fit a ",
+              a[A::n], "-wide GEMM in whole panels");
+  check_generated(in);
 }
 
 // A collective reads an activation and writes one `size` times as wide (all_gather) or as wide
@@ -128,7 +145,7 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     const at::Tensor& cache = *b.tensor_at[x.cache];
     check_cache(cache, x.layer, x.kv_heads, x.head_dim);
     if (b.qsl.empty()) plan_attention(in, b, cache);
-  } else if (in.op == kGenerated) {
+  } else if (in.op == kGenerated || in.op == kLinearEpilogue) {
     bind_generated(in, index, b);
   }
 }

@@ -90,6 +90,7 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t element_bytes() const { return bf16_ ? 2 : 4; }
   void note(const Instr& in);
   void check_generated(const Instr& in) const;
+  void check_linear_epilogue(const Instr& in) const;
   void check_collective(const Instr& in) const;
   std::string run_collective(const Instr& in, const Bound& b) const;
   void check_qembedding(const Instr& in) const;
