@@ -1,6 +1,6 @@
 // A bf16 GEMM on AMX tiles with a generated kernel as its epilogue: the kernel runs on each 32
-// columns of its output as soon as the GEMM has made them, while they are in L1, and the GEMM's
-// own output is never written out (the step plan's `linear_epilogue`, on a prompt's tokens).
+// columns of its output while the GEMM makes the next 32, and the GEMM's own output is never
+// written out (the step plan's `linear_epilogue`, on a prompt's tokens).
 //
 // Contract: as amx_gemm.h's gemm_range for x [T, K] bf16 and all the panels of an N-wide weight,
 // then the epilogue's window function (compiler/codegen/cpp.py's NAME_cols: a column-local unit,
@@ -11,8 +11,12 @@
 //
 // How: for each window of 32 output columns the panels it reads (the gate's and the up's for a
 // gated activation) meet the token block one after the other, their outputs go to a stage that
-// holds just those columns for the block's rows, then the window function reads the stage (given
-// as the GEMM result's pointer, shifted so that the window's columns land on it).
+// holds just those columns for the block's rows (two stages, taken in turn), and while the next
+// window's panels are multiplied the window function reads the stage a few rows at a time (given
+// it as the GEMM result's pointer, shifted so that the window's columns land on it): the vector
+// work of the activation runs beside the AMX unit's (a 512-token bf16 prefill on a 2-core Xeon,
+// medians of 15 alternating runs: 82.3-82.7 ms unfused, 80.6 with each window's epilogue after
+// it, 76.8-78.1 beside the next window).
 #pragma once
 
 #include <cstdint>
@@ -79,8 +83,9 @@ inline void epilogue_range(const Bf16* x, const Bf16* panels, int64_t tokens, in
   strides[e.source] = stride;
   int64_t filled = 0;                                           // windows whose stages were filled
   WindowRows ready;
-  const int64_t chunk = (2 * kRows + e.reads - 1) / e.reads;     // rows a token tile: the next window's
-  const auto run = [&](int64_t upto) {                              // reads x tiles calls cover them all
+  // rows a token tile, so that the next window's reads x tiles token tiles cover the whole block
+  const int64_t chunk = (2 * kRows + e.reads - 1) / e.reads;
+  const auto run = [&](int64_t upto) {
     const int64_t to = std::min(upto, ready.end), w = ready.window;
     if (ready.next >= to) return;
     ptrs[e.source] = reinterpret_cast<char*>(moved(stages[ready.stage].get(), -ready.first * stride - w * kPanel));
