@@ -27,8 +27,6 @@ struct Instr {
 // every output; ptrs and strides hold its inputs', then its outputs' first rows and row strides.
 using GeneratedFn = void (*)(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last);
 
-constexpr int64_t kTokenSplit = 64;   // tokens a thread gets before an AMX GEMM is split by tokens
-
 // Items [first, second) of `count` for thread `tid` of a team of `team`.
 inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
   return {count * tid / team, count * (tid + 1) / team};

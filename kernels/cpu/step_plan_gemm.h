@@ -13,6 +13,8 @@
 
 namespace llmc_plan {
 
+constexpr int64_t kTokenSplit = 64;   // tokens a thread gets before an AMX GEMM is split by tokens
+
 // A float GEMM: on AMX tiles with at least kTokenSplit tokens a thread (a prompt), split by tokens,
 // each thread all the panels for the rows the row-wise kernels before and after it give that thread,
 // so its x and out stay in that core's caches (a 512-token bf16 prefill on a 2-core Xeon: 2.5% less
@@ -21,13 +23,18 @@ namespace llmc_plan {
 // by tokens each thread would do (an fp32 prefill took 4-8% more time). Each output is the same dot
 // product either way.
 template <typename X>
+bool split_by_tokens(int64_t rows, int team) {
+  return rows >= kTokenSplit * team && llmc_amx::on_amx<X>(rows / team);
+}
+
+template <typename X>
 void linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
   namespace A = arg::linear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], n = a[A::n];
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (rows >= kTokenSplit * team && llmc_amx::on_amx<X>(rows / team)) {
+  if (split_by_tokens<X>(rows, team)) {
     llmc_amx::linear_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias,
                            x_at(a[A::out]) + first * n, n, 0, a[A::num_panels]);
     return;
@@ -50,7 +57,7 @@ void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, in
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<X, llmc_amx::Bf16>) {
-    if (rows >= kTokenSplit * team && llmc_amx::on_amx<X>(rows / team)) {
+    if (split_by_tokens<X>(rows, team)) {
       const llmc_amx::Epilogue e{reinterpret_cast<llmc_amx::WindowFn>(static_cast<intptr_t>(a[A::window_fn])),
                                  b.ptrs[index], b.strides[index], a[A::source], a[A::width], a[A::reads], first};
       llmc_amx::epilogue_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias, e);
