@@ -10,7 +10,7 @@ from llmc.kernels.gemv import gemv_cpu, prepare_linear_weight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.read_floor import READ_STRATEGIES, read_floor_cpu, read_floor_ref
 from llmc.tools.profile_steps import best_of
-from llmc.tools.read_floor import ReadBandwidth, buffer_sizes, last_level_cache_bytes
+from llmc.tools.read_floor import ReadBandwidth, buffer_sizes, last_level_cache_bytes, strategy_rows
 
 EPS32 = 2.0**-23
 
@@ -83,3 +83,13 @@ def test_a_floor_slower_than_the_gemv_fails_the_check():
     slow.reads = [lambda x: (read_floor_cpu(x, 0), read_floor_cpu(x, 0))]
     floor_bps, gemv_bps = floor_against_gemv(slow)
     assert floor_bps * (1 + RESOLUTION) < gemv_bps
+
+
+def test_strategy_rows_name_every_strategy_once_fastest_first():
+    rows = strategy_rows(torch.ones(1 << 16), repeats=1)
+    assert len(rows) == len(READ_STRATEGIES)
+    rates = [float(r.split()[0]) for r in rows]
+    assert rates == sorted(rates, reverse=True)
+    named = {(int(r.split("GB/s")[1].split()[0]), r.split("prefetch ")[1].split(" KiB")[0] if "KiB" in r else "0",
+              "non-temporal" in r) for r in rows}
+    assert named == {(s, str(a // 1024), a > 0 and not k) for a, k, s in READ_STRATEGIES}

@@ -8,8 +8,10 @@ over them. Software prefetch helps some CPUs and not others, at distances and ca
 differ, and so does whether a core reads several streams faster than one, so every strategy in
 kernels/read_floor.py's list (prefetches times 1, 2 or 4 streams a thread; the panel GEMVs' own among
 them) is tried each time and the best counts. The floor moves with the neighbours' load on a shared
-machine, so a profile samples it beside each measurement. Without the native kernels it falls back to torch.sum (which llmc's own
-GEMV has read faster than, so it is no ceiling) and says so once.
+machine, so a profile samples it beside each measurement. Without the native kernels it falls back to
+torch.sum (which llmc's own GEMV has read faster than, so it is no ceiling) and says so once.
+`python -m llmc.tools.read_floor` prints the floor against torch.sum round by round; with
+`--strategies`, each strategy alone over 512 MiB, fastest first.
 """
 
 from __future__ import annotations
@@ -84,6 +86,19 @@ def read_bandwidth() -> float:
     return ReadBandwidth().sample(5)
 
 
+def strategy_rows(x: torch.Tensor, repeats: int = 3) -> list[str]:
+    """Each of kernels/read_floor.py's strategies alone over `x` (the best of `repeats` passes), fastest
+    first: which prefetch and how many streams a thread this CPU reads fastest with. On a 2-core AMD
+    EPYC VM (Zen 5) two streams a thread read 63-76 GB/s and one 31-40 in one run, and every strategy
+    34-44 GB/s an hour later: the host's load decides as much as the pattern."""
+    rates = [(x.numel() * 4 / min(_seconds(lambda: read_floor_cpu(x, *s)) for _ in range(repeats)), s)
+             for s in READ_STRATEGIES]
+    return [f"{rate / 1e9:6.1f} GB/s   {streams} stream{'s' if streams > 1 else ' '} a thread, "
+            + ("no software prefetch" if ahead == 0 else
+               f"prefetch {ahead // 1024} KiB ahead, {'for the caches' if keep else 'non-temporal'}")
+            for rate, (ahead, keep, streams) in sorted(rates, key=lambda r: -r[0])]
+
+
 def main(rounds: int = 5) -> None:
     """`python -m llmc.tools.read_floor`: the floor against the torch.sum it replaced, round by round
     in one run (torch.sum over 512 MiB, the best of 5 passes, beside ReadBandwidth().sample(5)), and
@@ -102,4 +117,10 @@ def main(rounds: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--strategies"]:        # each strategy alone over 512 MiB
+        load_native_kernels()
+        print("\n".join(strategy_rows(torch.ones(512 * 2**20 // 4))))
+    else:
+        main()
