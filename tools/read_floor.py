@@ -122,5 +122,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--strategies"]:        # each strategy alone over 512 MiB
         load_native_kernels()
         print("\n".join(strategy_rows(torch.ones(512 * 2**20 // 4))))
+    elif sys.argv[1:]:
+        sys.exit(f"read_floor takes no arguments or --strategies, not {' '.join(sys.argv[1:])!r}")
     else:
         main()
