@@ -306,11 +306,18 @@ def lower_generated(lo: _Lowering, fn_address: int, inputs: list[Value], outputs
     made here), as instruction `generated`. An input is an activation the plan holds, a graph input,
     or a weight held as a plan constant (a 1-D one is read with stride 0); the plan holds
     `keepalive` (the kernel's ctypes library) so the code stays mapped."""
+    ids = _generated_values(lo, inputs, outputs, keepalive)
+    return encode("generated", fn=fn_address, num_inputs=len(inputs), values=ids)
+
+
+def _generated_values(lo: _Lowering, inputs: list[Value], outputs: list[Value], keepalive: Any) -> list[int]:
+    """The plan values a generated kernel reads (`inputs`) and writes (`outputs`, made here), in its
+    ABI's order; the plan holds `keepalive`, the kernel's library."""
     unit = lo.nodes[outputs[0].node]
     ids = [_generated_input(lo, v, unit) for v in inputs]
     ids += [lo.result(lo.nodes[v.node], v.index) for v in outputs]
     lo.keepalive.append(keepalive)
-    return encode("generated", fn=fn_address, num_inputs=len(inputs), values=ids)
+    return ids
 
 
 def _epilogue_reads(lo: _Lowering, gemm: KernelUnit, unit: KernelUnit, window: tuple | None) -> int:
@@ -337,9 +344,7 @@ def lower_epilogue(lo: _Lowering, gemm: Node, unit: KernelUnit, fn_address: int,
     (the unit's outputs made before the GEMM's dying values are released: the GEMM still reads
     its x while the epilogue writes)."""
     args = linear_args(lo, gemm)
-    ids = [_generated_input(lo, v, lo.nodes[unit.outputs[0].node]) for v in unit.inputs]
-    ids += [lo.result(lo.nodes[v.node], v.index) for v in unit.outputs]
-    lo.keepalive.append(keepalive)
+    ids = _generated_values(lo, list(unit.inputs), list(unit.outputs), keepalive)
     window_fn, columns = window
     return encode("linear_epilogue", **args, fn=fn_address, window_fn=window_fn,
                   source=list(unit.inputs).index(gemm.value()), reads=reads, width=columns.width,
