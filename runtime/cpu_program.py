@@ -43,17 +43,22 @@ class CpuKernels:
     lowering: CpuLowering
     library: GeneratedLibrary
 
+    def lowering_of(self, graph: Graph) -> CpuLowering:
+        """The lowering naming `graph`'s functions: the artifact's, or `graph` lowered again (a graph
+        other than the artifact's; its functions must be in the library)."""
+        return self.lowering if self.graphs.get(graph.name) is graph else lower_cpu({graph.name: graph})
+
     def units(self, graph: Graph) -> list[tuple[KernelUnit, int | None]]:
         """`graph`'s CPU units in launch order, each with its generated function's address (None: a
         template node). A graph other than the artifact's is lowered again; its functions must be here."""
-        lowering = self.lowering if self.graphs.get(graph.name) is graph else lower_cpu({graph.name: graph})
+        lowering = self.lowering_of(graph)
         return [(unit, None if name is None else self.library.address(name))
                 for unit, name in zip(lowering.units[graph.name], lowering.plan[graph.name])]
 
     def windows(self, graph: Graph) -> list[tuple[int, ColumnReads] | None]:
         """For each of `units(graph)`: its window function's address and what it reads (None: a
         template node, or a unit that is not column-local; compiler/codegen/cpp.py)."""
-        lowering = self.lowering if self.graphs.get(graph.name) is graph else lower_cpu({graph.name: graph})
+        lowering = self.lowering_of(graph)
         return [(self.library.address(name + "_cols"), lowering.windows[name]) if name in lowering.windows else None
                 for name in lowering.plan[graph.name]]
 
