@@ -3,12 +3,15 @@ it is a ceiling: llmc's own GEMV, reading a weight of the same size, does not re
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from llmc.kernels.gemv import gemv_cpu, prepare_linear_weight
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.read_floor import READ_STRATEGIES, read_floor_cpu, read_floor_ref
+from llmc.tools import read_floor as read_floor_tool
 from llmc.tools.profile_steps import best_of
 from llmc.tools.read_floor import ReadBandwidth, buffer_sizes, last_level_cache_bytes, strategy_rows
 
@@ -93,3 +96,11 @@ def test_strategy_rows_name_every_strategy_once_fastest_first():
     named = {(int(r.split("GB/s")[1].split()[0]), r.split("prefetch ")[1].split(" KiB")[0] if "KiB" in r else "0",
               "non-temporal" in r) for r in rows}
     assert named == {(s, str(a // 1024), a > 0 and not k) for a, k, s in READ_STRATEGIES}
+
+
+def test_strategy_rows_label_each_rate_with_its_own_strategy(monkeypatch):
+    slowest = {(4096, True, 4): 0.06, (4096, False, 4): 0.03}     # two strategies told apart by the cache hint
+    monkeypatch.setattr(read_floor_tool, "read_floor_cpu", lambda x, *s: time.sleep(slowest.get(s, 0.0)))
+    rows = strategy_rows(torch.ones(1 << 10), repeats=3)
+    assert rows[-1].endswith("4 streams a thread, prefetch 4 KiB ahead, for the caches")
+    assert rows[-2].endswith("4 streams a thread, prefetch 4 KiB ahead, non-temporal")
