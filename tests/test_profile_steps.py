@@ -17,6 +17,7 @@ from llmc.compiler.ops import OPS
 from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.models.config import expected_weights
 from llmc.runtime.artifact import load_artifact
+from llmc.runtime.host_times import HOST_PHASES
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import kv_bytes_per_token
 from llmc.tools.profile_steps import (StepProfile, _own_dtype_line, decode_bytes, prefill_flops, profile_decode,
@@ -76,6 +77,9 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     assert result["served_decode_s"] > 0 and "as served" in proc.stdout and "same boundaries" in proc.stdout
     served = result["served_decode_s"] / result["decode"]["seconds"]            # streamed, beside the step
     assert f"{1000 * result['served_decode_s']:.1f} ms/token = {served:.2f}x the step above" in proc.stdout
+    per_step = result["served_per_step"]                                  # the engine's own clocks, that run
+    assert per_step["compute"] > 0 and per_step["host"] == pytest.approx(sum(per_step[p] for p in HOST_PHASES))
+    assert f"the forward {1000 * per_step['compute']:.2f} ms, the host {1000 * per_step['host']:.2f} ms" in proc.stdout
     assert result["floor_kernel"].startswith("native read_floor")
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round

@@ -46,6 +46,7 @@ from llmc.kernels.argmax import argmax_rows
 from llmc.kernels.linear import PackedLinear, packable
 from llmc.runtime.artifact import Artifact
 from llmc.runtime.engine import Engine, EngineConfig, kv_cache_dtype
+from llmc.runtime.host_times import HOST_PHASES
 from llmc.runtime.memory_plan import kv_bytes_per_token
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
@@ -228,11 +229,18 @@ def format_profile(r: dict) -> str:
         f"batch-1 decode as served (engine.stream: the engine loop's thread with the scheduler, sampler and "
         f"detokenizer, first token out to last): {1000 * r['served_decode_s']:.1f} ms/token = "
         f"{r['served_decode_s'] / d['seconds']:.2f}x the step above",
+        f"    per engine step of it: the forward {1000 * r['served_per_step']['compute']:.2f} ms, the host "
+        f"{1000 * r['served_per_step']['host']:.2f} ms (schedule, build, sample, commit, output: "
+        f"{_phases(r['served_per_step'])} ms)",
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
         *_baseline_lines(r),
     ])
+
+
+def _phases(per_step: dict[str, float]) -> str:
+    return " / ".join(f"{1000 * per_step[phase]:.2f}" for phase in HOST_PHASES)
 
 
 def _baseline_lines(r: dict) -> list[str]:
@@ -309,7 +317,9 @@ def profile_cmd(
     result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes)}
     result["bandwidth_samples"] = sorted(decode.floors)
     result["bandwidth"] = result["bandwidth_samples"][len(decode.floors) // 2]
+    before = engine.host_times.snapshot()
     result["served_decode_s"] = served_decode(engine, decode_prompt(art.config.vocab_size), decode_tokens)
+    result["served_per_step"] = engine.host_times.since(before).per_step()
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
     if baseline == "hf":
