@@ -87,6 +87,7 @@ class Driver:
         chunks = scheduled.chunks
         self.stats["copies"] += len(scheduled.copies)
         self.stats["multi_logit_chunks"] += sum(c.num_logits > 1 for c in chunks)
+        self.stats["decode_steps"] += all(c.end - c.start == 1 and c.num_logits == 1 for c in chunks)
         self.stats["readmitted"] += len(self.preempted & {c.seq.seq_id for c in chunks})
         self.preempted = (self.preempted - {c.seq.seq_id for c in chunks}) | {s.seq_id for s in scheduled.preempted}
         assert_same(self.batch.build(chunks), build_step_inputs(chunks, self.blocks))
@@ -135,7 +136,7 @@ def test_build_equals_build_step_inputs_through_preemption_cow_trim_and_frees(se
     driver = Driver(seed)
     driver.run(num_seqs=60)
     stats = driver.stats | Counter(preemptions=driver.scheduler.num_preemptions)
-    for what in ("copies", "multi_logit_chunks", "readmitted", "trimmed_blocks", "preemptions"):
+    for what in ("copies", "multi_logit_chunks", "decode_steps", "readmitted", "trimmed_blocks", "preemptions"):
         assert stats[what] > 0, f"seed {seed} never exercised {what}: {dict(stats)}"
     assert driver.batch.num_rows > 1 and driver.batch.width > 1          # both grew from 1
     driver.batch.sync()                                                  # the last frees
@@ -159,6 +160,16 @@ def test_one_token_step():
     seq = make_seq(0, 1, 5)
     got = chunk_step(bm, batch, [prefill(bm, seq)])
     assert got.input_ids.shape == (1,) and got.block_tables.shape == (1, 1)
+
+
+def test_feeds_name_every_field_and_the_cache():
+    bm = BlockManager(4, BS)
+    seq = make_seq(0, 3, 5)
+    step = InputBatch(bm).build([prefill(bm, seq)])
+    cache = torch.zeros(1)
+    feeds = step.feeds(cache)
+    assert set(feeds) == {f.name for f in fields(StepInputs)} | {"kv_cache"} and feeds["kv_cache"] is cache
+    assert all(feeds[f.name] is getattr(step, f.name) for f in fields(StepInputs))
 
 
 def test_single_chunk_prefill_then_decode():
