@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.kernels.argmax import argmax_rows
 from llmc.kernels.token_bitmask import apply_token_bitmask
 
 from .batch_sampler import SamplingRow, logprobs_of, sample_rows, top_pairs, uniforms
 from .grammar import GrammarCompiler, bitmask_words
 from .request import Request
-from .sampler import SampleResult
+from .sampler import SampleResult, needs_row_sampling
 from .scheduler import Chunk
 from .speculative.verify import Verdict, accepted_prefix
 
@@ -79,6 +80,8 @@ class StepSampler:
 
     def sample(self, chunks: RowsOf, logits: torch.Tensor, generators: dict[int, object]) -> dict[int, StepResult]:
         """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts."""
+        if all(_plain_greedy(c, req) for _, c, req in chunks if c.samples):
+            return _argmax_results([(row + c.num_logits - 1, c) for row, c, _ in chunks if c.samples], logits)
         picks = _Picks([], [], [], [], [])
         states = {}                                          # verifying sequence id -> its generator's state
         self._pick_single_rows([(row, c, req) for row, c, req in chunks if c.samples and not c.num_drafts],
@@ -147,6 +150,20 @@ class StepSampler:
         apply_token_bitmask(batch, bitmask, torch.tensor(rows, dtype=torch.int64))
         self.grammar_rows += len(rows)
         self.grammar_mask_seconds += time.perf_counter() - start
+
+
+def _plain_greedy(c: Chunk, req: Request) -> bool:
+    """A chunk whose one token is its row's argmax and nothing else: no drafts, grammar, logprobs or
+    penalties (`sample`'s passes would come to the same argmax)."""
+    return not c.num_drafts and req.grammar is None and not needs_row_sampling(c.seq.params)
+
+
+def _argmax_results(picks: list[tuple[int, Chunk]], logits: torch.Tensor) -> dict[int, StepResult]:
+    """Each (logit row, chunk)'s token: the row's argmax, in one call over the rows."""
+    if not picks:
+        return {}
+    tokens = argmax_rows(_rows(logits, [row for row, _ in picks])).tolist()
+    return {c.seq.seq_id: ([SampleResult(token)], None) for (_, c), token in zip(picks, tokens)}
 
 
 def _spend(generator: torch.Generator | None, state: torch.Tensor | None, kept: int) -> None:

@@ -66,7 +66,10 @@ class HostStepSampler(StepSampler):
         return results
 
 
-def run(artifact, speculative: bool, reference: bool) -> list[tuple[list[int], list, list]]:
+GREEDY = [dict(temperature=0.0), dict(temperature=0.0, prompt_logprobs=2)]   # a step of argmaxes only
+
+
+def run(artifact, speculative: bool, reference: bool, mixes: list[dict] = MIXES) -> list[tuple[list[int], list, list]]:
     """Each request's tokens, logprobs and prompt logprobs from an engine stepped to the end."""
     # the target as its own draft model: its greedy drafts are often the rows' samples, so drafts are kept
     spec = SpeculativeConfig(f"draft:{artifact}", 3, adaptive=False) if speculative else None
@@ -74,7 +77,7 @@ def run(artifact, speculative: bool, reference: bool) -> list[tuple[list[int], l
     if reference:
         engine.sampler = HostStepSampler(engine.grammars, engine.artifact.config.vocab_size)
     ps = prompts(16, seed=3)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=24, seed=100 + i, **MIXES[i % len(MIXES)]))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24, seed=100 + i, **mixes[i % len(mixes)]))
            for i, p in enumerate(ps)]
     got = {i: ([], [], []) for i in ids}
     while engine.has_unfinished():
@@ -93,3 +96,11 @@ def test_the_engine_samples_as_the_per_row_host_reference(tiny_family, speculati
     assert [b[0] for b in batched] == [h[0] for h in host]
     assert [b[1:] for b in batched] == [h[1:] for h in host]
     assert sum(len(b[1]) for b in batched) > 20 and sum(len(b[2]) for b in batched) > 10     # logprobs were asked
+
+
+def test_a_step_of_plain_greedy_rows_takes_each_chunks_last_row(tiny_family):
+    """Plain greedy rows skip the sampling passes (one argmax over the rows): a chunk scoring its
+    prompt has a logit row per prompt position, and its token is still its last row's argmax."""
+    artifact = tiny_family("llama_gqa")[2]
+    batched, host = run(artifact, False, False, GREEDY), run(artifact, False, True, GREEDY)
+    assert batched == host and sum(len(b[2]) for b in batched) > 10
