@@ -22,9 +22,11 @@ __all__ = ["ROPE_SCALING_TYPES", "RopeTables", "rope_attention_factor", "rope_in
 
 class RopeTables:
     """cos and sin [T, head_dim/2] (fp32, times the rotation's attention factor: longrope's, else
-    1) of one step's positions, made once and reused by every layer of that step: called again
-    with the same, unmodified positions tensor, it returns the tables it already made. `key(attrs)` names the tables a rope_kv_write node's attributes need,
-    so the layers sharing a rotation share one."""
+    1) of one step's positions, gathered from tables of every position up to the largest seen yet
+    (grown by doubling, as vLLM's cos/sin cache is made once), so a step costs two row gathers, not
+    a rotation's arithmetic; the same positions tensor, unmodified, gets the tables it already
+    has. `key(attrs)` names the tables a rope_kv_write node's attributes need, so the layers
+    sharing a rotation share one."""
 
     @staticmethod
     def key(attrs: dict[str, Any]) -> tuple:
@@ -39,13 +41,21 @@ class RopeTables:
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.attention_factor = rope_attention_factor(scaling)
+        self._all: tuple[torch.Tensor, torch.Tensor] = self._tables_to(256)   # cos, sin of positions 0..255
         self._key: tuple[torch.Tensor, int] | None = None
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _tables_to(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [end, head_dim/2] of positions 0..end-1 (fp32, times the attention factor)."""
+        freqs = torch.arange(end, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._key is None or self._key[0] is not positions or self._key[1] != positions._version:
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, D/2]
-            scale = self.attention_factor
-            self._tables = ((freqs.cos() * scale).contiguous(), (freqs.sin() * scale).contiguous())
+            end = int(positions.max()) + 1 if positions.numel() else 0
+            if end > self._all[0].shape[0]:
+                self._all = self._tables_to(max(2 * self._all[0].shape[0], end))
+            cos, sin = self._all
+            self._tables = (cos.index_select(0, positions), sin.index_select(0, positions))
             self._key = (positions, positions._version)
         return self._tables

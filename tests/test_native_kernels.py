@@ -119,6 +119,22 @@ def test_rope_tables_are_reused_within_a_step_and_remade_after_a_change():
     torch.testing.assert_close(cos, (positions.float()[:, None] * tables.inv_freq).cos())
 
 
+LONGROPE = {"rope_type": "longrope", "factors": "long", "long_factor": [1.0 + i / 8 for i in range(32)],
+            "short_factor": [1.0] * 32, "factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("scaling", [None, LONGROPE])
+def test_rope_tables_gather_positions_past_the_tables_made_so_far(scaling):
+    """Positions beyond the first tables (0..255) grow them; each row is the rotation's cos and sin
+    of its position times the attention factor, whichever step first reached it."""
+    tables = RopeTables(64, 10000.0, scaling)
+    for positions in (torch.tensor([3, 255]), torch.tensor([256, 7, 1000]), torch.tensor([5000, 0])):
+        cos, sin = tables(positions)
+        freqs = positions.float()[:, None] * tables.inv_freq
+        torch.testing.assert_close(cos, freqs.cos() * tables.attention_factor)
+        torch.testing.assert_close(sin, freqs.sin() * tables.attention_factor)
+
+
 def test_rope_kv_write_refuses_a_slot_outside_the_cache():
     cache = torch.zeros(1, 2, 2, 1, BS, 32)
     with pytest.raises(RuntimeError, match="outside the cache"):
