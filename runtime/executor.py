@@ -220,7 +220,7 @@ class Executor:
         key = self.graphs.key_for(host, entry) if self.graphs is not None else None
         if key is not None:
             return self.graphs.replay(host, key)
-        return self.run(entry, self.on_device(host, buffers))
+        return self._forward(entry, self.on_device(host, buffers))
 
     def on_device(self, host: StepInputs, buffers: StepBuffers) -> StepInputs:
         """The step's metadata where the kernels read it: `buffers` on a GPU; on the CPU the host's
@@ -231,6 +231,10 @@ class Executor:
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
         """Logits [R, vocab] (fp32, on the device): a row per position the step asks for (prefill), or per
         sequence (decode)."""
+        return self._forward(entry, step)
+
+    def _forward(self, entry: str, step: StepInputs) -> torch.Tensor:
+        """`run`, under an inference mode its caller entered (one per step: each entry costs ~5-30 us)."""
         (logits,) = self.programs[entry](step.feeds(self.kv_cache))
         return logits.float()
 

@@ -24,7 +24,7 @@ executors skip it there and read the host's tensors: nothing is captured on a CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +46,9 @@ class StepInputs:
     logits_indices: torch.Tensor
 
     def feeds(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"kv_cache": kv_cache}
+        return {"input_ids": self.input_ids, "positions": self.positions, "query_start_loc": self.query_start_loc,
+                "seq_lens": self.seq_lens, "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
+                "logits_indices": self.logits_indices, "kv_cache": kv_cache}
 
 
 def build_step_inputs(chunks: list[Chunk], blocks: BlockManager) -> StepInputs:
