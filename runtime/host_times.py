@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Iterator
 
 HOST_PHASES = ("schedule", "build", "sample", "commit", "output")
@@ -43,7 +43,11 @@ class HostTimes:
             setattr(self, phase, getattr(self, phase) + time.perf_counter() - start)
 
     def snapshot(self) -> "HostTimes":
-        return replace(self)
+        """A copy (the engine loop takes one every step: dataclasses.replace cost ~30 us of it once
+        the forward had evicted the caches, a plain copy of the instance's fields a few)."""
+        copy = HostTimes.__new__(HostTimes)
+        copy.__dict__.update(self.__dict__)
+        return copy
 
     def since(self, earlier: "HostTimes") -> "HostTimes":
         """The times spent after `earlier` (a snapshot of this one)."""
