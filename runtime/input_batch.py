@@ -164,7 +164,8 @@ class InputBatch:
         ints = np.array(list(range(n + 1)) + [p + 1 for p in positions], dtype=np.int32)
         tables = table[rows, :max(int(self.num_blocks[r]) for r in rows)]     # [S, width], a copy
         views = dict(input_ids=longs[:n], positions=longs[n:2 * n], slot_mapping=longs[2 * n:3 * n],
-                     logits_indices=longs[3 * n:], query_start_loc=ints[:n + 1], seq_lens=ints[n + 1:], block_tables=tables)
+                     logits_indices=longs[3 * n:], query_start_loc=ints[:n + 1], seq_lens=ints[n + 1:],
+                     block_tables=tables)
         return StepInputs(**{name: torch.from_numpy(v) for name, v in views.items()})
 
 
