@@ -52,10 +52,14 @@ class RopeTables:
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._key is None or self._key[0] is not positions or self._key[1] != positions._version:
-            end = int(positions.max()) + 1 if positions.numel() else 0
-            if end > self._all[0].shape[0]:
-                self._all = self._tables_to(max(2 * self._all[0].shape[0], end))
-            cos, sin = self._all
-            self._tables = (cos.index_select(0, positions), sin.index_select(0, positions))
+            try:
+                self._tables = self._gather(positions)
+            except IndexError:              # a position past the tables: grow them (rarely: by doubling)
+                self._all = self._tables_to(max(2 * self._all[0].shape[0], int(positions.max()) + 1))
+                self._tables = self._gather(positions)
             self._key = (positions, positions._version)
         return self._tables
+
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._all
+        return cos.index_select(0, positions), sin.index_select(0, positions)
