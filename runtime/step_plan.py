@@ -40,7 +40,7 @@ widths, dtypes and attributes baked in; it never fails or allocates, and runs co
 disjoint row ranges. A float linear whose result only the generated unit after it reads, at
 columns 0, W, 2W, ... (W that unit's output width, whole panels of 32), where the unit is
 column-local (codegen gave it a window form, NAME_cols), runs with it as one instruction,
-`linear_epilogue` (`_epilogue_reads` decides): on AMX tiles the unit runs on each 32 columns as the
+`linear_epilogue` (plan_generated.py's `epilogue_reads` decides): on AMX tiles the unit runs on each 32 columns as the
 GEMM makes them (kernels/cpu/amx_epilogue.h), otherwise the GEMM, a barrier and the unit; the same
 values either way.
 """
@@ -59,14 +59,14 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
-from llmc.kernels.panels import PANEL
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
 from .cpu_program import CpuKernels
 from .liveness import dying_after
 from .slot_program import LaunchTime
-from .plan_gemm import GEMM_LOWERINGS, NotPlannable, linear_args
+from .plan_gemm import GEMM_LOWERINGS, NotPlannable
+from .plan_generated import epilogue_reads, lower_epilogue, lower_generated
 from .tensor_parallel.plan_collectives import COLLECTIVE_LOWERINGS
 
 PLAN_DTYPES = (torch.float32, torch.bfloat16)
@@ -301,69 +301,6 @@ def _lower_index_select(lo: _Lowering, node: Node) -> Encoded:
                   width=width)
 
 
-def lower_generated(lo: _Lowering, fn_address: int, inputs: list[Value], outputs: list[Value],
-                    keepalive: Any) -> Encoded:
-    """A generated kernel at `fn_address` (`ctypes.cast(lib.NAME, ctypes.c_void_p).value`; the
-    module docstring states its ABI) reading `inputs` and writing `outputs` (results of graph nodes,
-    made here), as instruction `generated`. An input is an activation the plan holds, a graph input,
-    or a weight held as a plan constant (a 1-D one is read with stride 0); the plan holds
-    `keepalive` (the kernel's ctypes library) so the code stays mapped."""
-    ids = _generated_values(lo, inputs, outputs, keepalive)
-    return encode("generated", fn=fn_address, num_inputs=len(inputs), values=ids)
-
-
-def _generated_values(lo: _Lowering, inputs: list[Value], outputs: list[Value], keepalive: Any) -> list[int]:
-    """The plan values a generated kernel reads (`inputs`) and writes (`outputs`, made here), in its
-    ABI's order; the plan holds `keepalive`, the kernel's library."""
-    unit = lo.nodes[outputs[0].node]
-    ids = [_generated_input(lo, v, unit) for v in inputs]
-    ids += [lo.result(lo.nodes[v.node], v.index) for v in outputs]
-    lo.keepalive.append(keepalive)
-    return ids
-
-
-def _epilogue_reads(lo: _Lowering, gemm: KernelUnit, unit: KernelUnit, window: tuple | None) -> int:
-    """How many column groups of its own width a column-local generated `unit` (its window function
-    and ColumnReads in `window`) reads of the result of `gemm`, a float linear before it, when the
-    step plan can run it as that GEMM's epilogue; 0 when not: the result must be read by `unit`
-    alone, at columns 0, W, 2W, ... of a GEMM W, 2W, ... wide, W a multiple of the panel width."""
-    if window is None or len(gemm.nodes) != 1 or gemm.nodes[0].op != "linear":
-        return 0
-    _, reads = window
-    result = gemm.nodes[0].value()
-    n, names = lo.graph.type_of(result).shape[1], {node.name for node in unit.nodes}
-    readers = {node.name for node in lo.graph.nodes if result in node.inputs}
-    if result not in unit.inputs or result in lo.graph.outputs or not readers <= names or reads.width % PANEL:
-        return 0
-    groups = n // reads.width
-    wanted = tuple(range(0, n, reads.width))
-    return groups if n % reads.width == 0 and reads.starts[unit.inputs.index(result)] == wanted else 0
-
-
-def lower_epilogue(lo: _Lowering, gemm: Node, unit: KernelUnit, fn_address: int, window: tuple, reads: int,
-                   keepalive: Any) -> Encoded:
-    """`gemm` (a float linear) and the generated `unit` after it as instruction `linear_epilogue`
-    (the unit's outputs made before the GEMM's dying values are released: the GEMM still reads
-    its x while the epilogue writes)."""
-    args = linear_args(lo, gemm)
-    ids = _generated_values(lo, list(unit.inputs), list(unit.outputs), keepalive)
-    window_fn, columns = window
-    return encode("linear_epilogue", **args, fn=fn_address, window_fn=window_fn,
-                  source=list(unit.inputs).index(gemm.value()), reads=reads, width=columns.width,
-                  num_inputs=len(unit.inputs), values=ids)
-
-
-def _generated_input(lo: _Lowering, v: Value, unit: Node) -> int:
-    """The plan value of a generated kernel's input `v` (`unit` reads it)."""
-    op = lo.nodes[v.node].op
-    if op == "weight":
-        w = lo.weight(v)
-        if not isinstance(w, torch.Tensor) or w.dim() not in (1, 2):
-            raise NotPlannable(f"{unit.name} ({unit.op}) reads {v}, not a 1-D or 2-D tensor a generated kernel takes")
-        return lo.constant(w.contiguous())
-    return lo.ids[v] if op == "input" else lo.activation(v, unit)
-
-
 # the template ops' lowerings (elementwise and row-wise ops run as generated units, lower_generated)
 LOWERINGS = {**GEMM_LOWERINGS, "rope_kv_write": _lower_rope_kv_write,
              "paged_decode_attention": _lower_attention, "paged_attention": _lower_attention,
@@ -401,7 +338,7 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
     for i, (unit, address) in enumerate(units):
         if i in fused:
             continue
-        reads = _epilogue_reads(lo, unit, units[i + 1][0], windows[i + 1]) if i + 1 < len(units) else 0
+        reads = epilogue_reads(lo, unit, units[i + 1][0], windows[i + 1]) if i + 1 < len(units) else 0
         if reads and lowerings.get("linear") is LOWERINGS["linear"]:   # the GEMM and its epilogue: one call
             fused.add(i + 1)
             epilogue, fn = units[i + 1]

@@ -9,9 +9,9 @@ gate/up halves of one and of several windows, with and without bias; the output 
 an element left unwritten fails too (planted: the last window never run). Skipped, saying why, where
 AMX is not usable.
 
-The lowering: `_epilogue_reads` fuses a linear with the column-local unit after it only where the
-plan can (the GEMM's result read by that unit alone, at whole multiples of its width, W whole
-panels), and leaves the rest as two instructions. The whole-model check, bit for bit against op by
+The lowering: `epilogue_reads` (runtime/plan_generated.py) fuses a linear with the column-local
+unit after it only where the plan can (the GEMM's result read by that unit alone, at whole
+multiples of its width, W whole panels), and leaves the rest as two instructions. The whole-model check, bit for bit against op by
 op, is tests/test_step_plan.py's (the tiny Llama's MLP of 160 runs fused).
 """
 
@@ -32,7 +32,7 @@ from llmc.kernels.panels import to_panels
 from llmc.passes.fusion_grouping import fusion_grouping
 from llmc.passes.rewrite import PassContext
 from llmc.runtime.cpu_program import generated_launch
-from llmc.runtime.step_plan import _epilogue_reads
+from llmc.runtime.plan_generated import epilogue_reads
 
 BF16 = torch.bfloat16
 GATED = ("silu_mul", "gelu_tanh_mul")
@@ -95,7 +95,7 @@ def reads_of(graph) -> int:
     units = cpu_units(graph)
     names = lowering.plan[graph.name]
     window = (0, lowering.windows[names[1]]) if names[1] in lowering.windows else None
-    return _epilogue_reads(types.SimpleNamespace(graph=graph), units[0], units[1], window)
+    return epilogue_reads(types.SimpleNamespace(graph=graph), units[0], units[1], window)
 
 
 def test_the_plan_fuses_a_gated_activation_after_its_gemm():

@@ -18,7 +18,8 @@ import torch
 from llmc.compiler.ir import parse_graph
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.step_plan_isa import encode
-from llmc.runtime.step_plan import LOWERINGS, NotPlannable, lower_generated, lower_step_plan
+from llmc.runtime.plan_generated import lower_generated
+from llmc.runtime.step_plan import LOWERINGS, NotPlannable, lower_step_plan
 
 WIDTH = 48                               # not a power of two; baked into the kernels, as codegen does
 SOURCE = """
