@@ -218,8 +218,8 @@ class Executor:
         with the metadata on the device (`on_device`). One inference mode either way (each entry costs
         ~5-30 us of a decode step once the forward has evicted the caches)."""
         key = self.graphs.key_for(host, entry) if self.graphs is not None else None
-        if key is None and self.device.type == "cpu":   # the host's tensors are the step's (on_device)
-            return self.run(entry, host)
+        if key is None and self.device.type == "cpu":   # on_device writes nothing here: run's mode is enough
+            return self.run(entry, self.on_device(host, buffers))
         with torch.inference_mode():                    # replays and device buffers write inference tensors
             return self.graphs.replay(host, key) if key is not None else self.run(entry, self.on_device(host, buffers))
 

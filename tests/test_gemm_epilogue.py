@@ -11,8 +11,9 @@ AMX is not usable.
 
 The lowering: `epilogue_reads` (runtime/plan_generated.py) fuses a linear with the column-local
 unit after it only where the plan can (the GEMM's result read by that unit alone, at whole
-multiples of its width, W whole panels), and leaves the rest as two instructions. The whole-model check, bit for bit against op by
-op, is tests/test_step_plan.py's (the tiny Llama's MLP of 160 runs fused).
+multiples of its width, W whole panels), and leaves the rest as two instructions. The whole-model
+check, bit for bit against op by op, is tests/test_step_plan.py's (the tiny Llama's MLP of 160 runs
+fused).
 """
 
 from __future__ import annotations
