@@ -1,10 +1,10 @@
 // A step plan: one entry graph lowered to a list of native kernel calls (runtime/step_plan.py does
 // the lowering and states the contract), run in one OpenMP parallel region by one team of
-// threads with a barrier between calls (team_barrier.h: it spins a bounded time, then sleeps). A
-// decode step of a small model is a few hundred short calls; launched one by one from Python, each
-// pays the interpreter, the dispatcher, an output allocation and a fork/join of the threads, which
-// together cost as much as a quarter of the step. Here a step costs one call from Python, and a
-// barrier per kernel.
+// threads with a barrier between calls (team_barrier.h: it spins a bounded time, yields its core a
+// bounded time, then sleeps). A decode step of a small model is a few hundred short calls; launched
+// one by one from Python, each pays the interpreter, the dispatcher, an output allocation and a
+// fork/join of the threads, which together cost as much as a quarter of the step. Here a step costs
+// one call from Python, and a barrier per kernel.
 //
 // Values live in four places: constants (weights, held by the plan), the step's inputs (given to
 // run), temporaries (rows of one arena the plan keeps between runs; values whose lives do not
@@ -131,7 +131,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
-  llmc_cpu::TeamBarrier barrier;            // spins a while, then sleeps (team_barrier.h)
+  llmc_cpu::TeamBarrier barrier;            // spins, yields, then sleeps (team_barrier.h)
   b.barrier = &barrier;
   std::atomic<int64_t> failed_at{-1};       // a collective that failed: the team stops after it
   std::string failure;
