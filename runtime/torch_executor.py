@@ -29,6 +29,7 @@ from .executor import Capabilities, Executor, ExecutorOptions, GraphRun, KVCache
 from .sampling_params import RequestError
 from .slot_program import SlotProgram
 from .step_plan import NotPlannable, StepPlanProgram, lower_step_plan
+from .weight_arena import place_weights, read_order
 
 log = logging.getLogger("llmc")
 
@@ -85,8 +86,10 @@ class TorchExecutor(Executor):
             self.described_kernels = described_kernels(weights, activations)
         if device.type == "cpu":
             # Own memory: a tensor as the artifact loaded it is a view of the weights file's mapping,
-            # which stays mapped (its pages resident) while any such view lives.
-            weights = {name: w.clone() if isinstance(w, torch.Tensor) else w for name, w in weights.items()}
+            # which stays mapped (its pages resident) while any such view lives. One arena, in the
+            # order a decode step reads them, on huge pages where the OS grants them (weight_arena.py).
+            decode = artifact.graphs.get("decode", next(iter(artifact.graphs.values())))
+            weights = place_weights(weights, read_order(decode))
         no_plans = self._why_no_plans()
         cpu = load_cpu_kernels(artifact) if self.kernels == "native" else None      # the generated C++ units
         for entry, graph in artifact.graphs.items():

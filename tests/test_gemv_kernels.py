@@ -26,6 +26,7 @@ from llmc.kernels.panels import PANEL, from_panels, panel_rows, quantized_rows
 from llmc.kernels.quant import dequantize_weight, pack_int4, quantize_int4, quantize_int8
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.torch_backend import TorchProgram
+from llmc.runtime.weight_arena import HUGE_PAGE, PAGE
 from tolerances import tolerance
 
 TOKENS = [1, 3, 8, 37, 131]
@@ -214,6 +215,15 @@ def storages(values) -> dict[int, int]:
     return found
 
 
+def tensor_bytes(values) -> dict[int, int]:
+    """data_ptr -> bytes of every tensor under `values` (tensors or GemvWeights), each counted once."""
+    found = {}
+    for v in values:
+        parts = [v.weight, v.scales, v.mins] if isinstance(v, GemvWeight) else [v]
+        found.update((t.data_ptr(), t.nbytes) for t in parts if t is not None)
+    return found
+
+
 def padding_bytes(prepared) -> int:
     """Bytes of the zero rows that round each prepared weight's N up to a multiple of 32."""
     found = {id(v): v for v in prepared if isinstance(v, GemvWeight)}.values()
@@ -266,7 +276,9 @@ def test_an_engine_keeps_one_copy_of_the_weights(tiny_family):
     assert all(w.is_meta for w in engine.artifact.weights.values())
     held = [v for p in engine.runner.executor.programs.values() for v in p.constants]
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
-    assert sum(storages(held).values()) == stored + padding_bytes(held)
+    assert sum(tensor_bytes(held).values()) == stored + padding_bytes(held)
+    (arena_bytes,) = storages(held).values()                      # all of them in the one weight arena
+    assert arena_bytes <= stored + padding_bytes(held) + PAGE * len(tensor_bytes(held)) + HUGE_PAGE
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     reference = Engine(folder, EngineConfig(backend_options={"kernels": "reference"}))
     assert engine.generate(["a b c"], greedy)[0].token_ids == reference.generate(["a b c"], greedy)[0].token_ids

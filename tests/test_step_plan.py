@@ -318,13 +318,15 @@ def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
 
 def test_the_plans_hold_the_prepared_weights_not_copies(artifact):
     """The prefill and decode plans take the panels and norm weights as prepare_weights left them:
-    the engine's programs hold each stored weight once (plus the zero rows of the last panels)."""
+    the engine's programs hold each stored weight once (plus the zero rows of the last panels), all in
+    the executor's weight arena."""
     from llmc.runtime.engine import Engine, EngineConfig
-    from test_gemv_kernels import padding_bytes, storages
+    from test_gemv_kernels import padding_bytes, storages, tensor_bytes
 
     engine = Engine(artifact("llama_tied", "bf16").path, EngineConfig(backend_options={"kernels": "native"}))
     programs = engine.runner.executor.programs
     assert all(isinstance(p, StepPlanProgram) for p in programs.values())
     held = [v for p in programs.values() for v in p.constants]
     stored = sum(w.numel() * w.element_size() for w in engine.artifact.weights.values())
-    assert sum(storages(held).values()) == stored + padding_bytes(held)
+    assert sum(tensor_bytes(held).values()) == stored + padding_bytes(held)
+    assert len(storages(held)) == 1
