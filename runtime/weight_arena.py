@@ -9,12 +9,11 @@ not contiguous is cloned, as is every tensor where the OS gives no private anony
 originals are not kept, so one copy stays resident (the arena's only extra bytes are the alignment
 gaps, under PAGE a tensor).
 
-Why: a batch-1 decode step streams every weight once, and the native GEMVs read each in panels
-that the hardware prefetchers follow only within a page. On 4 KiB pages every page boundary
-restarts them; in 2 MiB pages (Linux's transparent huge pages, which the kernel gives a mapping
-advised MADV_HUGEPAGE where /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise")
-they do not, and the TLB holds the whole model; the weights also lie in the order the step reads
-them. Where the advice is refused or unknown (another OS), the arena is plain memory, said at INFO.
+Why: a batch-1 decode step streams every weight once, and on many CPUs the hardware prefetchers
+follow a stream only within a 4 KiB page while each new page costs a TLB walk. In 2 MiB pages
+(Linux's transparent huge pages, which the kernel gives a mapping advised MADV_HUGEPAGE where
+/sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") the TLB holds the whole model;
+the weights also lie in the order the step reads them. The README has what it gained. Where the advice is refused or unknown (another OS), the arena is plain memory, said at INFO.
 """
 
 from __future__ import annotations
