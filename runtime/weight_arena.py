@@ -13,7 +13,8 @@ Why: a batch-1 decode step streams every weight once, and on many CPUs the hardw
 follow a stream only within a 4 KiB page while each new page costs a TLB walk. In 2 MiB pages
 (Linux's transparent huge pages, which the kernel gives a mapping advised MADV_HUGEPAGE where
 /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") the TLB holds the whole model;
-the weights also lie in the order the step reads them. The README has what it gained. Where the advice is refused or unknown (another OS), the arena is plain memory, said at INFO.
+the weights also lie in the order the step reads them. The README has what it gained. Where the
+advice is refused or unknown (another OS), the arena is plain memory, said at INFO.
 """
 
 from __future__ import annotations
