@@ -18,8 +18,9 @@ fancy indexing, block_tables = table[rows, :width]. Python work per step: O(chun
 sequence's context. A decode step (one token and its logits per sequence) takes the same values from
 a few Python ints per sequence instead (`_build_decode`): after a forward has streamed the weights
 through the caches, each vectorised call costs 10-25 us. One InputBatch per BlockManager:
-`take_table_changes()` hands the changes to whoever calls it. The result equals `build_step_inputs(chunks, blocks)` exactly (dtypes, shapes,
-values); `entries_copied` counts the table entries copied in, for tests and profiles.
+`take_table_changes()` hands the changes to whoever calls it. The result equals
+`build_step_inputs(chunks, blocks)` exactly (dtypes, shapes, values); `entries_copied` counts the
+table entries copied in, for tests and profiles.
 """
 
 from __future__ import annotations
