@@ -45,7 +45,8 @@ def quantized(n: int, k: int, bits: int, group: int | None, seed: int = 0):
 
 
 @pytest.mark.parametrize("vnni", [pytest.param(True, id="vnni"), pytest.param(False, id="portable")])
-@pytest.mark.parametrize("tokens", [1, 3, 7])
+# tiles of 1, 2, 3 and 4 + 3 tokens
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7])
 @pytest.mark.parametrize("n,k,bits,group", SHAPES)
 def test_kernel_matches_the_int8_activation_ref(n, k, bits, group, tokens, vnni):
     if vnni and torch.ops.llmc.qdot_isa() != "avx512-vnni":

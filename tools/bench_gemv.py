@@ -1,7 +1,8 @@
 """GEMV benchmark: `python -m llmc.tools.bench_gemv [--tokens 1,2,4,...,512] [--resident ART]`.
 
 At SmolLM2-135M's GEMM shapes (hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocab 49152), batch 1:
-per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32, all in panels) the time of one
+per weight format (f32, bf16, int8 per channel, int8-g32, int4-g32 in panels for float x, and
+int8-g32-a8, int4-g32-a8 in quads for int8 x, the quantized artifacts' default) the time of one
 call of the native kernel (kernels/gemv.py), the bytes it must read (panels, or codes, scales and
 mins; x is noise), the GB/s that makes and its fraction of the read bandwidth measured in the same
 run (tools/read_floor.py's floor); oneDNN's packed GEMM (kernels/linear.py) at f32 and bf16 is
@@ -37,7 +38,7 @@ from llmc.tools.read_floor import read_bandwidth
 HIDDEN, MLP, VOCAB = 576, 1536, 49152
 SHAPES = {"q/o": (HIDDEN, HIDDEN), "qkv": (HIDDEN + 2 * 192, HIDDEN), "gate_up": (2 * MLP, HIDDEN),
           "down": (HIDDEN, MLP), "lm_head": (VOCAB, HIDDEN)}
-FORMATS = ("f32", "bf16", "int8", "int8-g32", "int4-g32")
+FORMATS = ("f32", "bf16", "int8", "int8-g32", "int4-g32", "int8-g32-a8", "int4-g32-a8")
 COLD_BYTES = 256 * 2**20
 
 
@@ -45,10 +46,11 @@ def prepare(w: torch.Tensor, fmt: str) -> GemvWeight:
     """`w` [N, K] fp32 in `fmt` as the native kernel takes it."""
     if fmt in ("f32", "bf16"):
         return prepare_linear_weight(w.to(torch.float32 if fmt == "f32" else torch.bfloat16))
-    group = int(fmt.split("-g")[1]) if "-g" in fmt else w.shape[1]
+    group = int(fmt.split("-g")[1].split("-")[0]) if "-g" in fmt else w.shape[1]
+    acts = "int8" if fmt.endswith("-a8") else "float"
     if fmt.startswith("int8"):
-        return prepare_qlinear_weight(*quantize_int8(w, group), None, bits=8, group_size=group)
-    return prepare_qlinear_weight(*quantize_int4(w, group), bits=4, group_size=group)
+        return prepare_qlinear_weight(*quantize_int8(w, group), None, bits=8, group_size=group, activations=acts)
+    return prepare_qlinear_weight(*quantize_int4(w, group), bits=4, group_size=group, activations=acts)
 
 
 def copies(w: GemvWeight) -> list[GemvWeight]:
@@ -80,7 +82,8 @@ def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
             xdtype = torch.float32 if fmt == "f32" else dtype if fmt != "bf16" else torch.bfloat16
             x = torch.randn(tokens, k).to(xdtype)
             s = seconds_per_call([lambda w=w: gemv_cpu(x, w) for w in ws])
-            rows.append(_row(shape_name, fmt, "panels", s, ws[0].nbytes, bandwidth))
+            path = "quads" if ws[0].layout == "quads" else "panels"
+            rows.append(_row(shape_name, fmt, path, s, ws[0].nbytes, bandwidth))
             del ws
         for fmt, fdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             w_f = w.to(fdtype)
@@ -101,7 +104,7 @@ def _rescale(row: str, factor: float) -> str:
 
 def _row(shape: str, fmt: str, path: str, seconds: float, nbytes: int, bandwidth: float) -> str:
     rate = nbytes / seconds
-    return (f"{shape:<9}{fmt:<10}{path:<15}{1e6 * seconds:>9.1f}{nbytes / 1e6:>9.2f}{rate / 1e9:>8.1f}"
+    return (f"{shape:<9}{fmt:<13}{path:<15}{1e6 * seconds:>9.1f}{nbytes / 1e6:>9.2f}{rate / 1e9:>8.1f}"
             f"{100 * rate / bandwidth:>7.0f}%")
 
 
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cpu_name()} | torch threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.1f} | "
           f"read bandwidth {max(bandwidth, again) / 1e9:.1f} GB/s (the native read floor, best of two in this run) | "
           f"batch 1, cold weights, quantized x {args.x_dtype}")
-    print(f"{'GEMM':<9}{'format':<10}{'path':<15}{'us/call':>9}{'MB':>9}{'GB/s':>8}{'of bw':>8}")
+    print(f"{'GEMM':<9}{'format':<13}{'path':<15}{'us/call':>9}{'MB':>9}{'GB/s':>8}{'of bw':>8}")
     for row in rows:
         print(row)
     if args.skip_crossover:
