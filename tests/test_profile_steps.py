@@ -85,6 +85,10 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round
     assert result["decode"]["of_bandwidth"] == pytest.approx(
         result["decode"]["bytes"] / result["decode"]["rounds"][0] / result["decode"]["floors"][0])
+    assert len(result["decode"]["paired"]) == 1 and result["decode"]["paired"][0] > 0
+    assert result["decode"]["of_paired_read"] == pytest.approx(result["decode"]["paired"][0] / result["decode"]["rounds"][0])
+    assert f"right after each step (the same neighbours' load): {100 * result['decode']['of_paired_read']:.0f}%" \
+        in proc.stdout
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]
         assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
@@ -133,6 +137,12 @@ def test_the_fraction_of_bandwidth_pairs_each_round_with_its_own_floor():
     profile = StepProfile(0.15, {}, rounds=(0.1, 0.2, 0.1), floors=(10.0, 5.0, 20.0))
     assert profile.of_bandwidth(1) == pytest.approx(1.0)
     assert StepProfile(0.15, {}, rounds=(0.1, 0.2), floors=(10.0, 20.0)).of_bandwidth(1) == pytest.approx(0.625)
+
+
+def test_the_paired_read_is_each_rounds_read_over_its_step():
+    # reads of a step's bytes that took 0.09, 0.1 and 0.04 s beside steps of 0.1, 0.2 and 0.05 s
+    profile = StepProfile(0.15, {}, rounds=(0.1, 0.2, 0.05), paired=(0.09, 0.1, 0.04))
+    assert profile.of_paired_read() == pytest.approx(0.8)
 
 
 PREFILL_DELAY = 0.3          # seconds added to the prefill step (the tiny model's decode step: ~1 ms)

@@ -104,3 +104,30 @@ def test_strategy_rows_label_each_rate_with_its_own_strategy(monkeypatch):
     rows = strategy_rows(torch.ones(1 << 10), repeats=3)
     assert rows[-1].endswith("4 streams a thread, prefetch 4 KiB ahead, for the caches")
     assert rows[-2].endswith("4 streams a thread, prefetch 4 KiB ahead, non-temporal")
+
+
+def test_beside_reads_the_bytes_asked_with_the_fastest_strategy_window_after_window():
+    """`beside` (a decode step's pair): the last sample's fastest strategy, and only it, reads windows
+    of the asked size one after another through the largest buffer, wrapping at its end, so no
+    window is read again until the whole buffer has been."""
+    floor = ReadBandwidth([2**20, 2**21])
+    base = floor.buffers[-1].data_ptr()
+    calls = []
+
+    def strategy(i: int, delay: float):
+        def read(x):
+            time.sleep(delay)
+            calls.append((i, x.data_ptr() - base, x.numel()))
+        return read
+
+    floor.reads = [strategy(0, 0.004), strategy(1, 0.0), strategy(2, 0.008)]
+    floor.sample(1)
+    assert floor.fastest == 1
+    calls.clear()
+    n = floor.buffers[-1].numel()
+    for _ in range(3):
+        floor.beside(n // 5 * 4 * 2)                       # two fifths of the buffer a step
+    assert {i for i, _, _ in calls} == {1}
+    windows = [(offset // 4, numel) for _, offset, numel in calls]
+    fifth = n // 5
+    assert windows == [(0, 2 * fifth), (2 * fifth, 2 * fifth), (4 * fifth, n - 4 * fifth), (0, 6 * fifth - n)]

@@ -67,12 +67,21 @@ class StepProfile:
     by_category: dict[str, float]      # mean seconds per step: GEMM/GEMV, attention, other kernels, python/dispatch
     rounds: tuple[float, ...] = ()     # decode: the mean step time of each round of ROUND_TOKENS steps
     floors: tuple[float, ...] = ()     # and the read bandwidth beside each round (bytes/s), where it was sampled
+    paired: tuple[float, ...] = ()     # and the mean time of the floor's read of a step's bytes after each step
 
     def of_bandwidth(self, step_bytes: int) -> float:
         """Median over the rounds of (bytes per step / step time) / the bandwidth beside the round."""
-        ratios = sorted(step_bytes / s / floor for s, floor in zip(self.rounds, self.floors))
-        mid = len(ratios) // 2
-        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        return _median([step_bytes / s / floor for s, floor in zip(self.rounds, self.floors)])
+
+    def of_paired_read(self) -> float:
+        """Median over the rounds of the floor's read of the step's bytes / the step, each pair timed
+        back to back (so the neighbours' load moves both)."""
+        return _median([read / s for s, read in zip(self.rounds, self.paired)])
+
+
+def _median(values: list[float]) -> float:
+    values, mid = sorted(values), len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def best_of(fn: Callable[[], None], repeats: int) -> float:
@@ -154,14 +163,15 @@ def decode_context(tokens: int) -> int:
     return PROMPT_FOR_DECODE + 2 + 2 * tokens
 
 
-def profile_decode(engine: Engine, tokens: int, seed: int = 0,
-                   bandwidth: ReadBandwidth | None = None) -> tuple[StepProfile, int]:
+def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBandwidth | None = None,
+                   step_bytes: int = 0) -> tuple[StepProfile, int]:
     """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. Each token
     is decoded twice in a row: once with every launch timed (the split by kind) and once as
     serving runs it (the step time; timing each launch costs ~10% of a decode step), and the
     Python/dispatch share is the plain step's time beyond the kernels'. One untimed decode step
     goes first (a first call's one-time costs, such as a JIT, are no step's). With `bandwidth`, a
-    sample of it is taken before and after every round of ROUND_TOKENS tokens."""
+    sample of it is taken before and after every round of ROUND_TOKENS tokens, and with `step_bytes`
+    too, the floor's fastest strategy reads that many bytes right after each plain step."""
     g = torch.Generator().manual_seed(seed)
     seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
                    SamplingParams(max_tokens=decode_context(tokens) - PROMPT_FOR_DECODE))
@@ -170,11 +180,13 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0,
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
     _plain_step(engine, newest(), seq.output_ids.append)        # warm-up: first-call costs are not a step's
-    profiles, samples = [], [bandwidth.sample()] if bandwidth else []
+    profiles, samples, reads = [], [bandwidth.sample()] if bandwidth else [], []
     for i in range(tokens):
         kernels = {k: v for k, v in _profile_step(engine, "decode", newest(), seq.output_ids.append).by_category.items()
                    if k != "python/dispatch"}
         plain = _plain_step(engine, newest(), seq.output_ids.append)
+        if bandwidth and step_bytes:
+            reads.append(bandwidth.beside(step_bytes))
         profiles.append(StepProfile(plain, {**kernels, "python/dispatch": plain - sum(kernels.values())}))
         if bandwidth and ((i + 1) % ROUND_TOKENS == 0 or i + 1 == tokens):
             samples.append(bandwidth.sample())
@@ -183,8 +195,16 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0,
     mean = StepProfile(sum(p.seconds for p in profiles) / tokens,
                        {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category},
                        tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
-                       tuple((a + b) / 2 for a, b in zip(samples, samples[1:])))
-    return mean, PROMPT_FOR_DECODE + 1 + tokens
+                       tuple((a + b) / 2 for a, b in zip(samples, samples[1:])),
+                       tuple(sum(r) / len(r) for r in (reads[i:i + ROUND_TOKENS] for i in range(0, len(reads),
+                                                                                                 ROUND_TOKENS))))
+    return mean, decode_mean_context(tokens)
+
+
+def decode_mean_context(tokens: int) -> int:
+    """The mean context of a decode profile of `tokens` tokens: its prompt and the prefill's token, then
+    2 x tokens steps (each token is decoded twice); a step's bytes count this context's K/V."""
+    return PROMPT_FOR_DECODE + 1 + tokens
 
 
 def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
@@ -226,6 +246,8 @@ def format_profile(r: dict) -> str:
         f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
         f"{100 * d['of_bandwidth']:.0f}% of the read bandwidth (median of {len(d['rounds'])} rounds of "
         f"{ROUND_TOKENS} tokens, each against the samples beside it)",
+        f"    against the floor's fastest strategy reading {d['bytes'] / 1e6:.1f} MB right after each step (the same "
+        f"neighbours' load): {100 * d['of_paired_read']:.0f}% (median of the rounds)",
         f"batch-1 decode as served (engine.stream: the engine loop's thread with the scheduler, sampler and "
         f"detokenizer, first token out to last): {1000 * r['served_decode_s']:.1f} ms/token = "
         f"{r['served_decode_s'] / d['seconds']:.2f}x the step above",
@@ -312,9 +334,10 @@ def profile_cmd(
               "matmul_peak": matmul_peak(dtype)}
     floor = ReadBandwidth()
     result["floor_kernel"] = floor.describe()
-    decode, context = profile_decode(engine, decode_tokens, bandwidth=floor)
-    step_bytes = decode_bytes(art.graphs["decode"], art, context)
-    result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes)}
+    step_bytes = decode_bytes(art.graphs["decode"], art, decode_mean_context(decode_tokens))
+    decode, _ = profile_decode(engine, decode_tokens, bandwidth=floor, step_bytes=step_bytes)
+    result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes),
+                        "of_paired_read": decode.of_paired_read()}
     result["bandwidth_samples"] = sorted(decode.floors)
     result["bandwidth"] = result["bandwidth_samples"][len(decode.floors) // 2]
     before = engine.host_times.snapshot()

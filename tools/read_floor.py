@@ -8,7 +8,10 @@ over them. Software prefetch helps some CPUs and not others, at distances and ca
 differ, and so does whether a core reads several streams faster than one, so every strategy in
 kernels/read_floor.py's list (prefetches times 1, 2 or 4 streams a thread; the panel GEMVs' own among
 them) is tried each time and the best counts. The floor moves with the neighbours' load on a shared
-machine, so a profile samples it beside each measurement. Without the native kernels it falls back to
+machine, so a profile samples it beside each measurement, and `beside` reads a step's own bytes with
+the strategy that was fastest, right after the step: a pair that sees the same neighbours (the best
+of many passes, the floor, is what a step could read at the machine's best moment in the run; the
+pair, what it could read at the step's own). Without the native kernels it falls back to
 torch.sum (which llmc's own GEMV has read faster than, so it is no ceiling) and says so once.
 `python -m llmc.tools.read_floor` prints the floor against torch.sum round by round; with
 `--strategies`, each strategy alone over 512 MiB, fastest first.
@@ -50,6 +53,8 @@ class ReadBandwidth:
 
     def __init__(self, sizes: list[int] | None = None):
         self.buffers = [torch.ones(n // 4) for n in (sizes or buffer_sizes())]
+        self.fastest = 0          # index into `reads` of the last sample's fastest strategy
+        self.position = 0         # where `beside` reads next in the largest buffer (elements)
         try:
             load_native_kernels()
         except NativeBuildError:
@@ -62,13 +67,28 @@ class ReadBandwidth:
 
     def sample(self, repeats: int = 2) -> float:
         """The best rate over the buffers and prefetch strategies, each the best of `repeats` passes
-        (a buffer is read once untimed first)."""
+        (a buffer is read once untimed first); the fastest strategy is kept for `beside`."""
         best = 0.0
         for x in self.buffers:
             self.reads[0](x)
-            for read in self.reads:
-                best = max(best, x.numel() * 4 / min(_seconds(lambda: read(x)) for _ in range(repeats)))
+            for i, read in enumerate(self.reads):
+                rate = x.numel() * 4 / min(_seconds(lambda: read(x)) for _ in range(repeats))
+                if rate > best:
+                    best, self.fastest = rate, i
         return best
+
+    def beside(self, nbytes: int) -> float:
+        """Seconds for the last sample's fastest strategy to read `nbytes` of the largest buffer, from
+        where its last read stopped (wrapping round): a window read at least four caches' bytes ago,
+        so from memory, as a decode step's weights are."""
+        x, read = self.buffers[-1], self.reads[self.fastest]
+        left, seconds = max(1, nbytes // 4), 0.0
+        while left:
+            take = min(left, x.numel() - self.position)
+            window = x[self.position:self.position + take]
+            seconds += _seconds(lambda: read(window))
+            self.position, left = (self.position + take) % x.numel(), left - take
+        return seconds
 
     def describe(self) -> str:
         sizes = "/".join(f"{x.numel() * 4 // 2**20}" for x in self.buffers)
