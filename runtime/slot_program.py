@@ -47,6 +47,8 @@ class LaunchTime:
     read_bytes: int = 0         # the tensors it took and returned, each counted once; the paged KV
     written_bytes: int = 0      # cache (input `kv_cache`) is left out: what a kernel touches of it
                                 # depends on the step's lengths, which a profile adds itself
+    waits: tuple[float, ...] = ()   # a step plan's: each thread's seconds at the barrier after it (its
+                                    # team's threads that finished their share early wait for the last)
 
 
 def _nbytes(tensors, skip: set[int]) -> int:

@@ -112,10 +112,12 @@ class StepPlanProgram:
             return self._plan.run(*self._inputs(feeds))
 
     def timed(self, feeds: dict[str, torch.Tensor], sync: Callable[[], None] = lambda: None):
-        """The outputs, and each instruction's LaunchTime (measured by the team's first thread; a
-        CPU has nothing to `sync`, taken as SlotProgram.timed takes it)."""
-        outputs, seconds = self._plan.run_timed(*self._inputs(feeds))
-        return outputs, [LaunchTime(launch.label, launch.kind, s) for launch, s in zip(self._launches, seconds)]
+        """The outputs, and each instruction's LaunchTime (its seconds measured by the team's first thread,
+        its waits by each thread; a CPU has nothing to `sync`, taken as SlotProgram.timed takes it)."""
+        outputs, seconds, waits = self._plan.run_timed(*self._inputs(feeds))
+        team = len(waits) // max(1, len(seconds))
+        return outputs, [LaunchTime(launch.label, launch.kind, s, waits=tuple(waits[i * team:(i + 1) * team]))
+                         for i, (launch, s) in enumerate(zip(self._launches, seconds))]
 
 
 class _Lowering:

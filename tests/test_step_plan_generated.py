@@ -128,6 +128,7 @@ def test_lower_generated_runs_a_graphs_units_in_the_plan(kernels, tokens, thread
     assert torch.equal(out, (x * w + 1) * x)
     outputs, times = program.timed({"x": x})
     assert torch.equal(outputs[0], out) and [t.label for t in times] == ["rmsnorm", "mul"]
+    assert all(len(t.waits) == threads and min(t.waits) >= 0 for t in times)      # each thread's, at each barrier
 
 
 def test_lower_generated_refuses_a_weight_it_cannot_read_by_rows(kernels):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,6 +68,8 @@ class StepProfile:
     rounds: tuple[float, ...] = ()     # decode: the mean step time of each round of ROUND_TOKENS steps
     floors: tuple[float, ...] = ()     # and the read bandwidth beside each round (bytes/s), where it was sampled
     paired: tuple[float, ...] = ()     # and the mean time of the floor's read of a step's bytes after each step
+    waits: dict[str, tuple[float, ...]] = field(default_factory=dict)   # a step plan's: each thread's mean
+    # seconds a step at the barriers after the instructions of each kind (its share done, the team's not)
 
     def of_bandwidth(self, step_bytes: int) -> float:
         """Median over the rounds of (bytes per step / step time) / the bandwidth beside the round."""
@@ -141,10 +143,16 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
     if on_token:
         on_token(int(argmax_rows(logits[-1:])[0]))
     elapsed = time.perf_counter() - start
+    waits: dict[str, list[float]] = {}
     for launch in launches:
-        totals[CATEGORIES.get(launch.kind, "other kernels")] += launch.seconds
+        kind = CATEGORIES.get(launch.kind, "other kernels")
+        totals[kind] += launch.seconds
+        if launch.waits:
+            kept = waits.setdefault(kind, [0.0] * len(launch.waits))
+            for thread, seconds in enumerate(launch.waits):
+                kept[thread] += seconds
     totals["python/dispatch"] = elapsed - sum(launch.seconds for launch in launches)
-    return StepProfile(elapsed, totals)
+    return StepProfile(elapsed, totals, waits={kind: tuple(w) for kind, w in waits.items()})
 
 
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
@@ -180,10 +188,11 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
     _plain_step(engine, newest(), seq.output_ids.append)        # warm-up: first-call costs are not a step's
-    profiles, samples, reads = [], [bandwidth.sample()] if bandwidth else [], []
+    profiles, samples, reads, waits = [], [bandwidth.sample()] if bandwidth else [], [], []
     for i in range(tokens):
-        kernels = {k: v for k, v in _profile_step(engine, "decode", newest(), seq.output_ids.append).by_category.items()
-                   if k != "python/dispatch"}
+        timed = _profile_step(engine, "decode", newest(), seq.output_ids.append)
+        kernels = {k: v for k, v in timed.by_category.items() if k != "python/dispatch"}
+        waits.append(timed.waits)
         plain = _plain_step(engine, newest(), seq.output_ids.append)
         if bandwidth and step_bytes:
             reads.append(bandwidth.beside(step_bytes))
@@ -197,7 +206,9 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
                        tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
                        tuple((a + b) / 2 for a, b in zip(samples, samples[1:])),
                        tuple(sum(r) / len(r) for r in (reads[i:i + ROUND_TOKENS] for i in range(0, len(reads),
-                                                                                                 ROUND_TOKENS))))
+                                                                                                 ROUND_TOKENS))),
+                       {kind: tuple(sum(w[kind][t] for w in waits) / tokens for t in range(len(per_thread)))
+                        for kind, per_thread in waits[0].items()})
     return mean, decode_mean_context(tokens)
 
 
@@ -248,6 +259,7 @@ def format_profile(r: dict) -> str:
         f"{ROUND_TOKENS} tokens, each against the samples beside it)",
         f"    against the floor's fastest strategy reading {d['bytes'] / 1e6:.1f} MB right after each step (the same "
         f"neighbours' load): {100 * d['of_paired_read']:.0f}% (median of the rounds)",
+        *_waits_line(d["waits"]),
         f"batch-1 decode as served (engine.stream: the engine loop's thread with the scheduler, sampler and "
         f"detokenizer, first token out to last): {1000 * r['served_decode_s']:.1f} ms/token = "
         f"{r['served_decode_s'] / d['seconds']:.2f}x the step above",
@@ -259,6 +271,18 @@ def format_profile(r: dict) -> str:
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
         *_baseline_lines(r),
     ])
+
+
+def _waits_line(waits: dict[str, list[float]]) -> list[str]:
+    """Each thread's wait at a timed decode step's barriers, in all and by kind of instruction."""
+    if not waits:
+        return []
+    threads = range(len(next(iter(waits.values()))))
+    ms = lambda per_thread: " / ".join(f"{1000 * w:.2f}" for w in per_thread)  # noqa: E731
+    total = [sum(w[t] for w in waits.values()) for t in threads]
+    kinds = " | ".join(f"{kind} {ms(w)}" for kind, w in waits.items())
+    return [f"    the team's balance: each thread's wait at the barriers of a timed step, thread "
+            f"{' / '.join(map(str, threads))}: {ms(total)} ms ({kinds})"]
 
 
 def _phases(per_step: dict[str, float]) -> str:

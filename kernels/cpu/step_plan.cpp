@@ -107,8 +107,7 @@ void StepPlan::note(const Instr& in) {
 }
 
 
-std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::vector<at::Tensor> inputs,
-                                                                           int64_t rows, int64_t seqs, bool timed) {
+StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, bool timed) {
   TORCH_CHECK(inputs.size() >= input_types_.size(), "the plan takes ", input_types_.size(), " inputs, not ",
               inputs.size());
   for (size_t i = 0; i < input_types_.size(); ++i)
@@ -131,6 +130,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> waits(timed ? code_.size() * threads : 0);   // [instruction][thread]: at the barrier after it
   llmc_cpu::TeamBarrier barrier;            // spins, yields, then sleeps (team_barrier.h)
   b.barrier = &barrier;
   std::atomic<int64_t> failed_at{-1};       // a collective that failed: the team stops after it
@@ -138,7 +139,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   const auto typed = [&](auto* x_type, auto* c_type) {
     using X = std::remove_pointer_t<decltype(x_type)>;
     using C = std::remove_pointer_t<decltype(c_type)>;
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(threads)
     {
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
       llmc_cpu::Scratch scratch;
@@ -152,7 +153,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
         } else {
           llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
         }
+        const auto arrived = timed ? Clock::now() : Clock::time_point{};
         barrier.wait();
+        if (timed) waits[i * threads + tid] = std::chrono::duration<double>(Clock::now() - arrived).count();
         if (timed && tid == 0) stamps[i + 1] = Clock::now();
         if (failed_at.load() == static_cast<int64_t>(i)) break;
       }
@@ -171,7 +174,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<double>> StepPlan::execute(std::
   std::vector<double> seconds;
   for (size_t i = 0; i + 1 < stamps.size(); ++i)
     seconds.push_back(std::chrono::duration<double>(stamps[i + 1] - stamps[i]).count());
-  return {outputs, seconds};
+  return {outputs, seconds, waits};
 }
 
 }  // namespace llmc_plan

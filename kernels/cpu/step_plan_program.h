@@ -72,12 +72,15 @@ class StepPlan : public torch::CustomClassHolder {
     note(in);
     code_.push_back(std::move(in));
   }
+  // outputs; with `timed`, each instruction's seconds (from the barrier before it to the one after,
+  // on the team's first thread) and each thread's wait at the barrier after it ([instruction][thread]:
+  // how unevenly the instruction split the work, and what a barrier costs)
+  using Run = std::tuple<std::vector<at::Tensor>, std::vector<double>, std::vector<double>>;
+
   std::vector<at::Tensor> run(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs) {
     return std::get<0>(execute(std::move(inputs), rows, seqs, false));
   }
-  // run, and each instruction's seconds (from the barrier before it to the one after).
-  std::tuple<std::vector<at::Tensor>, std::vector<double>> run_timed(std::vector<at::Tensor> inputs, int64_t rows,
-                                                                     int64_t seqs) {
+  Run run_timed(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs) {
     return execute(std::move(inputs), rows, seqs, true);
   }
 
@@ -95,8 +98,7 @@ class StepPlan : public torch::CustomClassHolder {
   std::string run_collective(const Instr& in, const Bound& b) const;
   void check_qembedding(const Instr& in) const;
 
-  std::tuple<std::vector<at::Tensor>, std::vector<double>> execute(std::vector<at::Tensor> inputs, int64_t rows,
-                                                                   int64_t seqs, bool timed);
+  Run execute(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, bool timed);
   void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
   std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, int64_t index, Bound& b) const;
