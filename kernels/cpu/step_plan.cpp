@@ -25,8 +25,9 @@
 // plan_collectives.h) run on the team's first thread, on the group set_group named, while the others
 // wait at the barrier; one that fails stops the team after it and is raised once the region ends.
 //
-// The team splits a GEMM's panels, the tokens of a row op, and takes attention's work items
-// (attention_work.h) one at a time; a quantized GEMM first widens or quantizes x into the run's
+// The team claims a decode step's GEMM panels (each thread its own share first, then what the
+// others leave: panel_claims.h) and splits a prompt's, splits the tokens of a row op, and takes
+// attention's work items (attention_work.h) one at a time; a quantized GEMM first widens or quantizes x into the run's
 // scratch (split, then a barrier; in a small step every thread all of x for itself, no barrier), as the
 // op does (step_plan.h: each thread's work).
 
@@ -128,9 +129,17 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
+  const int64_t threads = at::get_num_threads();
+  b.claim_team = static_cast<int>(threads);
+  b.claims.reset(new ShareClaims[code_.size() * threads]);
+  for (size_t i = 0; i < code_.size(); ++i) {
+    const Instr& in = code_[i];
+    const int64_t panels = in.op == kLinear ? in.a[arg::linear::num_panels]
+                           : in.op == kQlinear ? in.a[arg::qlinear::num_panels] : 0;
+    reset_claims(&b.claims[i * threads], panels, b.claim_team);
+  }
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
-  const int64_t threads = at::get_num_threads();
   std::vector<double> waits(timed ? code_.size() * threads : 0);   // [instruction][thread]: at the barrier after it
   llmc_cpu::TeamBarrier barrier;            // spins, yields, then sleeps (team_barrier.h)
   b.barrier = &barrier;

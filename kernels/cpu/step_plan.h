@@ -164,13 +164,13 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
       qembed_rows<X>(in, b, first, last);
       break;
     case kLinear:
-      linear<X>(in, b, tid, team, rows, first, last);
+      linear<X>(in, index, b, tid, team, rows, first, last);
       break;
     case kLinearEpilogue:
       linear_epilogue<X>(in, index, b, tid, team, rows, first, last);
       break;
     case kQlinear:
-      qlinear<X>(in, b, tid, team, rows, first, last);
+      qlinear<X>(in, index, b, tid, team, rows, first, last);
       break;
     case kRopeKvWrite:
       rope_kv_write<X, C>(in, b, first, last, row);

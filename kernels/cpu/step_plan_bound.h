@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention_work.h"
+#include "panel_claims.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "team_barrier.h"
 
@@ -113,6 +114,8 @@ struct Bound {
   int64_t widened_alone = 0;                  // > 0: a small step, each thread's own x scratch of this
                                               // many floats, after the team's (x_scratch)
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
+  std::unique_ptr<ShareClaims[]> claims;       // per instruction, claim_team of them: a GEMV's panels
+  int claim_team = 0;                         // (panel_claims.h; the GEMMs' shares of the others unused)
   llmc_cpu::TeamBarrier* barrier = nullptr;   // the team's (team_barrier.h), between kernels and inside one
 };
 

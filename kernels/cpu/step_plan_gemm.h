@@ -14,6 +14,20 @@
 namespace llmc_plan {
 
 constexpr int64_t kTokenSplit = 64;   // tokens a thread gets before an AMX GEMM is split by tokens
+constexpr int64_t kClaimRows = 4;     // up to this many rows (decode steps) a GEMM's panels are claimed
+constexpr int64_t kMinClaim = 2;      // panels a claim takes at least (panel_claims.h)
+
+// `run(begin, end)` on the panels of GEMM instruction `index` this thread computes: in a step of up to
+// kClaimRows rows claimed (panel_claims.h: its own share first, then what the others leave), so the
+// GEMM ends when the team's work does rather than when its slowest thread's share does; otherwise its
+// even share (a prompt's GEMM is long enough for the shares to even out, and is split by tokens on AMX).
+template <typename Run>
+void for_panels(const Bound& b, int64_t index, int tid, int team, int64_t rows, int64_t num_panels, Run&& run) {
+  if (rows <= kClaimRows && b.claims)
+    return claim_panels(&b.claims[index * b.claim_team], tid, b.claim_team, kMinClaim, run);
+  const auto [begin, end] = share(num_panels, tid, team);
+  run(begin, end);
+}
 
 // A float GEMM: on AMX tiles with at least kTokenSplit tokens a thread (a prompt), split by tokens,
 // each thread all the panels for the rows the row-wise kernels before and after it give that thread,
@@ -28,7 +42,8 @@ bool split_by_tokens(int64_t rows, int team) {
 }
 
 template <typename X>
-void linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
+void linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
+            int64_t last) {
   namespace A = arg::linear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
@@ -39,8 +54,9 @@ void linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, in
                            x_at(a[A::out]) + first * n, n, 0, a[A::num_panels]);
     return;
   }
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
-  llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), n, begin, end);
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+    llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), n, begin, end);
+  });
 }
 
 // A float GEMM and its generated epilogue (instruction linear_epilogue): on AMX tiles split by
@@ -75,9 +91,9 @@ void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, in
 
 // A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
 // split, so one token's are shared too, then a barrier; in a small step each thread all of them for
-// itself), then the panels split.
+// itself), then the panels split (for_panels).
 template <typename X>
-void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t rows) {
+void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
@@ -94,21 +110,23 @@ void qdot_linear(const Instr& in, const Bound& b, int tid, int team, int64_t row
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
                                 reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (a[A::bits] == 8)
-    llmc_amx_int8::qdot_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
-  else
-    llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+    if (a[A::bits] == 8)
+      llmc_amx_int8::qdot_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+    else
+      llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+  });
 }
 
 // A quantized GEMM: x widened to fp32 (tokens split, then a barrier; in a small step each thread all of
-// them for itself), then the panels split.
+// them for itself), then the panels split (for_panels).
 template <typename X>
-void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, int64_t first, int64_t last) {
+void qlinear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
+             int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
-  if (a[A::layout] == 1) return qdot_linear<X>(in, b, tid, team, rows);
+  if (a[A::layout] == 1) return qdot_linear<X>(in, index, b, tid, team, rows);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
   float* xf = x_scratch(b, tid);
@@ -122,12 +140,13 @@ void qlinear(const Instr& in, const Bound& b, int tid, int team, int64_t rows, i
   const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
   const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
                                 group, k / group};
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  if (bits == 8)
-    llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
-  else
-    llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+    if (bits == 8)
+      llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+    else
+      llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+  });
 }
 
 }  // namespace llmc_plan
