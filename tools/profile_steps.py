@@ -82,7 +82,10 @@ class StepProfile:
 
 
 def _median(values: list[float]) -> float:
+    """The median (nan for no values: nothing was measured)."""
     values, mid = sorted(values), len(values) // 2
+    if not values:
+        return float("nan")
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 

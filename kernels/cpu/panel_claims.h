@@ -18,8 +18,9 @@
 
 namespace llmc_plan {
 
-// One share, (front, back) packed in a word: [front, back) is still unclaimed.
-class ShareClaims {
+// One share, (front, back) packed in a word: [front, back) is still unclaimed. A cache line each, so
+// an owner's claims do not take the line from the teammate claiming its own share.
+class alignas(64) ShareClaims {
  public:
   void reset(int64_t begin, int64_t end) { word_.store(pack(begin, end), std::memory_order_relaxed); }
 

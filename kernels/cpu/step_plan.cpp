@@ -27,9 +27,9 @@
 //
 // The team claims a decode step's GEMM panels (each thread its own share first, then what the
 // others leave: panel_claims.h) and splits a prompt's, splits the tokens of a row op, and takes
-// attention's work items (attention_work.h) one at a time; a quantized GEMM first widens or quantizes x into the run's
-// scratch (split, then a barrier; in a small step every thread all of x for itself, no barrier), as the
-// op does (step_plan.h: each thread's work).
+// attention's work items (attention_work.h) one at a time; a quantized GEMM first widens or
+// quantizes x into the run's scratch (split, then a barrier; in a small step every thread all of x
+// for itself, no barrier), as the op does (step_plan.h: each thread's work).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
