@@ -77,3 +77,16 @@ def test_decode_head_dim_256(cache_dtype, dtype, head_dim, threads):
     and without."""
     check_decode([300, 17, 1, 64], 2, 2, head_dim, cache_dtype, dtype, seed=22)
     check_attention([300, 17, 1, 64], [1] * 4, 4, 2, head_dim, cache_dtype, dtype, seed=22, window=40, softcap=2.0)
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", CACHES, ids=["f32", "bf16", "int8-f32", "int8-bf16"])
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_split_decodes_match_ref(cache_dtype, dtype, kv_heads, threads):
+    """Decodes long enough to be split among two threads (attention_work.h's split_decodes: 1 or 3
+    decode items become 2 parts each, decode_splits.h merges them): ending mid-tile and on one;
+    three sequences of which two split; a window that leaves a first part nothing to read (its
+    blocks NaN), and a softcap. On one thread nothing is split: the same check of the unsplit path."""
+    check_decode([1100], 3, kv_heads, 64, cache_dtype, dtype, seed=31)
+    check_decode([1024], 2, kv_heads, 128, cache_dtype, dtype, seed=32)
+    check_decode([1100, 100, 600], 3, 1, 64, cache_dtype, dtype, seed=33)
+    check_attention([1100], [1], 3 * kv_heads, kv_heads, 64, cache_dtype, dtype, seed=34, window=300, softcap=1.5)

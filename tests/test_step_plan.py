@@ -44,6 +44,8 @@ VARIANTS = {"f32": dict(), "bf16": dict(dtype="bfloat16"), "f32_kv8": dict(quant
             "bf16_int4": dict(dtype="bfloat16", quant=QuantRecipe.parse("int4-g32")),
             "unfused": dict(disabled_passes=("fuse_silu_mul",))}      # split, silu and mul: generated units
 NUM_BLOCKS, BLOCK = 24, 16
+# One KV head (MQA): a batch-1 decode is one attention item, which two threads split (test_split_decodes_*)
+SPLIT_FAMILY = {"llama_mqa": ("llama_hd32", dict(num_key_value_heads=1))}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def artifact(tmp_path_factory):
     def get(family: str, variant: str):
         if (family, variant) not in cache:
             root = tmp_path_factory.mktemp(f"{family}_{variant}")
-            base, config = PLANNABLE[family]
+            base, config = {**PLANNABLE, **SPLIT_FAMILY}[family]
             folder = write_hf_folder(build_hf_model(base, **config), root / "hf")
             config = CompileConfig(**VARIANTS[variant])
             cache[family, variant] = load_artifact(compile_model(folder, root / "art", config))
@@ -63,16 +65,17 @@ def artifact(tmp_path_factory):
     return get
 
 
-def executor(art, kernels="native", step_plans=True, block_size=BLOCK, activations="auto") -> TorchExecutor:
+def executor(art, kernels="native", step_plans=True, block_size=BLOCK, activations="auto",
+             num_blocks=NUM_BLOCKS) -> TorchExecutor:
     cache_type = art.graphs["decode"].node_map()["kv_cache"].type
-    kv = KVCacheSpec.from_graph_type(cache_type, NUM_BLOCKS, block_size)
+    kv = KVCacheSpec.from_graph_type(cache_type, num_blocks, block_size)
     options = TorchOptions(kernels=kernels, step_plans=step_plans, activations=activations)
     return TorchExecutor(art, torch.device("cpu"), kv, options)
 
 
-def sequences(lens: list[int], seed: int = 0) -> tuple[list[Sequence], BlockManager]:
+def sequences(lens: list[int], seed: int = 0, num_blocks: int = NUM_BLOCKS) -> tuple[list[Sequence], BlockManager]:
     g = torch.Generator().manual_seed(seed)
-    blocks = BlockManager(NUM_BLOCKS, BLOCK)
+    blocks = BlockManager(num_blocks, BLOCK)
     seqs = [Sequence(i, torch.randint(3, 300, (n,), generator=g).tolist(), SamplingParams(max_tokens=8))
             for i, n in enumerate(lens)]
     for s in seqs:
@@ -81,10 +84,11 @@ def sequences(lens: list[int], seed: int = 0) -> tuple[list[Sequence], BlockMana
     return seqs, blocks
 
 
-def decode_steps(executors: list[TorchExecutor], lens: list[int], steps: int = 3) -> list[list[torch.Tensor]]:
+def decode_steps(executors: list[TorchExecutor], lens: list[int], steps: int = 3,
+                 num_blocks: int = NUM_BLOCKS) -> list[list[torch.Tensor]]:
     """Each executor's logits for every step: a prefill of the prompts, then `steps` decode steps of
     every sequence (teacher-forced with the first executor's greedy tokens)."""
-    seqs, blocks = sequences(lens)
+    seqs, blocks = sequences(lens, num_blocks=num_blocks)
     step = build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks)
     for ex in executors:
         ex.run("prefill", step)
@@ -117,6 +121,25 @@ def test_plan_equals_op_by_op_native_bit_for_bit(artifact, family, variant, thre
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert torch.equal(plan.kv_cache, ops.kv_cache)
+
+
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("variant", ["f32", "bf16_kv8"])
+def test_split_decodes_in_a_plan_bit_for_bit(artifact, variant, threads):
+    """One KV head and one sequence of 600 tokens on two threads: every layer's decode attention is
+    split in two parts (attention_work.h's split_decodes) that the plan merges layer after layer on
+    the same counters (decode_splits.h): it equals the op-by-op run, which splits each call afresh,
+    bit for bit; f32's logits meet the torch refs' too (the kernel tests hold the parts' merge to its
+    ref in every cache dtype)."""
+    art = artifact("llama_mqa", variant)
+    runs = [executor(art, num_blocks=48), executor(art, step_plans=False, num_blocks=48)]
+    if variant == "f32":
+        runs.append(executor(art, kernels="reference", activations="float", num_blocks=48))
+    got, want, *ref = decode_steps(runs, [600], num_blocks=48)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(runs[0].kv_cache, runs[1].kv_cache)
+    for g, r in zip(got, ref[0] if ref else []):
+        torch.testing.assert_close(g, r, **tolerance(torch.float32, 160, scale=4.0))
 
 
 def mixed_steps(executors: list[TorchExecutor], every_position: bool = False) -> list[list[torch.Tensor]]:

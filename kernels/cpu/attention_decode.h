@@ -40,6 +40,7 @@
 #include "attention_tiles.h"
 #include "decode_blocks.h"
 #include "decode_pairs.h"
+#include "decode_splits.h"
 #include "kv_rows.h"
 #include "vec16.h"
 
@@ -178,11 +179,36 @@ inline void shape_scores(float* s, int64_t rows, int64_t first, int64_t padded, 
     }
 }
 
+// A split decode's part (decode_splits.h): its rows' state into its slot; the split's last part
+// merges every part's, in part order, into the output rows `out`.
+template <typename T>
+void finish_part(const Item& it, int64_t rows, int64_t d, bool pairs, Scratch& w, DecodeSplits& splits, T* out) {
+  std::copy(w.o.begin(), w.o.begin() + rows * d, splits.output(it));
+  std::copy(w.max.begin(), w.max.begin() + rows, splits.maxima(it));
+  std::copy(w.sum.begin(), w.sum.begin() + rows, splits.sums(it));
+  if (!splits.last(it)) return;
+  Item part = it;
+  for (int64_t r = 0; r < rows; ++r) {
+    float max = tiles::kNegInf, sum = 0.f;
+    for (part.part = 0; part.part < it.parts; ++part.part) max = std::max(max, splits.maxima(part)[r]);
+    float* o = w.o.data() + r * d;
+    std::fill(o, o + d, 0.f);
+    for (part.part = 0; part.part < it.parts; ++part.part) {
+      const float m = splits.maxima(part)[r], f = m == tiles::kNegInf ? 0.f : std::exp(m - max);
+      sum += splits.sums(part)[r] * f;
+      const float* po = splits.output(part) + r * d;
+      for (int64_t j = 0; j < d; j += 16) store16(o + j, load16(o + j) + load16(po + j) * f);
+    }
+    finish_row(o, d, sum, pairs, out + r * d);
+  }
+}
+
 }  // namespace decode
 
 // One decode item: the sequence's newest token against its seq_len keys (with a window, the
 // last `window` of them: the blocks before are not read), tile by tile, for the G rows of each
-// of the item's KV heads (row h * G + g: query head (kv_head + h) * G + g).
+// of the item's KV heads (row h * G + g: query head (kv_head + h) * G + g); a part of a split
+// decode against the keys of its part only, its rows left for finish_part to merge.
 template <typename T, typename C>
 void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   using namespace decode;
@@ -196,11 +222,12 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
   w.s.resize(rows * kTile);
   TileRows<C> v{{}, row};
   const bool pairs = std::is_same_v<C, c10::BFloat16> && d % 32 == 0;  // used where AVX512_BF16 is
-  const int64_t lo = in.first_key(keys_total - 1), start = lo / kBlock * kBlock;
-  for (int64_t first = start; first < keys_total; first += kTile) {
-    const int64_t keys = std::min(kTile, keys_total - first), padded = (keys + 15) / 16 * 16;
+  const int64_t lo = in.first_key(keys_total - 1), end = it.split < 0 ? keys_total : it.key_end;
+  const int64_t start = std::max(lo / kBlock * kBlock, it.split < 0 ? int64_t{0} : it.key_begin);
+  for (int64_t first = start; first < end; first += kTile) {
+    const int64_t keys = std::min(kTile, end - first), padded = (keys + 15) / 16 * 16;
     if ((first - start) % kTouched == 0)
-      touch_blocks(in, it, first / kBlock, std::min(first + kTouched, keys_total + kBlock - 1) / kBlock);
+      touch_blocks(in, it, first / kBlock, std::min(first + kTouched, end + kBlock - 1) / kBlock);
     for (int64_t n = 0; n < keys; n += kBlock) {
       const int64_t at = in.block_offset(it, (first + n) / kBlock);
       v.block[n / kBlock] = in.v_cache + at;
@@ -217,6 +244,7 @@ void run_decode(const Inputs<T, C>& in, const Item& it, Scratch& w) {
     }
   }
   T* out = in.out + (in.token(it, 0) * in.g.heads + it.kv_head * groups) * d;
+  if (it.split >= 0) return finish_part(it, rows, d, pairs, w, *in.splits, out);
   for (int64_t r = 0; r < rows; ++r) finish_row(w.o.data() + r * d, d, w.sum[r], pairs, out + r * d);
 }
 

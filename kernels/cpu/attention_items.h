@@ -31,10 +31,15 @@ struct Geometry {
   int64_t heads, kv_heads, head_dim, groups;
 };
 
-// A decode item (one query) may take several KV heads, kv_head .. kv_head + kv_heads - 1.
+// A decode item (one query) may take several KV heads, kv_head .. kv_head + kv_heads - 1, and only
+// its keys [key_begin, key_end) where its decode is split (split >= 0: part `part` of `parts`,
+// decode_splits.h); split < 0: every key.
 struct Item {
   int64_t seq, kv_head, first_query, num_queries, kv_heads = 1;
+  int64_t key_begin = 0, key_end = 0, split = -1, part = 0, parts = 1;
 };
+
+class DecodeSplits;
 
 // The op's inputs, `layer`'s K and V halves of the cache, as raw pointers.
 template <typename T, typename C>
@@ -51,6 +56,7 @@ struct Inputs {
   float scale;
   int64_t window = 0;    // > 0: a query at position p sees keys p - window < j <= p only
   float softcap = 0.f;   // > 0: scaled scores become softcap * tanh(score / softcap)
+  DecodeSplits* splits = nullptr;   // where split decode items leave their parts (decode_splits.h)
 
   int64_t first_pos(const Item& it) const { return lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.first_query; }
   int64_t token(const Item& it, int64_t row) const { return qsl[it.seq] + it.first_query + row / g.groups; }

@@ -23,11 +23,45 @@ constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 // 0.57 ms whole, 0.61-0.69 ms per head).
 constexpr int64_t kDecodesPerThread = 4;
 
+constexpr int64_t kSplitKeys = 256;  // keys a part of a split decode has at least
+
+// A step of decodes only, with fewer items than kDecodesPerThread a thread: each decode's keys cut
+// into parts, items of their own (decode_splits.h merges them), so that the items share evenly
+// among the threads: parts = threads / gcd(items, threads), at most one per kSplitKeys keys. A
+// batch-1 decode of 3 KV heads on 2 threads: 6 items, not 3 (of which one thread would run 2).
+// Windows are not looked at: a part before a layer's window reads nothing.
+inline void split_decodes(std::vector<Item>& items, const int32_t* lens, int64_t threads) {
+  const int64_t count = static_cast<int64_t>(items.size());
+  const bool decodes = std::all_of(items.begin(), items.end(), [](const Item& it) { return it.num_queries == 1; });
+  if (threads < 2 || count == 0 || count >= kDecodesPerThread * threads || !decodes) return;
+  const int64_t wanted = threads / std::gcd(count, threads);
+  std::vector<Item> parts;
+  int64_t splits = 0;
+  for (const Item& it : items) {
+    const int64_t keys = lens[it.seq], n = std::min(wanted, keys / kSplitKeys);
+    if (n < 2) {
+      parts.push_back(it);
+      continue;
+    }
+    for (int64_t p = 0; p < n; ++p) {
+      Item part = it;
+      part.key_begin = keys * p / n / kBlock * kBlock;   // a part starts a block
+      part.key_end = p + 1 == n ? keys : keys * (p + 1) / n / kBlock * kBlock;
+      part.split = splits, part.part = p, part.parts = n;
+      parts.push_back(part);
+    }
+    ++splits;
+  }
+  items = std::move(parts);
+}
+
 // `decode_items`: a sequence's single query is one item over all KV heads (run_decode reads
 // each block's heads, adjacent in the cache, as one run) where there are kDecodesPerThread
-// such sequences per thread, enough to keep the threads busy; else every item is one KV head's.
-inline std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_t kv_heads, bool decode_items,
-                                     int64_t threads) {
+// such sequences per thread, enough to keep the threads busy; else every item is one KV head's,
+// and a step of fewer decode items than that has each decode split (split_decodes; `lens` the
+// sequences' lengths).
+inline std::vector<Item> plan_items(const int32_t* qsl, const int32_t* lens, int64_t num_seqs, int64_t kv_heads,
+                                     bool decode_items, int64_t threads) {
   int64_t decodes = 0;
   for (int64_t s = 0; s < num_seqs; ++s) decodes += qsl[s + 1] - qsl[s] == 1;
   const bool whole_decodes = decode_items && decodes >= kDecodesPerThread * threads;
@@ -41,6 +75,7 @@ inline std::vector<Item> plan_items(const int32_t* qsl, int64_t num_seqs, int64_
       for (int64_t h = 0; h < kv_heads; ++h)
         items.push_back({s, h, first, std::min<int64_t>(kQueries, qsl[s + 1] - qsl[s] - first)});
   }
+  if (decode_items) split_decodes(items, lens, threads);
   return items;
 }
 
@@ -51,7 +86,8 @@ inline std::vector<int64_t> by_cost(const std::vector<Item>& items, const int32_
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& it = items[i];
     const int64_t first_pos = lens[it.seq] - (qsl[it.seq + 1] - qsl[it.seq]) + it.first_query;
-    cost[i] = it.kv_heads * it.num_queries * (first_pos + it.num_queries);
+    cost[i] = it.split >= 0 ? it.kv_heads * (it.key_end - it.key_begin)
+                            : it.kv_heads * it.num_queries * (first_pos + it.num_queries);
   }
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });

@@ -22,7 +22,10 @@
 //
 // Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
 // (one query) is one item over all KV heads where there are kDecodesPerThread decodes per
-// thread (plan_items). Decodes run attention_decode.h's run_decode (K/V read in
+// thread (plan_items), and a step of fewer decode items than that has each decode's keys split
+// into parts, items of their own whose results the last to finish merges (split_decodes,
+// decode_splits.h: one sequence of 3 KV heads on 2 threads is 6 even items, not 3). Decodes run
+// attention_decode.h's run_decode (K/V read in
 // place, a block's 16 scores reduced at once, 64 keys per softmax step, each run of blocks read
 // ahead of its arithmetic; tools/bench_attention.py --decode: 2-2.9x run_rows, 55-70% of the
 // read bandwidth for f32 and bf16 caches on a 2-core Zen 5). A longer chunk runs in tiles of
@@ -118,7 +121,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
   llmc_cpu::check_layout(qsl, lens, tables, seq_lens.numel(), width, q.size(0), kv_cache.size(2));
-  const std::vector<Item> items = llmc_cpu::plan_items(qsl, seq_lens.numel(), kv_heads, tiled, at::get_num_threads());
+  const std::vector<Item> items =
+      llmc_cpu::plan_items(qsl, lens, seq_lens.numel(), kv_heads, tiled, at::get_num_threads());
+  llmc_cpu::DecodeSplits splits;
+  splits.reserve(items, q.size(1) / d, d);
   const auto run = [&](auto* typed, auto* cache_typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     using C = std::remove_pointer_t<decltype(cache_typed)>;
@@ -126,7 +132,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     const Geometry g{q.size(1) / d, kv_heads, d, q.size(1) / (kv_heads * d)};
     const llmc_cpu::Inputs<T, C> in{q.const_data_ptr<T>(), out.data_ptr<T>(), k_cache, k_cache + kv_cache.stride(1),
                                     tables, width, lens, qsl, g, static_cast<float>(scale), window,
-                                    static_cast<float>(softcap)};
+                                    static_cast<float>(softcap), &splits};
     run_items(items, in, [&](const Item& it, llmc_cpu::Scratch& w) {
       if (!tiled)
         llmc_cpu::run_rows(in, it, w);

@@ -36,7 +36,7 @@ void attend(const Instr& in, const Bound& b, int64_t index, llmc_cpu::Scratch& s
                                       k_cache, k_cache + cache.stride(1), tables.const_data_ptr<int32_t>(),
                                       tables.size(1), reinterpret_cast<const int32_t*>(b.at[a.seq_lens]),
                                       b.qsl.data(), g, static_cast<float>(in.f), a.window,
-                                      static_cast<float>(a.softcap)};
+                                      static_cast<float>(a.softcap), &b.splits};
   const int64_t count = b.items.size();
   for (int64_t i = b.next[index]++; i < count; i = b.next[index]++) {
     if (b.items[i].num_queries == 1)

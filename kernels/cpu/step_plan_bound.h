@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention_work.h"
+#include "decode_splits.h"
 #include "panel_claims.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "team_barrier.h"
@@ -107,6 +108,7 @@ struct Bound {
   std::vector<at::Tensor> inputs;
   std::vector<llmc_cpu::Item> items;          // attention's work items, most costly first
   std::vector<int32_t> qsl;                   // each sequence's first query row (decode: 0, 1, ..., S)
+  mutable llmc_cpu::DecodeSplits splits;      // where split decode items leave their parts
   std::vector<std::vector<char*>> ptrs;       // per instruction: a generated kernel's ptrs
   std::vector<std::vector<int64_t>> strides;  // and strides (empty for the others)
   mutable std::vector<float> widened;         // a quantized GEMM's x in fp32, then int4's group sums, or

@@ -195,8 +195,10 @@ void StepPlan::plan_attention(const Instr& in, Bound& b, const at::Tensor& cache
   const int32_t* seq_lens = lens.const_data_ptr<int32_t>();
   llmc_cpu::check_layout(b.qsl.data(), seq_lens, tables.const_data_ptr<int32_t>(), num_seqs, tables.size(1), b.rows,
                          cache.size(2));
-  const auto items = llmc_cpu::plan_items(b.qsl.data(), num_seqs, cache.size(3), true, at::get_num_threads());
+  const auto items =
+      llmc_cpu::plan_items(b.qsl.data(), seq_lens, num_seqs, cache.size(3), true, at::get_num_threads());
   for (int64_t i : llmc_cpu::by_cost(items, seq_lens, b.qsl.data())) b.items.push_back(items[i]);
+  b.splits.reserve(b.items, a.heads, a.head_dim);
 }
 
 }  // namespace llmc_plan
