@@ -61,9 +61,10 @@ def test_prefill_flops_are_every_gemm_over_every_token_but_the_lm_head_and_causa
 
 def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_family, tmp_path):
     out = tmp_path / "profile.json"
-    proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--prompt-len", 64, "--json", out,
-                    "--baseline", "hf", "--no-hf-compile")
+    proc = run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-tokens", 4, "--decode-context", 40,
+                    "--prompt-len", 64, "--json", out, "--baseline", "hf", "--no-hf-compile")
     assert proc.returncode == 0, proc.stderr
+    assert "batch-1 decode, 4 tokens after a 40-token prompt: " in proc.stdout
     assert "of the read bandwidth" in proc.stdout and "of the matmul peak" in proc.stdout
     assert "transformers, same run, same boundaries: decode" in proc.stdout
     result = json.loads(out.read_text())
@@ -80,6 +81,8 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     per_step = result["served_per_step"]                                  # the engine's own clocks, that run
     assert per_step["compute"] > 0 and per_step["host"] == pytest.approx(sum(per_step[p] for p in HOST_PHASES))
     assert f"the forward {1000 * per_step['compute']:.2f} ms, the host {1000 * per_step['host']:.2f} ms" in proc.stdout
+    art = load_artifact(tiny_family("llama_hd32")[2])              # each step reads the K/V of the mean context
+    assert result["decode"]["bytes"] == decode_bytes(art.graphs["decode"], art, 40 + 1 + 4)
     assert result["floor_kernel"].startswith("native read_floor")
     assert result["bandwidth"] > 0 and result["matmul_peak"] > 0
     assert len(result["decode"]["rounds"]) == len(result["decode"]["floors"]) == 1     # 4 tokens: one round
@@ -134,6 +137,10 @@ def test_time_spent_in_attention_is_counted_as_attention_and_in_the_step(tiny_fa
 def test_a_profile_longer_than_the_context_is_one_sentence(tiny_family):
     assert_process_error(run_llmc("profile", tiny_family("llama_hd32")[2], "--prompt-len", 100_000),
                          "100000 tokens", "--prompt-len")
+    assert_process_error(run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-context", 100_000),
+                         "100066 tokens", "--decode-context")
+    assert_process_error(run_llmc("profile", tiny_family("llama_hd32")[2], "--decode-context", 0),
+                         "--decode-context", "at least 1")
 
 
 def test_the_fraction_of_bandwidth_pairs_each_round_with_its_own_floor():

@@ -56,12 +56,12 @@ def _prefill_seconds(model, ids: torch.Tensor, path: HfPath) -> float:
 
 
 def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, prompt_len: int,
-               compile: bool = True) -> dict:
-    """transformers' batch-1 seconds per output token and seconds for a prefill of prompt_len, each
-    on its fastest path, with every path tried."""
+               decode_context: int = PROMPT_FOR_DECODE, compile: bool = True) -> dict:
+    """transformers' batch-1 seconds per output token after a `decode_context`-token prompt and seconds
+    for a prefill of prompt_len, each on its fastest path, with every path tried."""
     model = load_hf_model(artifact, hf_model, device="cpu")
     vocab = artifact.config.vocab_size
-    prompt = decode_prompt(vocab)
+    prompt = decode_prompt(vocab, decode_context)
     decode_path, decode_tries = tune(model.dtype, [1], lambda p: _decode_seconds(model, prompt, decode_tokens, p),
                                      compile=compile)
     ids = torch.tensor([decode_prompt(vocab, prompt_len, seed=1)])

@@ -168,15 +168,15 @@ def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     return time.perf_counter() - start
 
 
-def decode_context(tokens: int) -> int:
+def decode_final_context(tokens: int, prompt: int = PROMPT_FOR_DECODE) -> int:
     """The tokens a decode profile of `tokens` tokens ends with: its prompt, the prefill's token, a
     warm-up step's, each token twice."""
-    return PROMPT_FOR_DECODE + 2 + 2 * tokens
+    return prompt + 2 + 2 * tokens
 
 
 def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBandwidth | None = None,
-                   step_bytes: int = 0) -> tuple[StepProfile, int]:
-    """Batch-1 decode of `tokens` tokens; the profile and the mean context length read. Each token
+                   step_bytes: int = 0, prompt: int = PROMPT_FOR_DECODE) -> tuple[StepProfile, int]:
+    """Batch-1 decode of `tokens` tokens after a `prompt`-token prompt; the profile and the mean context length read. Each token
     is decoded twice in a row: once with every launch timed (the split by kind) and once as
     serving runs it (the step time; timing each launch costs ~10% of a decode step), and the
     Python/dispatch share is the plain step's time beyond the kernels'. One untimed decode step
@@ -184,10 +184,10 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
     sample of it is taken before and after every round of ROUND_TOKENS tokens, and with `step_bytes`
     too, the floor's fastest strategy reads that many bytes right after each plain step."""
     g = torch.Generator().manual_seed(seed)
-    seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (PROMPT_FOR_DECODE,), generator=g).tolist(),
-                   SamplingParams(max_tokens=decode_context(tokens) - PROMPT_FOR_DECODE))
+    seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (prompt,), generator=g).tolist(),
+                   SamplingParams(max_tokens=decode_final_context(tokens, prompt) - prompt))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
-    engine.blocks.append(seq.seq_id, decode_context(tokens))
+    engine.blocks.append(seq.seq_id, decode_final_context(tokens, prompt))
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
     _plain_step(engine, newest(), seq.output_ids.append)        # warm-up: first-call costs are not a step's
@@ -212,13 +212,13 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
                                                                                                  ROUND_TOKENS))),
                        {kind: tuple(sum(w[kind][t] for w in waits) / tokens for t in range(len(per_thread)))
                         for kind, per_thread in waits[0].items()})
-    return mean, decode_mean_context(tokens)
+    return mean, decode_mean_context(tokens, prompt)
 
 
-def decode_mean_context(tokens: int) -> int:
+def decode_mean_context(tokens: int, prompt: int = PROMPT_FOR_DECODE) -> int:
     """The mean context of a decode profile of `tokens` tokens: its prompt and the prefill's token, then
     2 x tokens steps (each token is decoded twice); a step's bytes count this context's K/V."""
-    return PROMPT_FOR_DECODE + 1 + tokens
+    return prompt + 1 + tokens
 
 
 def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
@@ -255,7 +255,8 @@ def format_profile(r: dict) -> str:
         f"each decode round: median, {min(r['bandwidth_samples']) / 1e9:.0f}-{max(r['bandwidth_samples']) / 1e9:.0f} "
         f"over the rounds), "
         f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s ({r['dtype']} 512x2048x2048, best GEMM path)",
-        f"batch-1 decode, {r['decode_tokens']} tokens: {1000 * d['seconds']:.1f} ms/token = "
+        f"batch-1 decode, {r['decode_tokens']} tokens after a {r['decode_context']}-token prompt: "
+        f"{1000 * d['seconds']:.1f} ms/token = "
         f"{1 / d['seconds']:.1f} tok/s; {_split(d)}",
         f"    reads {d['bytes'] / 1e6:.1f} MB/token -> {d['bytes'] / d['seconds'] / 1e9:.1f} GB/s = "
         f"{100 * d['of_bandwidth']:.0f}% of the read bandwidth (median of {len(d['rounds'])} rounds of "
@@ -314,6 +315,8 @@ def _own_dtype_line(hf: dict, p: dict) -> list[str]:
 def profile_cmd(
     artifact: Optional[Path] = typer.Argument(None, help="artifact directory from `llmc compile` (not with --serving)"),
     decode_tokens: int = typer.Option(32, help="tokens of the batch-1 decode profile"),
+    decode_context: int = typer.Option(PROMPT_FOR_DECODE, help="tokens of the prompt the decode profile follows "
+                                       "(the context its attention reads: llama-bench's depth)"),
     prompt_len: int = typer.Option(512, help="tokens of the prefill profile"),
     kernels: Optional[str] = KERNELS_OPTION,
     activations: Optional[str] = ACTIVATIONS_OPTION,
@@ -338,16 +341,17 @@ def profile_cmd(
         raise RequestError("name the artifact directory to profile (from `llmc compile`), or give --serving")
     if baseline not in (None, "hf"):
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
-    if decode_tokens < 1 or prompt_len < 1:
-        raise RequestError("--decode-tokens and --prompt-len must be at least 1")
+    if min(decode_tokens, prompt_len, decode_context) < 1:
+        raise RequestError("--decode-tokens, --decode-context and --prompt-len must be at least 1")
     from .profile_hf import decode_prompt, hf_profile, served_decode
 
     options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False,   # timed: eager
                                     activations=activations)
     engine = Engine(artifact, EngineConfig(backend=backend, backend_options=options))
-    if max(prompt_len, decode_context(decode_tokens)) > engine.max_sequence_tokens:
-        raise RequestError(f"the profile needs {max(prompt_len, decode_context(decode_tokens))} tokens of "
-                           f"context but this engine holds {engine.max_sequence_tokens}; lower --prompt-len")
+    needed = max(prompt_len, decode_final_context(decode_tokens, decode_context))
+    if needed > engine.max_sequence_tokens:
+        raise RequestError(f"the profile needs {needed} tokens of context but this engine holds "
+                           f"{engine.max_sequence_tokens}; lower --prompt-len or --decode-context")
     art, dtype = engine.artifact, next(iter(engine.artifact.weights.values())).dtype
     capabilities = engine.runner.capabilities
     if stale := stale_code(engine.artifact.manifest):
@@ -357,23 +361,24 @@ def profile_cmd(
               "cpu_gemm": (f"{describe_attention_path(art.config.head_dim, getattr(torch, kv_cache_dtype(art)))}; "
                            f"{describe_gemm_path()}" if engine.kernels.startswith("native") and dtype == torch.bfloat16
                            else ""),
-              "decode_tokens": decode_tokens, "prompt_len": prompt_len,
+              "decode_tokens": decode_tokens, "decode_context": decode_context, "prompt_len": prompt_len,
               "matmul_peak": matmul_peak(dtype)}
     floor = ReadBandwidth()
     result["floor_kernel"] = floor.describe()
-    step_bytes = decode_bytes(art.graphs["decode"], art, decode_mean_context(decode_tokens))
-    decode, _ = profile_decode(engine, decode_tokens, bandwidth=floor, step_bytes=step_bytes)
+    step_bytes = decode_bytes(art.graphs["decode"], art, decode_mean_context(decode_tokens, decode_context))
+    decode, _ = profile_decode(engine, decode_tokens, bandwidth=floor, step_bytes=step_bytes, prompt=decode_context)
     result["decode"] = {**decode.__dict__, "bytes": step_bytes, "of_bandwidth": decode.of_bandwidth(step_bytes),
                         "of_paired_read": decode.of_paired_read()}
     result["bandwidth_samples"] = sorted(decode.floors)
     result["bandwidth"] = result["bandwidth_samples"][len(decode.floors) // 2]
     before = engine.host_times.snapshot()
-    result["served_decode_s"] = served_decode(engine, decode_prompt(art.config.vocab_size), decode_tokens)
+    result["served_decode_s"] = served_decode(engine, decode_prompt(art.config.vocab_size, decode_context),
+                                              decode_tokens)
     result["served_per_step"] = engine.host_times.since(before).per_step()
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
     if baseline == "hf":
-        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len, compile=hf_compile)
+        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len, decode_context, compile=hf_compile)
     typer.echo(format_profile(result))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2))
