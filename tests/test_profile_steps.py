@@ -168,7 +168,8 @@ PREFILL_DELAY = 0.3          # seconds added to the prefill step (the tiny model
 @pytest.mark.usefixtures("one_torch_thread")
 def test_served_decode_time_runs_from_the_first_token_out_to_the_last(tiny_family, monkeypatch):
     """The figure compared with transformers' streamer timing leaves the prefill (and the first
-    token's wait) out on llmc's side too: a slow prefill does not move it."""
+    token's wait) out on llmc's side too: a slow prefill does not move it, nor the engine step's
+    phases shown beside it."""
     from llmc.tools.profile_hf import decode_prompt, served_decode
 
     engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(backend_options={"cuda_graphs": False}))
@@ -177,7 +178,8 @@ def test_served_decode_time_runs_from_the_first_token_out_to_the_last(tiny_famil
         time.sleep(PREFILL_DELAY if entry == "prefill" else 0), run(entry, step))[1])
     tokens = 8
     start = time.perf_counter()
-    per_token = served_decode(engine, decode_prompt(engine.artifact.config.vocab_size), tokens)
+    per_token, per_step = served_decode(engine, decode_prompt(engine.artifact.config.vocab_size), tokens)
     assert time.perf_counter() - start >= PREFILL_DELAY                    # the prefill was slowed
     assert 0 < per_token < PREFILL_DELAY / tokens / 4
+    assert 0 < per_step["compute"] < PREFILL_DELAY / tokens / 4            # the engine's steps after it
     assert not engine.has_unfinished() and engine.blocks.num_free_blocks == engine.blocks.num_blocks

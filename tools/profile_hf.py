@@ -31,16 +31,21 @@ def decode_prompt(vocab: int, length: int = PROMPT_FOR_DECODE, seed: int = 0) ->
     return torch.randint(3, vocab, (length,), generator=g).tolist()
 
 
-def served_decode(engine: Engine, prompt: list[int], tokens: int) -> float:
+def served_decode(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, dict[str, float]]:
     """llmc's batch-1 seconds per output token as a user gets them: one request streamed by
     `engine.stream` (`llmc generate`'s path: an engine loop's thread runs the scheduler, the steps,
-    the sampler and the detokenizer, and hands each output to this thread), first token out to last."""
-    clock = TokenClock()
+    the sampler and the detokenizer, and hands each output to this thread), first token out to last;
+    and the engine's phases per step of that request (HostTimes.per_step). A request of one token goes
+    first, so the prompt is in the prefix cache where the engine has one and the measured request's
+    steps are decodes, not a long prompt's prefill among them."""
+    for _ in engine.stream(prompt, SamplingParams(max_tokens=1, temperature=0.0)):
+        pass
+    clock, before = TokenClock(), engine.host_times.snapshot()
     clock.put(prompt)
     for out in engine.stream(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)):
         if out.new_token_ids:
             clock.put(out.new_token_ids)
-    return clock.seconds_per_token()
+    return clock.seconds_per_token(), engine.host_times.since(before).per_step()
 
 
 def _decode_seconds(model, prompt: list[int], tokens: int, path: HfPath) -> float:
