@@ -203,16 +203,19 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
         if bandwidth and ((i + 1) % ROUND_TOKENS == 0 or i + 1 == tokens):
             samples.append(bandwidth.sample())
     engine.blocks.free(seq.seq_id)
-    rounds = [profiles[i:i + ROUND_TOKENS] for i in range(0, tokens, ROUND_TOKENS)]
     mean = StepProfile(sum(p.seconds for p in profiles) / tokens,
                        {k: sum(p.by_category[k] for p in profiles) / tokens for k in profiles[0].by_category},
-                       tuple(sum(p.seconds for p in r) / len(r) for r in rounds),
+                       _round_means([p.seconds for p in profiles]),
                        tuple((a + b) / 2 for a, b in zip(samples, samples[1:])),
-                       tuple(sum(r) / len(r) for r in (reads[i:i + ROUND_TOKENS] for i in range(0, len(reads),
-                                                                                                 ROUND_TOKENS))),
+                       _round_means(reads),
                        {kind: tuple(sum(w[kind][t] for w in waits) / tokens for t in range(len(per_thread)))
                         for kind, per_thread in waits[0].items()})
     return mean, decode_mean_context(tokens, prompt)
+
+
+def _round_means(xs: list[float]) -> tuple[float, ...]:
+    """The mean of each round of ROUND_TOKENS values (the last round may be shorter)."""
+    return tuple(sum(r) / len(r) for r in (xs[i:i + ROUND_TOKENS] for i in range(0, len(xs), ROUND_TOKENS)))
 
 
 def decode_mean_context(tokens: int, prompt: int = PROMPT_FOR_DECODE) -> int:

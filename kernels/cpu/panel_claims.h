@@ -49,9 +49,17 @@ class alignas(64) ShareClaims {
   std::atomic<uint64_t> word_{0};
 };
 
-// Each share of `count` panels (share() of the team), ready to be claimed; `claims` holds `team` of them.
+// Items [first, second) of `count` for thread `tid` of a team of `team`: its even, contiguous share.
+inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
+  return {count * tid / team, count * (tid + 1) / team};
+}
+
+// Each share of `count` panels, ready to be claimed; `claims` holds `team` of them.
 inline void reset_claims(ShareClaims* claims, int64_t count, int team) {
-  for (int t = 0; t < team; ++t) claims[t].reset(count * t / team, count * (t + 1) / team);
+  for (int t = 0; t < team; ++t) {
+    const auto [begin, end] = share(count, t, team);
+    claims[t].reset(begin, end);
+  }
 }
 
 // `run(begin, end)` on every chunk thread `tid` claims of `shares` shares (the team it was set for; a

@@ -121,15 +121,15 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
   b.seqs = seqs;
   b.inputs = std::move(inputs);
   std::vector<at::Tensor> outputs = bind(b);
+  const int64_t threads = at::get_num_threads();
   const int64_t widened = widened_per_row_ * std::max(rows, seqs);    // the team's x scratch
   b.widened_alone = widened <= kAloneFloats ? widened : 0;             // and each thread's own, in a small step
-  b.widened.resize(widened + b.widened_alone * at::get_num_threads());
+  b.widened.resize(widened + b.widened_alone * threads);
   b.ptrs.assign(code_.size(), {});
   b.strides.assign(code_.size(), {});
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
-  const int64_t threads = at::get_num_threads();
   b.claim_team = static_cast<int>(threads);
   b.claims.reset(new ShareClaims[code_.size() * threads]);
   for (size_t i = 0; i < code_.size(); ++i) {

@@ -29,11 +29,6 @@ struct Instr {
 // every output; ptrs and strides hold its inputs', then its outputs' first rows and row strides.
 using GeneratedFn = void (*)(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last);
 
-// Items [first, second) of `count` for thread `tid` of a team of `team`.
-inline std::pair<int64_t, int64_t> share(int64_t count, int tid, int team) {
-  return {count * tid / team, count * (tid + 1) / team};
-}
-
 // A "float" arg (kernels/step_plan_isa.py): a double that travels as its IEEE-754 bits.
 inline double float_arg(int64_t bits) {
   double x;
