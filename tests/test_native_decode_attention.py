@@ -82,11 +82,12 @@ def test_decode_head_dim_256(cache_dtype, dtype, head_dim, threads):
 @pytest.mark.parametrize("cache_dtype,dtype", CACHES, ids=["f32", "bf16", "int8-f32", "int8-bf16"])
 @pytest.mark.parametrize("kv_heads", [1, 3])
 def test_split_decodes_match_ref(cache_dtype, dtype, kv_heads, threads):
-    """Decodes long enough to be split among two threads (attention_work.h's split_decodes: 1 or 3
-    decode items become 2 parts each, decode_splits.h merges them): ending mid-tile and on one;
-    three sequences of which two split; a window that leaves a first part nothing to read (its
+    """Decodes long enough to be split among two threads (attention_work.h's split_decodes,
+    decode_splits.h merging the parts): one sequence, a whole item (all its KV heads) in 2 parts,
+    ending mid-tile and on one; three sequences, one too short to split, so per-head items (3 or
+    9), the two long ones' in 2 parts each; a window that leaves a first part nothing to read (its
     blocks NaN), and a softcap. On one thread nothing is split: the same check of the unsplit path."""
     check_decode([1100], 3, kv_heads, 64, cache_dtype, dtype, seed=31)
     check_decode([1024], 2, kv_heads, 128, cache_dtype, dtype, seed=32)
-    check_decode([1100, 100, 600], 3, 1, 64, cache_dtype, dtype, seed=33)
+    check_decode([1100, 100, 600], 3, kv_heads, 64, cache_dtype, dtype, seed=33)
     check_attention([1100], [1], 3 * kv_heads, kv_heads, 64, cache_dtype, dtype, seed=34, window=300, softcap=1.5)
