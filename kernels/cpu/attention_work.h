@@ -18,18 +18,20 @@ namespace llmc_cpu {
 
 constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 // Single-query sequences per thread from which a decode is one item over all KV heads: with
-// fewer, items per KV head keep both threads busy (one sequence of 4000 tokens: 0.155 ms per
-// head, 0.21 ms whole), with 8 or more the whole sequences read faster (64 of 100-500 tokens:
-// 0.57 ms whole, 0.61-0.69 ms per head).
+// fewer, and too short to cut into parts (split_decodes), items per KV head keep both threads
+// busy (before the parts, one sequence of 4000 tokens: 0.155 ms per head, 0.21 ms whole), with 8
+// or more the whole sequences read faster (64 of 100-500 tokens: 0.57 ms whole, 0.61-0.69 ms per
+// head).
 constexpr int64_t kDecodesPerThread = 4;
 
 constexpr int64_t kSplitKeys = 256;  // keys a part of a split decode has at least
 
 // A step of decodes only, with fewer items than kDecodesPerThread a thread: each decode's keys cut
 // into parts, items of their own (decode_splits.h merges them), so that the items share evenly
-// among the threads: parts = threads / gcd(items, threads), at most one per kSplitKeys keys. A
-// batch-1 decode of 3 KV heads on 2 threads: 6 items, not 3 (of which one thread would run 2).
-// Windows are not looked at: a part before a layer's window reads nothing.
+// among the threads: parts = threads / gcd(items, threads), at most one per kSplitKeys keys (a
+// batch-1 decode on 2 threads: 2 parts of its one item; a short sequence beside it keeps per-head
+// items, 3 for SmolLM2, which become 6). Windows are not looked at: a part before a layer's window
+// reads nothing.
 inline void split_decodes(std::vector<Item>& items, const int32_t* lens, int64_t threads) {
   const int64_t count = static_cast<int64_t>(items.size());
   const bool decodes = std::all_of(items.begin(), items.end(), [](const Item& it) { return it.num_queries == 1; });

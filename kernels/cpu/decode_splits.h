@@ -1,8 +1,9 @@
 // A decode whose keys are split among work items (flash-decoding; attention_work.h's split_decodes
 // decides where): each part's item runs run_decode over its keys and leaves its rows' output (not
 // yet divided by the softmax sum), max and sum in a slot of its own; the part that finishes last
-// merges the parts' slots into the output rows. A batch-1 decode of a model with 3 KV heads is 3
-// items for 2 threads, one of which waits a third of the attention; split in two, 6 even items.
+// merges the parts' slots into the output rows. A batch-1 decode is one item (all its KV heads) for
+// all the threads, or a few per-head ones (SmolLM2: 3 for 2 threads, one thread waiting a third of
+// the attention); cut into parts, the items share evenly.
 //
 // Contract: the merged rows are the unsplit softmax over all the parts' keys, rescaled to their
 // common max; the parts are merged in part order whichever thread merges, so a split's result

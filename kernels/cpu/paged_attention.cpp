@@ -22,9 +22,10 @@
 //
 // Work items are (sequence, KV head, up to kQueries queries of its chunk), except that a decode
 // (one query) is one item over all KV heads where there are kDecodesPerThread decodes per
-// thread (plan_items), and a step of fewer decode items than that has each decode's keys split
-// into parts, items of their own whose results the last to finish merges (split_decodes,
-// decode_splits.h: one sequence of 3 KV heads on 2 threads is 6 even items, not 3). Decodes run
+// thread, or where every decode of a decode step is long enough to be cut into parts for the
+// threads (plan_items); a step of fewer decode items than that has each decode's keys cut into
+// parts, items of their own whose results the last to finish merges (split_decodes,
+// decode_splits.h: one sequence on 2 threads is 2 even items, not 1, or 3 per-head ones). Decodes run
 // attention_decode.h's run_decode (K/V read in
 // place, a block's 16 scores reduced at once, 64 keys per softmax step, each run of blocks read
 // ahead of its arithmetic; tools/bench_attention.py --decode: 2-2.9x run_rows, 55-70% of the
