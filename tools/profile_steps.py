@@ -176,13 +176,14 @@ def decode_final_context(tokens: int, prompt: int = PROMPT_FOR_DECODE) -> int:
 
 def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBandwidth | None = None,
                    step_bytes: int = 0, prompt: int = PROMPT_FOR_DECODE) -> tuple[StepProfile, int]:
-    """Batch-1 decode of `tokens` tokens after a `prompt`-token prompt; the profile and the mean context length read. Each token
-    is decoded twice in a row: once with every launch timed (the split by kind) and once as
-    serving runs it (the step time; timing each launch costs ~10% of a decode step), and the
-    Python/dispatch share is the plain step's time beyond the kernels'. One untimed decode step
-    goes first (a first call's one-time costs, such as a JIT, are no step's). With `bandwidth`, a
-    sample of it is taken before and after every round of ROUND_TOKENS tokens, and with `step_bytes`
-    too, the floor's fastest strategy reads that many bytes right after each plain step."""
+    """Batch-1 decode of `tokens` tokens after a `prompt`-token prompt; the profile and the mean
+    context length read. Each token is decoded twice in a row: once with every launch timed (the
+    split by kind) and once as serving runs it (the step time; timing each launch costs ~10% of a
+    decode step), and the Python/dispatch share is the plain step's time beyond the kernels'. One
+    untimed decode step goes first (a first call's one-time costs, such as a JIT, are no step's).
+    With `bandwidth`, a sample of it is taken before and after every round of ROUND_TOKENS tokens,
+    and with `step_bytes` too, the floor's fastest strategy reads that many bytes right after each
+    plain step."""
     g = torch.Generator().manual_seed(seed)
     seq = Sequence(0, torch.randint(3, engine.artifact.config.vocab_size, (prompt,), generator=g).tolist(),
                    SamplingParams(max_tokens=decode_final_context(tokens, prompt) - prompt))
