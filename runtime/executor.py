@@ -36,6 +36,7 @@ from llmc.compiler.ir import TensorType
 
 from .artifact import Artifact
 from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes, graph_entry, verify_graph_sizes
+from .huge_pages import huge_page_zeros
 from .sampling_params import RequestError
 from .slot_program import LaunchTime, SlotProgram
 from .step_inputs import StepBuffers, StepInputs
@@ -72,9 +73,12 @@ class KVCacheSpec:
         return self.layers * 2 * self.kv_heads * self.block_size * self.head_dim * self.dtype.itemsize
 
     def allocate(self, device: torch.device, extra_blocks: int = 0) -> torch.Tensor:
-        blocks = self.num_blocks + extra_blocks
-        return torch.zeros(self.layers, 2, blocks, self.kv_heads, self.block_size, self.head_dim,
-                           dtype=self.dtype, device=device)
+        """The zeroed cache; on a CPU on huge pages where the kernel grants them (huge_pages.py: a long
+        context's decode streams its K/V rows as it streams the weights)."""
+        shape = (self.layers, 2, self.num_blocks + extra_blocks, self.kv_heads, self.block_size, self.head_dim)
+        if device.type == "cpu":
+            return huge_page_zeros(shape, self.dtype, "the KV cache")
+        return torch.zeros(shape, dtype=self.dtype, device=device)
 
 
 @dataclass(frozen=True)

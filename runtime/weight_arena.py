@@ -1,5 +1,5 @@
 """An executor's CPU weights in one anonymous mapping, in the order a decode step reads them, advised for
-transparent huge pages.
+transparent huge pages (huge_pages.py says why).
 
 Contract: place_weights(weights, order) -> the same mapping (name -> plain tensor or GemvWeight), each
 contiguous tensor in it (a plain weight, or a GemvWeight's weight, scales and mins) replaced by an
@@ -7,13 +7,7 @@ equal view into one WeightArena: the names in `order` first, in that order, then
 tensor at a PAGE-aligned offset; an object held under several names placed once. A tensor that is
 not contiguous is cloned, as is every tensor where the OS gives no private anonymous mapping. The
 originals are not kept, so one copy stays resident (the arena's only extra bytes are the alignment
-gaps, under PAGE a tensor).
-
-Why: a batch-1 decode step streams every weight once, and on many CPUs the hardware prefetchers
-follow a stream only within a 4 KiB page while each new page costs a TLB walk. In 2 MiB pages
-(Linux's transparent huge pages, which the kernel gives a mapping advised MADV_HUGEPAGE where
-/sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") the TLB holds the whole model;
-the weights also lie in the order the step reads them. The README has what it gained. Where the
+gaps, under PAGE a tensor). The weights lie in the order the step reads them. Where the huge-page
 advice is refused or unknown (another OS), the arena is plain memory, said at INFO.
 """
 
@@ -21,29 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 from typing import Any, Iterable
 
 import torch
 
 from llmc.kernels.gemv import GemvWeight
 
+from .huge_pages import HUGE_PAGE, huge_page_bytes
+
 log = logging.getLogger("llmc")
 
-PAGE = 4096                 # each tensor's alignment in the arena
-HUGE_PAGE = 2 << 20         # the arena starts on a huge page
+PAGE = 4096                 # each tensor's alignment in the arena (it starts on a HUGE_PAGE)
 
 
 class WeightArena:
-    """One private anonymous mapping of `nbytes` (plus a huge page to align its start), advised for
-    huge pages; `take(t)` copies t into the next PAGE-aligned bytes and returns the view."""
+    """`nbytes` of huge_page_bytes; `take(t)` copies t into the next PAGE-aligned bytes and returns the view."""
 
     def __init__(self, nbytes: int):
-        self.mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.huge_pages = _advise_huge_pages(self.mapping)
-        self.bytes = torch.frombuffer(self.mapping, dtype=torch.uint8)   # keeps the mapping alive
-        self.offset = -self.bytes.data_ptr() % HUGE_PAGE
-        self.end = self.offset + nbytes
+        self.bytes, self.huge_pages = huge_page_bytes(nbytes, "the weights")
+        self.offset = 0
+        self.end = nbytes
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         start = aligned(self.offset)
@@ -57,16 +48,6 @@ class WeightArena:
 
 def aligned(offset: int) -> int:
     return -(-offset // PAGE) * PAGE
-
-
-def _advise_huge_pages(mapping: mmap.mmap) -> bool:
-    """Ask the kernel for transparent huge pages under `mapping`; False where it cannot be asked."""
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError) as why:      # no MADV_HUGEPAGE off Linux; EINVAL without THP
-        log.info("the weights stay on the system's base pages (transparent huge pages not granted: %s)", why)
-        return False
-    return True
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

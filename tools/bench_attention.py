@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_kv_rows
+from llmc.runtime.huge_pages import huge_page_zeros
 from llmc.tools.bench_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, step_layout
 from llmc.tools.read_floor import read_bandwidth
 
@@ -80,8 +81,9 @@ def time_step(chunks: list[int], lens: list[int], dtype: torch.dtype, kv_dtype: 
 
 
 def decode_layout(lens: list[int], dtype: torch.dtype, kv_dtype: str, rng: random.Random):
-    """A cache of enough layers to hold COLD_BYTES, each sequence's blocks in random places,
-    and the int32 block tables; returns (cache, tables, bytes of K/V one layer's call reads)."""
+    """A cache of enough layers to hold COLD_BYTES, each sequence's blocks in random places, on huge
+    pages as an engine's cache (runtime/huge_pages.py), and the int32 block tables; returns (cache,
+    tables, bytes of K/V one layer's call reads)."""
     needed = [-(-n // BLOCK) for n in lens]
     order = list(range(sum(needed)))
     rng.shuffle(order)
@@ -95,7 +97,8 @@ def decode_layout(lens: list[int], dtype: torch.dtype, kv_dtype: str, rng: rando
     cache = torch.randn(layers, 2, len(order), KV_HEADS, BLOCK, HEAD_DIM).to(dtype)
     if kv_dtype == "int8":
         cache = quantize_kv_rows(cache)
-    return cache, tables, 2 * sum(lens) * KV_HEADS * row
+    placed = huge_page_zeros(tuple(cache.shape), cache.dtype, "the benchmark's KV cache")   # as an engine's
+    return placed.copy_(cache), tables, 2 * sum(lens) * KV_HEADS * row
 
 
 def time_decode(seqs: int, lo: int, hi: int, dtype: torch.dtype, kv_dtype: str, rng: random.Random) -> tuple:
