@@ -1,12 +1,13 @@
 """CPU memory a decode step streams, on huge pages (runtime/huge_pages.py): zeroed, aligned to a huge
-page, alive as long as a view of it; torch's memory where no mapping can be made; and the paged KV
-cache an executor allocates on a CPU is such memory."""
+page, alive as long as a view of it, every page faulted in when allocated; torch's memory where no
+mapping can be made; and the paged KV cache an executor allocates on a CPU is such memory."""
 
 from __future__ import annotations
 
 import gc
 import logging
 
+import pytest
 import torch
 
 from llmc.runtime import huge_pages
@@ -43,3 +44,28 @@ def test_a_cpu_kv_cache_asks_for_huge_pages(monkeypatch):
     assert asked == ["the KV cache"]
     assert cache.shape == (2, 2, 9, 3, 16, 64) and torch.count_nonzero(cache) == 0
     assert cache.data_ptr() % HUGE_PAGE == 0
+
+
+def resident_kib(address: int) -> int | None:
+    """Rss of the mapping holding `address` (/proc/self/smaps), None where that file is not there."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    return None
+
+
+def test_every_page_is_faulted_in_when_allocated():
+    t = huge_page_zeros((4, 2 << 20), torch.uint8, "a test tensor")        # 8 MiB
+    rss = resident_kib(t.data_ptr())
+    if rss is None:
+        pytest.skip("no /proc/self/smaps to read the mapping's resident bytes from")
+    assert rss >= 8 << 10
