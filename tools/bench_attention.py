@@ -18,8 +18,10 @@ from memory, not from the last call's L3). It prints ms per call for `paged_atte
 attention_decode.h) and `paged_attention_rows` (old: the row-by-row decode it replaced, a
 block widened into scratch and a horizontal sum per key), the K/V bytes one call reads, both
 kernels' GB/s, the new one's fraction of the read bandwidth measured in the same run
-(`read_floor.read_bandwidth`, the native read floor), and old/new. `--dtype float32
---kv-dtype int8` times an int8 cache under f32 q.
+(`read_floor.read_bandwidth`, the native read floor), and old/new. The cache lies on huge pages
+as an engine's does (runtime/huge_pages.py); base/huge is the new kernel on a copy of it in
+torch's memory (base pages) over the same on huge pages, the median of calls alternating between
+them on the same layer. `--dtype float32 --kv-dtype int8` times an int8 cache under f32 q.
 A benchmark, not a test: the numbers depend on the machine and its load.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import statistics
 import time
 from typing import Callable
 
@@ -102,17 +105,31 @@ def decode_layout(lens: list[int], dtype: torch.dtype, kv_dtype: str, rng: rando
 
 
 def time_decode(seqs: int, lo: int, hi: int, dtype: torch.dtype, kv_dtype: str, rng: random.Random) -> tuple:
-    """(new s, old s, K/V bytes) per call of a decode step of `seqs` sequences of lo..hi tokens."""
+    """(new s, old s, K/V bytes, base/huge) per call of a decode step of `seqs` sequences of lo..hi
+    tokens; base/huge: the new kernel on a copy of the cache in torch's memory (base pages) over the
+    same on huge pages, the median of calls alternating between the two on the same layer."""
     lens = [rng.randint(lo, hi) for _ in range(seqs)]
     cache, tables, kv_bytes = decode_layout(lens, dtype, kv_dtype, rng)
     q = torch.randn(seqs, HEADS * HEAD_DIM).to(dtype)
     seq_lens, qsl = torch.tensor(lens, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32)
     layers = itertools.cycle(range(cache.shape[0]))
 
-    def call(op):
-        return lambda: op(q, cache, tables, seq_lens, qsl, next(layers), HEAD_DIM ** -0.5)
-    return (seconds_per_call(call(torch.ops.llmc.paged_attention)),
-            seconds_per_call(call(torch.ops.llmc.paged_attention_rows)), kv_bytes)
+    def call(op, kv=cache, layer=None):
+        return lambda: op(q, kv, tables, seq_lens, qsl, next(layers) if layer is None else layer, HEAD_DIM ** -0.5)
+    new = seconds_per_call(call(torch.ops.llmc.paged_attention))
+    old = seconds_per_call(call(torch.ops.llmc.paged_attention_rows))
+    base, ratios = cache.clone(), []
+    for i, layer in zip(range(max(20, int(0.5 / new))), layers):
+        order = (cache, base) if i % 2 else (base, cache)       # neither side always first
+        seconds = {id(kv): seconds_of(call(torch.ops.llmc.paged_attention, kv, layer)) for kv in order}
+        ratios.append(seconds[id(base)] / seconds[id(cache)])
+    return new, old, kv_bytes, statistics.median(ratios)
+
+
+def seconds_of(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def run_decode(spec: str, dtype: torch.dtype, kv_dtype: str) -> None:
@@ -120,13 +137,13 @@ def run_decode(spec: str, dtype: torch.dtype, kv_dtype: str) -> None:
     bandwidth = read_bandwidth()
     print(f"read bandwidth (the native read floor): {bandwidth / 1e9:.1f} GB/s")
     print(f"{'decode step':<22}{'new ms':>9}{'old ms':>9}{'KV MB':>8}{'new GB/s':>10}{'of read':>9}"
-          f"{'old GB/s':>10}{'old/new':>9}")
+          f"{'old GB/s':>10}{'old/new':>9}{'base/huge':>11}")
     for entry in spec.split(","):
         seqs, lo, hi = map(int, entry.split(":"))
-        new, old, kv_bytes = time_decode(seqs, lo, hi, dtype, kv_dtype, rng)
+        new, old, kv_bytes, pages = time_decode(seqs, lo, hi, dtype, kv_dtype, rng)
         print(f"{f'{seqs} x {lo}-{hi} tokens':<22}{1e3 * new:>9.3f}{1e3 * old:>9.3f}{kv_bytes / 1e6:>8.2f}"
               f"{kv_bytes / new / 1e9:>10.1f}{kv_bytes / new / bandwidth:>8.0%}{kv_bytes / old / 1e9:>10.1f}"
-              f"{old / new:>8.2f}x")
+              f"{old / new:>8.2f}x{pages:>10.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
