@@ -41,7 +41,7 @@ from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_kv_rows
 from llmc.runtime.huge_pages import huge_page_zeros
 from llmc.tools.bench_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, step_layout
-from llmc.tools.read_floor import read_bandwidth
+from llmc.tools.read_floor import read_bandwidth, seconds_of
 
 DECODE_STEPS = "64:100:500,8:1000:4000"
 COLD_BYTES = 256 * 2**20        # K/V cycled through per decode step: well past the L3
@@ -124,12 +124,6 @@ def time_decode(seqs: int, lo: int, hi: int, dtype: torch.dtype, kv_dtype: str, 
         seconds = {id(kv): seconds_of(call(torch.ops.llmc.paged_attention, kv, layer)) for kv in order}
         ratios.append(seconds[id(base)] / seconds[id(cache)])
     return new, old, kv_bytes, statistics.median(ratios)
-
-
-def seconds_of(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def run_decode(spec: str, dtype: torch.dtype, kv_dtype: str) -> None:

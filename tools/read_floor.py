@@ -72,7 +72,7 @@ class ReadBandwidth:
         for x in self.buffers:
             self.reads[0](x)
             for i, read in enumerate(self.reads):
-                rate = x.numel() * 4 / min(_seconds(lambda: read(x)) for _ in range(repeats))
+                rate = x.numel() * 4 / min(seconds_of(lambda: read(x)) for _ in range(repeats))
                 if rate > best:
                     best, self.fastest = rate, i
         return best
@@ -86,7 +86,7 @@ class ReadBandwidth:
         while left:
             take = min(left, x.numel() - self.position)
             window = x[self.position:self.position + take]
-            seconds += _seconds(lambda: read(window))
+            seconds += seconds_of(lambda: read(window))
             self.position, left = (self.position + take) % x.numel(), left - take
         return seconds
 
@@ -95,7 +95,8 @@ class ReadBandwidth:
         return f"{self.kernel} over {sizes} MiB"
 
 
-def _seconds(fn) -> float:
+def seconds_of(fn) -> float:
+    """Wall seconds of one call of `fn`."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -111,7 +112,7 @@ def strategy_rows(x: torch.Tensor, repeats: int = 3) -> list[str]:
     first: which prefetch and how many streams a thread this CPU reads fastest with. On a 2-core AMD
     EPYC VM (Zen 5) two streams a thread read 63-76 GB/s and one 31-40 in one run, and every strategy
     34-44 GB/s an hour later: the host's load decides as much as the pattern."""
-    rates = [(x.numel() * 4 / min(_seconds(lambda: read_floor_cpu(x, *s)) for _ in range(repeats)), s)
+    rates = [(x.numel() * 4 / min(seconds_of(lambda: read_floor_cpu(x, *s)) for _ in range(repeats)), s)
              for s in READ_STRATEGIES]
     return [f"{rate / 1e9:6.1f} GB/s   {streams} stream{'s' if streams > 1 else ' '} a thread, "
             + ("no software prefetch" if ahead == 0 else
@@ -128,7 +129,7 @@ def main(rounds: int = 5) -> None:
     print(f"read floor: {floor.describe()}")
     best_old = best_new = 0.0
     for _ in range(rounds):
-        old = x.numel() * 4 / min(_seconds(lambda: x.sum()) for _ in range(5))
+        old = x.numel() * 4 / min(seconds_of(lambda: x.sum()) for _ in range(5))
         new = floor.sample(5)
         best_old, best_new = max(best_old, old), max(best_new, new)
         print(f"torch.sum over 512 MiB {old / 1e9:6.1f} GB/s   read floor {new / 1e9:6.1f} GB/s")
