@@ -49,6 +49,13 @@ class LaunchTime:
                                 # depends on the step's lengths, which a profile adds itself
     waits: tuple[float, ...] = ()   # a step plan's: each thread's seconds at the barrier after it (its
                                     # team's threads that finished their share early wait for the last)
+    weights: tuple[str, ...] = ()   # the weights it takes, by their names in the artifact (a GEMM's
+                                    # codes, scales and mins): a profile's time by weight
+
+
+def weight_names(values) -> tuple[str, ...]:
+    """The weights among `values`, by their names in the artifact (a weight node is `w.<name>`)."""
+    return tuple(dict.fromkeys(v.node[2:] for v in values if v.node.startswith("w.")))
 
 
 def _nbytes(tensors, skip: set[int]) -> int:
@@ -65,6 +72,7 @@ class _Step:
     args: tuple[int, ...]       # slots read
     outs: tuple[int, ...]       # slots written, one per result
     free: tuple[int, ...]       # slots whose last reader is this step (or that nobody reads)
+    weights: tuple[str, ...]    # the weights among its reads, by name (LaunchTime.weights)
 
 
 class SlotProgram:
@@ -89,7 +97,7 @@ class SlotProgram:
         slot = self._slots
         dying = dying_after([(spec.reads, spec.writes) for spec in launches], keep)   # liveness.py
         return [_Step(spec.fn, spec.attrs, spec.label, spec.kind, tuple(slot[v] for v in spec.reads),
-                      tuple(slot[v] for v in spec.writes), tuple(slot[v] for v in dead))
+                      tuple(slot[v] for v in spec.writes), tuple(slot[v] for v in dead), weight_names(spec.reads))
                 for spec, dead in zip(launches, dying, strict=True)]
 
     def _run(self, feeds: dict[str, torch.Tensor], free: bool,
@@ -110,7 +118,8 @@ class SlotProgram:
                 sync()
                 seconds = time.perf_counter() - start
                 outs = result if isinstance(result, tuple) else (result,)
-                timings.append(LaunchTime(step.label, step.kind, seconds, _nbytes(args, skip), _nbytes(outs, skip)))
+                timings.append(LaunchTime(step.label, step.kind, seconds, _nbytes(args, skip), _nbytes(outs, skip),
+                                          weights=step.weights))
             if len(step.outs) == 1 and not isinstance(result, tuple):
                 env[step.outs[0]] = result
             else:

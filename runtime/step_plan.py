@@ -64,7 +64,7 @@ from llmc.kernels.step_plan_isa import Encoded, encode
 
 from .cpu_program import CpuKernels
 from .liveness import dying_after
-from .slot_program import LaunchTime
+from .slot_program import LaunchTime, weight_names
 from .plan_gemm import GEMM_LOWERINGS, NotPlannable
 from .plan_generated import epilogue_reads, lower_epilogue, lower_generated
 from .tensor_parallel.plan_collectives import COLLECTIVE_LOWERINGS
@@ -74,10 +74,11 @@ PLAN_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True)
 class PlanLaunch:
-    """One instruction of a plan, for profiles: the node it runs and that op's kind."""
+    """One instruction of a plan, for profiles: the node it runs, that op's kind and the weights it takes."""
 
     label: str
     kind: str
+    weights: tuple[str, ...] = ()
 
 
 class StepPlanProgram:
@@ -116,7 +117,8 @@ class StepPlanProgram:
         its waits by each thread; a CPU has nothing to `sync`, taken as SlotProgram.timed takes it)."""
         outputs, seconds, waits = self._plan.run_timed(*self._inputs(feeds))
         team = len(waits) // max(1, len(seconds))
-        return outputs, [LaunchTime(launch.label, launch.kind, s, waits=tuple(waits[i * team:(i + 1) * team]))
+        return outputs, [LaunchTime(launch.label, launch.kind, s, waits=tuple(waits[i * team:(i + 1) * team]),
+                                    weights=launch.weights)
                          for i, (launch, s) in enumerate(zip(self._launches, seconds))]
 
 
@@ -324,6 +326,11 @@ def _plan_units(graph: Graph, lowerings: dict[str, Lowering],
     return units
 
 
+def _weights(nodes) -> tuple[str, ...]:
+    """The weights `nodes` take, by name (LaunchTime.weights)."""
+    return weight_names(v for node in nodes for v in node.inputs)
+
+
 def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
                     lowerings: dict[str, Lowering] = LOWERINGS, kernels: CpuKernels | None = None) -> StepPlanProgram:
     """`graph` as a step plan over `weights` (as prepare_weights left them) for a cache of
@@ -346,12 +353,13 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
             epilogue, fn = units[i + 1]
             label = "+".join(n.op for n in (*unit.nodes, *epilogue.nodes))
             steps = [(lower_epilogue(lo, unit.nodes[0], epilogue, fn, windows[i + 1], reads, kernels.library),
-                      (*unit.nodes, *epilogue.nodes), PlanLaunch(label, "gemm"))]
+                      (*unit.nodes, *epilogue.nodes), PlanLaunch(label, "gemm", _weights(unit.nodes)))]
         elif address is not None:                # one generated kernel: the unit's values die after it
+            launch = PlanLaunch("+".join(n.op for n in unit.nodes), unit_kind(unit), _weights(unit.nodes))
             steps = [(lower_generated(lo, address, list(unit.inputs), list(unit.outputs), kernels.library),
-                      unit.nodes, PlanLaunch("+".join(n.op for n in unit.nodes), unit_kind(unit)))]
+                      unit.nodes, launch)]
         else:
-            steps = ((lowerings[node.op](lo, node), (node,), PlanLaunch(node.op, OPS[node.op].kind))
+            steps = ((lowerings[node.op](lo, node), (node,), PlanLaunch(node.op, OPS[node.op].kind, _weights([node])))
                      for node in unit.nodes)
         for instruction, nodes, launch in steps:
             lo.plan.add(instruction.opcode, instruction.args, instruction.f)
