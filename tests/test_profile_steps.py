@@ -20,7 +20,8 @@ from llmc.runtime.artifact import load_artifact
 from llmc.runtime.host_times import HOST_PHASES
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import kv_bytes_per_token
-from llmc.tools.profile_steps import (StepProfile, _own_dtype_line, _waits_line, decode_bytes, prefill_flops,
+from llmc.tools.profile_launches import waits_line
+from llmc.tools.profile_steps import (StepProfile, _own_dtype_line, decode_bytes, prefill_flops,
                                       profile_decode, profile_prefill)
 
 from test_bad_inputs import assert_process_error, run_llmc
@@ -96,6 +97,7 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     assert set(waits) == {"GEMM/GEMV", "attention", "other kernels"}
     assert all(len(w) == result["threads"] and min(w) >= 0 for w in waits.values())
     assert "the team's balance: each thread's wait at the barriers of a timed step" in proc.stdout
+    assert "GEMM/GEMV by weight in a timed step" in proc.stdout and "o_proj" in result["decode"]["by_weight"]
     for step in (result["decode"], result["prefill"]):
         parts = step["by_category"]
         assert parts["GEMM/GEMV"] > 0 and parts["attention"] > 0 and parts["other kernels"] > 0
@@ -151,9 +153,9 @@ def test_the_fraction_of_bandwidth_pairs_each_round_with_its_own_floor():
 
 
 def test_the_balance_line_sums_each_threads_waits_over_the_kinds():
-    (line,) = _waits_line({"GEMM/GEMV": [0.001, 0.003], "other kernels": [0.002, 0.0]})
+    (line,) = waits_line({"GEMM/GEMV": [0.001, 0.003], "other kernels": [0.002, 0.0]})
     assert line.endswith("thread 0 / 1: 3.00 / 3.00 ms (GEMM/GEMV 1.00 / 3.00 | other kernels 2.00 / 0.00)")
-    assert _waits_line({}) == []                            # op by op: no team, no line
+    assert waits_line({}) == []                            # op by op: no team, no line
 
 
 def test_the_paired_read_is_each_rounds_read_over_its_step():

@@ -54,6 +54,7 @@ from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_inputs import build_step_inputs
 
 from .bench import ACTIVATIONS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
+from .profile_launches import gemm_by_weight, mean_by_weight, waits_line, weight_lines
 from .read_floor import ReadBandwidth
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
@@ -70,6 +71,8 @@ class StepProfile:
     paired: tuple[float, ...] = ()     # and the mean time of the floor's read of a step's bytes after each step
     waits: dict[str, tuple[float, ...]] = field(default_factory=dict)   # a step plan's: each thread's mean
     # seconds a step at the barriers after the instructions of each kind (its share done, the team's not)
+    by_weight: dict[str, dict] = field(default_factory=dict)   # mean GEMM time and bytes a step by weight
+    # (profile_launches.gemm_by_weight)
 
     def of_bandwidth(self, step_bytes: int) -> float:
         """Median over the rounds of (bytes per step / step time) / the bandwidth beside the round."""
@@ -155,7 +158,9 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
             for thread, seconds in enumerate(launch.waits):
                 kept[thread] += seconds
     totals["python/dispatch"] = elapsed - sum(launch.seconds for launch in launches)
-    return StepProfile(elapsed, totals, waits={kind: tuple(w) for kind, w in waits.items()})
+    stored = {name: t.numel() * t.element_size() for name, t in engine.artifact.weights.items()}
+    return StepProfile(elapsed, totals, waits={kind: tuple(w) for kind, w in waits.items()},
+                       by_weight=gemm_by_weight(launches, stored))
 
 
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
@@ -192,11 +197,12 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)], seq.output_ids.append)
     newest = lambda: [Chunk(seq, seq.num_tokens - 1, seq.num_tokens)]  # noqa: E731
     _plain_step(engine, newest(), seq.output_ids.append)        # warm-up: first-call costs are not a step's
-    profiles, samples, reads, waits = [], [bandwidth.sample()] if bandwidth else [], [], []
+    profiles, samples, reads, waits, by_weight = [], [bandwidth.sample()] if bandwidth else [], [], [], []
     for i in range(tokens):
         timed = _profile_step(engine, "decode", newest(), seq.output_ids.append)
         kernels = {k: v for k, v in timed.by_category.items() if k != "python/dispatch"}
         waits.append(timed.waits)
+        by_weight.append(timed.by_weight)
         plain = _plain_step(engine, newest(), seq.output_ids.append)
         if bandwidth and step_bytes:
             reads.append(bandwidth.beside(step_bytes))
@@ -210,7 +216,7 @@ def profile_decode(engine: Engine, tokens: int, seed: int = 0, bandwidth: ReadBa
                        tuple((a + b) / 2 for a, b in zip(samples, samples[1:])),
                        _round_means(reads),
                        {kind: tuple(sum(w[kind][t] for w in waits) / tokens for t in range(len(per_thread)))
-                        for kind, per_thread in waits[0].items()})
+                        for kind, per_thread in waits[0].items()}, mean_by_weight(by_weight))
     return mean, decode_mean_context(tokens, prompt)
 
 
@@ -267,7 +273,8 @@ def format_profile(r: dict) -> str:
         f"{ROUND_TOKENS} tokens, each against the samples beside it)",
         f"    against the floor's fastest strategy reading {d['bytes'] / 1e6:.1f} MB right after each step (the same "
         f"neighbours' load): {100 * d['of_paired_read']:.0f}% (median of the rounds)",
-        *_waits_line(d["waits"]),
+        *waits_line(d["waits"]),
+        *weight_lines(d["by_weight"], d["bytes"] / _median(list(d["paired"]))),
         f"batch-1 decode as served (engine.stream: the engine loop's thread with the scheduler, sampler and "
         f"detokenizer, first token out to last): {1000 * r['served_decode_s']:.1f} ms/token = "
         f"{r['served_decode_s'] / d['seconds']:.2f}x the step above",
@@ -279,18 +286,6 @@ def format_profile(r: dict) -> str:
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
         *_baseline_lines(r),
     ])
-
-
-def _waits_line(waits: dict[str, list[float]]) -> list[str]:
-    """Each thread's wait at a timed decode step's barriers, in all and by kind of instruction."""
-    if not waits:
-        return []
-    threads = range(len(next(iter(waits.values()))))
-    ms = lambda per_thread: " / ".join(f"{1000 * w:.2f}" for w in per_thread)  # noqa: E731
-    total = [sum(w[t] for w in waits.values()) for t in threads]
-    kinds = " | ".join(f"{kind} {ms(w)}" for kind, w in waits.items())
-    return [f"    the team's balance: each thread's wait at the barriers of a timed step, thread "
-            f"{' / '.join(map(str, threads))}: {ms(total)} ms ({kinds})"]
 
 
 def _phases(per_step: dict[str, float]) -> str:

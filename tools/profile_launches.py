@@ -1,0 +1,73 @@
+"""A timed decode step's launches, grouped for `llmc profile`: each thread's waits at a step plan's
+barriers by kind of instruction, and the GEMM/GEMV time by weight.
+
+By weight: a GEMM launch names the weights it takes (LaunchTime.weights); launches whose weight
+has the same name once the layer number is dropped (`layers.7.qkv_proj.weight.codes` ->
+`qkv_proj`) form one row: how many a step runs, their seconds, the bytes of every weight they
+take as the artifact stores them (codes, scales and mins), and the rate those make. Against the
+rate of the floor's read that followed each step (the profile's paired read), a row says which
+GEMMs read at memory speed and which do not: on a 2-core AMD EPYC an int4 SmolLM2's tied LM head
+(int8, 30 MB) was the one furthest below it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llmc.runtime.slot_program import LaunchTime
+
+_LAYER = re.compile(r"layers\.\d+\.")
+
+
+def weight_role(name: str) -> str:
+    """A weight's name without its layer number and its parts: `layers.3.o_proj.weight.scales` -> `o_proj`."""
+    return _LAYER.sub("", name).split(".weight")[0]
+
+
+def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int]) -> dict[str, dict]:
+    """One step's GEMM launches by role: {"launches", "seconds", "bytes"}, where `stored` gives each
+    weight's bytes in the artifact. A role that other launches take too (an embedding gather reads
+    the table a tied LM head multiplies by) is named as the tied LM head."""
+    shared = {weight_role(w) for launch in launches if launch.kind != "gemm" for w in launch.weights}
+    rows: dict[str, dict] = {}
+    for launch in launches:
+        if launch.kind != "gemm" or not launch.weights:
+            continue
+        role = weight_role(launch.weights[0])
+        row = rows.setdefault(f"{role} (tied LM head)" if role in shared else role,
+                              {"launches": 0, "seconds": 0.0, "bytes": 0})
+        row["launches"] += 1
+        row["seconds"] += launch.seconds
+        row["bytes"] += sum(stored[w] for w in launch.weights)
+    return rows
+
+
+def mean_by_weight(steps: list[dict[str, dict]]) -> dict[str, dict]:
+    """Several steps' gemm_by_weight as one, each role's seconds their mean."""
+    return {role: {**row, "seconds": sum(s[role]["seconds"] for s in steps) / len(steps)}
+            for role, row in (steps[0].items() if steps else ())}
+
+
+def weight_lines(by_weight: dict[str, dict], paired_rate: float) -> list[str]:
+    """gemm_by_weight's rows as the profile prints them, slowest first, each rate against the paired
+    read's (bytes/s)."""
+    if not by_weight:
+        return []
+    rows = sorted(({"role": role, **row} for role, row in by_weight.items()), key=lambda r: -r["seconds"])
+    width = max(len(r["role"]) for r in rows)
+    return ["    GEMM/GEMV by weight in a timed step: launches, time, bytes, rate, its share of the paired read's rate",
+            *(f"      {r['role']:<{width}} x{r['launches']:<4}{1000 * r['seconds']:7.2f} ms{r['bytes'] / 1e6:8.1f} MB"
+              f"{r['bytes'] / r['seconds'] / 1e9:7.1f} GB/s{100 * r['bytes'] / r['seconds'] / paired_rate:5.0f}%"
+              for r in rows)]
+
+
+def waits_line(waits: dict[str, list[float]]) -> list[str]:
+    """Each thread's wait at a timed decode step's barriers, in all and by kind of instruction."""
+    if not waits:
+        return []
+    threads = range(len(next(iter(waits.values()))))
+    ms = lambda per_thread: " / ".join(f"{1000 * w:.2f}" for w in per_thread)  # noqa: E731
+    total = [sum(w[t] for w in waits.values()) for t in threads]
+    kinds = " | ".join(f"{kind} {ms(w)}" for kind, w in waits.items())
+    return [f"    the team's balance: each thread's wait at the barriers of a timed step, thread "
+            f"{' / '.join(map(str, threads))}: {ms(total)} ms ({kinds})"]
