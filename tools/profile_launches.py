@@ -6,8 +6,9 @@ has the same name once the layer number is dropped (`layers.7.qkv_proj.weight.co
 `qkv_proj`) form one row: how many a step runs, their seconds, the bytes of every weight they
 take as the artifact stores them (codes, scales and mins), and the rate those make. Against the
 rate of the floor's read that followed each step (the profile's paired read), a row says which
-GEMMs read at memory speed and which do not: on a 2-core AMD EPYC an int4 SmolLM2's tied LM head
-(int8, 30 MB) was the one furthest below it.
+GEMMs read at memory speed and which do not: on a 2-core AMD EPYC VM, with bandwidth to spare, an
+int4 SmolLM2's smallest GEMVs (o_proj, 207 KB) fell furthest below it (the README's "Which GEMVs
+miss the floor").
 """
 
 from __future__ import annotations
