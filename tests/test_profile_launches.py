@@ -14,8 +14,8 @@ from llmc.compiler.ops import OPS
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.slot_program import LaunchTime
-from llmc.tools.profile_launches import gemm_by_weight, mean_by_weight, weight_lines, weight_role
-from llmc.tools.profile_steps import profile_decode
+from llmc.tools.profile_launches import flop_lines, gemm_by_weight, mean_by_weight, weight_lines, weight_role
+from llmc.tools.profile_steps import prefill_flops, profile_decode, profile_prefill
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,6 +47,21 @@ def test_every_gemm_is_in_one_role_with_its_stored_bytes(tiny_family, family, lm
     assert all(by_weight[role]["launches"] == layers for role in LAYER_ROLES) and by_weight[lm_head]["launches"] == 1
     assert sum(row["bytes"] for row in by_weight.values()) == gemm_weight_bytes(art)
     assert all(row["seconds"] > 0 for row in by_weight.values())
+
+
+def test_a_prefills_rows_count_each_gemms_flops_over_its_rows(tiny_family):
+    """2 x tokens x N x K a layer GEMM (its stored [N, K] weight), 2 x 1 x N x K the LM head (one row
+    after the logits gather): the rows add up to the profile's GEMM FLOPs."""
+    engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(backend_options={"cuda_graphs": False}))
+    art, tokens = engine.artifact, 24
+    by_weight = profile_prefill(engine, tokens).by_weight
+    for role, row in by_weight.items():
+        numel = sum(w.numel() for name, w in art.weights.items() if name.endswith(f"{role}.weight"))
+        assert row["flops"] == 2 * (1 if role == "lm_head" else tokens) * numel, role
+    cfg = art.config
+    attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) // 2
+    assert sum(row["flops"] for row in by_weight.values()) + attention == prefill_flops(art.graphs["prefill"], art,
+                                                                                         tokens)
 
 
 O_PROJ_DELAY = 0.02        # seconds added to every o_proj launch (the tiny model's decode step: ~1 ms)
@@ -81,10 +96,12 @@ def test_a_step_groups_layers_and_the_mean_averages_steps():
                 gemm("layers.0.o_proj", 1.0), LaunchTime("rmsnorm", "rowwise", 0.5, weights=("norm.weight",)),
                 gemm("layers.1.o_proj", 2.0), gemm("embed_tokens", 4.0)]
     step = gemm_by_weight(launches, stored)
-    assert step == {"o_proj": {"launches": 2, "seconds": 3.0, "bytes": 400},
-                    "embed_tokens (tied LM head)": {"launches": 1, "seconds": 4.0, "bytes": 1050}}
+    assert step == {"o_proj": {"launches": 2, "seconds": 3.0, "bytes": 400, "flops": 0},
+                    "embed_tokens (tied LM head)": {"launches": 1, "seconds": 4.0, "bytes": 1050, "flops": 0}}
     slower = {role: {**row, "seconds": 2 * row["seconds"]} for role, row in step.items()}
-    assert mean_by_weight([step, slower])["o_proj"] == {"launches": 2, "seconds": 4.5, "bytes": 400}
+    assert mean_by_weight([step, slower])["o_proj"] == {"launches": 2, "seconds": 4.5, "bytes": 400, "flops": 0}
+    flops = {"layers.0.o_proj.weight.codes": 7, "layers.1.o_proj.weight.codes": 9, "embed_tokens.weight.codes": 5}
+    assert gemm_by_weight(launches, stored, flops)["o_proj"]["flops"] == 16
 
 
 def test_the_lines_put_the_slowest_first_against_the_paired_rate():
@@ -95,3 +112,13 @@ def test_the_lines_put_the_slowest_first_against_the_paired_rate():
     assert slowest.split() == ["gate_up_proj", "x30", "1.00", "ms", "40.0", "MB", "40.0", "GB/s", "80%"]
     assert faster.split() == ["o_proj", "x30", "0.20", "ms", "6.0", "MB", "30.0", "GB/s", "60%"]
     assert weight_lines({}, 50e9) == []
+
+
+def test_the_prefills_lines_put_the_slowest_first_against_the_matmul_peak():
+    by_weight = {"o_proj": {"launches": 30, "seconds": 0.05, "bytes": 0, "flops": 10_000_000_000},
+                 "gate_up_proj": {"launches": 30, "seconds": 0.25, "bytes": 0, "flops": 50_000_000_000}}
+    head, slowest, faster = flop_lines(by_weight, peak=250e9)
+    assert head.startswith("    GEMMs by weight")
+    assert slowest.split() == ["gate_up_proj", "x30", "250.0", "ms", "50.00", "GFLOP", "200.0", "GFLOP/s", "80%"]
+    assert faster.split() == ["o_proj", "x30", "50.0", "ms", "10.00", "GFLOP", "200.0", "GFLOP/s", "80%"]
+    assert flop_lines({}, 250e9) == []

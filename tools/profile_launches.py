@@ -1,5 +1,6 @@
-"""A timed decode step's launches, grouped for `llmc profile`: each thread's waits at a step plan's
-barriers by kind of instruction, and the GEMM/GEMV time by weight.
+"""A timed step's launches, grouped for `llmc profile`: each thread's waits at a step plan's barriers
+by kind of instruction, and the GEMM/GEMV time by weight (a decode step's against the paired read,
+a prefill's against the matmul peak: gemm_flops counts each GEMM's FLOPs).
 
 By weight: a GEMM launch names the weights it takes (LaunchTime.weights); launches whose weight
 has the same name once the layer number is dropped (`layers.7.qkv_proj.weight.codes` ->
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import re
 
-from llmc.runtime.slot_program import LaunchTime
+from llmc.compiler.ir import Graph
+from llmc.runtime.slot_program import LaunchTime, weight_names
 
 _LAYER = re.compile(r"layers\.\d+\.")
 
@@ -25,10 +27,24 @@ def weight_role(name: str) -> str:
     return _LAYER.sub("", name).split(".weight")[0]
 
 
-def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int]) -> dict[str, dict]:
-    """One step's GEMM launches by role: {"launches", "seconds", "bytes"}, where `stored` gives each
-    weight's bytes in the artifact. A role that other launches take too (an embedding gather reads
-    the table a tied LM head multiplies by) is named as the tied LM head."""
+def gemm_flops(graph: Graph, tokens: int) -> dict[str, int]:
+    """FLOPs of each GEMM of one sequence's `tokens`-token step of `graph`, by the first weight it takes:
+    2 x rows x N x K, its rows every token, or after the logits gather one (a sequence's last)."""
+    nodes, flops = graph.node_map(), {}
+    for n in graph.nodes:
+        if n.op in ("linear", "qlinear"):
+            k = nodes[n.inputs[0].node].types[n.inputs[0].index].shape[-1]        # K of its input x
+            name = weight_names(n.inputs)[0]
+            flops[name] = flops.get(name, 0) + 2 * (tokens if n.type.shape[0] == "T" else 1) * n.type.shape[1] * k
+    return flops
+
+
+def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int],
+                   flops: dict[str, int] | None = None) -> dict[str, dict]:
+    """One step's GEMM launches by role: {"launches", "seconds", "bytes", "flops"}, where `stored` gives
+    each weight's bytes in the artifact and `flops` (gemm_flops) each GEMM's FLOPs, by weight. A role
+    that other launches take too (an embedding gather reads the table a tied LM head multiplies by) is
+    named as the tied LM head."""
     shared = {weight_role(w) for launch in launches if launch.kind != "gemm" for w in launch.weights}
     rows: dict[str, dict] = {}
     for launch in launches:
@@ -36,10 +52,11 @@ def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int]) -> dict[s
             continue
         role = weight_role(launch.weights[0])
         row = rows.setdefault(f"{role} (tied LM head)" if role in shared else role,
-                              {"launches": 0, "seconds": 0.0, "bytes": 0})
+                              {"launches": 0, "seconds": 0.0, "bytes": 0, "flops": 0})
         row["launches"] += 1
         row["seconds"] += launch.seconds
         row["bytes"] += sum(stored[w] for w in launch.weights)
+        row["flops"] += sum((flops or {}).get(w, 0) for w in launch.weights)
     return rows
 
 
@@ -49,17 +66,29 @@ def mean_by_weight(steps: list[dict[str, dict]]) -> dict[str, dict]:
             for role, row in (steps[0].items() if steps else ())}
 
 
-def weight_lines(by_weight: dict[str, dict], paired_rate: float) -> list[str]:
-    """gemm_by_weight's rows as the profile prints them, slowest first, each rate against the paired
-    read's (bytes/s)."""
-    if not by_weight:
-        return []
+def _slowest_first(by_weight: dict[str, dict]) -> tuple[list[dict], int]:
+    """gemm_by_weight's rows as a list, slowest first, and the widest role's length."""
     rows = sorted(({"role": role, **row} for role, row in by_weight.items()), key=lambda r: -r["seconds"])
-    width = max(len(r["role"]) for r in rows)
+    return rows, max((len(r["role"]) for r in rows), default=0)
+
+
+def weight_lines(by_weight: dict[str, dict], paired_rate: float) -> list[str]:
+    """A decode step's gemm_by_weight rows as the profile prints them, slowest first, each rate against
+    the paired read's (bytes/s)."""
+    rows, width = _slowest_first(by_weight)
     return ["    GEMM/GEMV by weight in a timed step: launches, time, bytes, rate, its share of the paired read's rate",
             *(f"      {r['role']:<{width}} x{r['launches']:<4}{1000 * r['seconds']:7.2f} ms{r['bytes'] / 1e6:8.1f} MB"
               f"{r['bytes'] / r['seconds'] / 1e9:7.1f} GB/s{100 * r['bytes'] / r['seconds'] / paired_rate:5.0f}%"
-              for r in rows)]
+              for r in rows)] if rows else []
+
+
+def flop_lines(by_weight: dict[str, dict], peak: float) -> list[str]:
+    """A prefill's gemm_by_weight rows, slowest first, each rate against the matmul peak (FLOP/s)."""
+    rows, width = _slowest_first(by_weight)
+    return ["    GEMMs by weight: launches, time, GFLOP, rate, its share of the matmul peak",
+            *(f"      {r['role']:<{width}} x{r['launches']:<4}{1000 * r['seconds']:8.1f} ms"
+              f"{r['flops'] / 1e9:8.2f} GFLOP{r['flops'] / r['seconds'] / 1e9:8.1f} GFLOP/s"
+              f"{100 * r['flops'] / r['seconds'] / peak:5.0f}%" for r in rows)] if rows else []
 
 
 def waits_line(waits: dict[str, list[float]]) -> list[str]:

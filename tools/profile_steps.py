@@ -54,7 +54,7 @@ from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_inputs import build_step_inputs
 
 from .bench import ACTIVATIONS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
-from .profile_launches import gemm_by_weight, mean_by_weight, waits_line, weight_lines
+from .profile_launches import flop_lines, gemm_by_weight, gemm_flops, mean_by_weight, waits_line, weight_lines
 from .read_floor import ReadBandwidth
 
 CATEGORIES = {"gemm": "GEMM/GEMV", "attention": "attention"}     # any other op kind: "other kernels"
@@ -131,16 +131,15 @@ def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
 def prefill_flops(graph: Graph, artifact: Artifact, tokens: int) -> int:
     """FLOPs of one sequence's prefill: each GEMM over its rows (every token, or after the logits
     gather one row per sequence) plus causal attention."""
-    cfg, nodes = artifact.config, graph.node_map()
-    width = lambda v: nodes[v.node].types[v.index].shape[-1]  # noqa: E731   (K of a GEMM's input x)
-    gemm = sum((tokens if n.type.shape[0] == "T" else 1) * n.type.shape[1] * width(n.inputs[0])
-               for n in graph.nodes if n.op in ("linear", "qlinear"))
+    cfg = artifact.config
     attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * tokens * (tokens + 1) // 2
-    return 2 * gemm + attention
+    return sum(gemm_flops(graph, tokens).values()) + attention
 
 
-def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None) -> StepProfile:
-    """One step through the runner with per-launch timing, then a greedy pick for `on_token`."""
+def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None,
+                  flops: dict[str, int] | None = None) -> StepProfile:
+    """One step through the runner with per-launch timing, then a greedy pick for `on_token`; its GEMMs
+    by weight count `flops` (gemm_flops) where given."""
     totals = {name: 0.0 for name in (*CATEGORIES.values(), "other kernels", "python/dispatch")}
     start = time.perf_counter()
     logits, launches = engine.runner.run_timed(entry, build_step_inputs(chunks, engine.blocks))
@@ -160,7 +159,7 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
     totals["python/dispatch"] = elapsed - sum(launch.seconds for launch in launches)
     stored = {name: t.numel() * t.element_size() for name, t in engine.artifact.weights.items()}
     return StepProfile(elapsed, totals, waits={kind: tuple(w) for kind, w in waits.items()},
-                       by_weight=gemm_by_weight(launches, stored))
+                       by_weight=gemm_by_weight(launches, stored, flops))
 
 
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
@@ -237,7 +236,8 @@ def profile_prefill(engine: Engine, tokens: int, seed: int = 1) -> StepProfile:
                    SamplingParams(max_tokens=1))
     engine.blocks.allocate(seq.seq_id, seq.prompt_ids)
     _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)])      # warm-up, then the same again
-    profile = _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)])
+    profile = _profile_step(engine, "prefill", [Chunk(seq, 0, seq.num_tokens)],
+                            flops=gemm_flops(engine.artifact.graphs["prefill"], tokens))
     engine.blocks.free(seq.seq_id)
     return profile
 
@@ -284,6 +284,7 @@ def format_profile(r: dict) -> str:
         f"prefill, {r['prompt_len']} tokens: {1000 * p['seconds']:.0f} ms; {_split(p)}",
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
+        *flop_lines(p["by_weight"], r["matmul_peak"]),
         *_baseline_lines(r),
     ])
 
