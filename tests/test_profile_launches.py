@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from llmc.compiler.ops import OPS
 from llmc.runtime.artifact import load_artifact
@@ -90,8 +91,9 @@ def test_a_step_groups_layers_and_the_mean_averages_steps():
     def gemm(name, seconds):
         return LaunchTime("qlinear", "gemm", seconds, weights=(f"{name}.weight.codes", f"{name}.weight.scales"))
 
-    stored = {f"layers.{i}.o_proj.weight.{p}": 100 for i in range(2) for p in ("codes", "scales")}
-    stored |= {"embed_tokens.weight.codes": 1000, "embed_tokens.weight.scales": 50, "norm.weight": 8}
+    sizes = {f"layers.{i}.o_proj.weight.{p}": 100 for i in range(2) for p in ("codes", "scales")}
+    sizes |= {"embed_tokens.weight.codes": 1000, "embed_tokens.weight.scales": 50, "norm.weight": 8}
+    stored = {name: torch.empty(n, dtype=torch.uint8) for name, n in sizes.items()}
     launches = [LaunchTime("qembedding", "data_movement", 0.5, weights=("embed_tokens.weight.codes",)),
                 gemm("layers.0.o_proj", 1.0), LaunchTime("rmsnorm", "rowwise", 0.5, weights=("norm.weight",)),
                 gemm("layers.1.o_proj", 2.0), gemm("embed_tokens", 4.0)]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from llmc.compiler.ir import Graph
 from llmc.runtime.slot_program import LaunchTime, weight_names
 
@@ -39,10 +41,10 @@ def gemm_flops(graph: Graph, tokens: int) -> dict[str, int]:
     return flops
 
 
-def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int],
+def gemm_by_weight(launches: list[LaunchTime], weights: dict[str, torch.Tensor],
                    flops: dict[str, int] | None = None) -> dict[str, dict]:
-    """One step's GEMM launches by role: {"launches", "seconds", "bytes", "flops"}, where `stored` gives
-    each weight's bytes in the artifact and `flops` (gemm_flops) each GEMM's FLOPs, by weight. A role
+    """One step's GEMM launches by role: {"launches", "seconds", "bytes", "flops"}, where `weights` are
+    the artifact's (their stored bytes) and `flops` (gemm_flops) each GEMM's FLOPs, by weight. A role
     that other launches take too (an embedding gather reads the table a tied LM head multiplies by) is
     named as the tied LM head."""
     shared = {weight_role(w) for launch in launches if launch.kind != "gemm" for w in launch.weights}
@@ -55,7 +57,7 @@ def gemm_by_weight(launches: list[LaunchTime], stored: dict[str, int],
                               {"launches": 0, "seconds": 0.0, "bytes": 0, "flops": 0})
         row["launches"] += 1
         row["seconds"] += launch.seconds
-        row["bytes"] += sum(stored[w] for w in launch.weights)
+        row["bytes"] += sum(weights[w].nbytes for w in launch.weights)
         row["flops"] += sum((flops or {}).get(w, 0) for w in launch.weights)
     return rows
 

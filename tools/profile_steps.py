@@ -51,6 +51,7 @@ from llmc.runtime.memory_plan import kv_bytes_per_token
 from llmc.runtime.sampling_params import RequestError, SamplingParams
 from llmc.runtime.scheduler import Chunk
 from llmc.runtime.sequence import Sequence
+from llmc.runtime.slot_program import weight_names
 from llmc.runtime.step_inputs import build_step_inputs
 
 from .bench import ACTIVATIONS_OPTION, KERNELS_OPTION, STEP_PLANS_OPTION, given_backend_options
@@ -119,10 +120,8 @@ def decode_bytes(graph: Graph, artifact: Artifact, context: int) -> int:
     K/V of `context` cached tokens."""
     weights, total = artifact.weights, 0
     for node in graph.nodes:
-        for v in node.inputs:
-            if not v.node.startswith("w."):
-                continue
-            w = weights[v.node[2:]]
+        for name in weight_names(node.inputs):
+            w = weights[name]
             row = node.op in ("embedding", "qembedding")            # a gather reads one row of each part
             total += (w[0] if row else w).numel() * w.element_size()
     return total + context * kv_bytes_per_token(artifact.config, kv_cache_dtype(artifact))
@@ -157,9 +156,8 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
             for thread, seconds in enumerate(launch.waits):
                 kept[thread] += seconds
     totals["python/dispatch"] = elapsed - sum(launch.seconds for launch in launches)
-    stored = {name: t.numel() * t.element_size() for name, t in engine.artifact.weights.items()}
     return StepProfile(elapsed, totals, waits={kind: tuple(w) for kind, w in waits.items()},
-                       by_weight=gemm_by_weight(launches, stored, flops))
+                       by_weight=gemm_by_weight(launches, engine.artifact.weights, flops))
 
 
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
