@@ -69,3 +69,24 @@ def test_the_table_names_the_faster_side_by_its_ratio():
               "llmc": {**side, "tok_s": 125.0}, "llama.cpp": side}
     text = format_result(result)
     assert "llmc / llama.cpp: 2.50x (the same greedy tokens)" in text and "a CPU | threads 2 | m.gguf" in text
+
+
+def test_depth_puts_the_chat_prompt_behind_filler_to_that_many_tokens(tiny_family, tmp_path):
+    """--depth 160: the peer is given 160 prompt ids that end with the chat prompt's (both sides decode
+    after the same context); a depth past the engine's context, or below 0, is one line and exit 1."""
+    _, _, art = tiny_family("llama_hd32")
+    peer = tmp_path / "python"
+    peer.write_text(FAKE_PEER)
+    peer.chmod(0o755)
+    common = ("--llama-python", peer, "--artifact", art, "--gguf", tmp_path / "model.gguf", "--repeats", 1,
+              "--decode-tokens", 3)
+    out = tmp_path / "deep.json"
+    for depth in (0, 160):
+        proc = bench(*common, "--depth", depth, "--json", out)
+        assert proc.returncode == 0, proc.stderr
+    chat, deep = (json.loads(line.rstrip("\t").split("\t")[6]) for line in (tmp_path / "calls").read_text().splitlines())
+    assert len(deep) == 160 == json.loads(out.read_text())["prompt_tokens"] and "160-token prompt" in proc.stdout
+    assert len(chat) < 160 and deep[-len(chat):] == chat and deep[:len(chat)] != chat
+    for bad in (-1, 10**6):
+        proc = bench(*common, "--depth", bad)
+        assert proc.returncode == 1 and "--depth" in proc.stderr and "Traceback" not in proc.stderr

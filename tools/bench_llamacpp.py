@@ -1,11 +1,12 @@
 """llama.cpp as the peer for quantized batch-1 decode: the SAME GGUF through llama-cpp-python and
 through llmc's int4 artifact of it, in one run.
 
-    python -m llmc.tools.bench_llamacpp [--gguf FILE] [--decode-tokens 128] [--repeats 3]
+    python -m llmc.tools.bench_llamacpp [--gguf FILE] [--decode-tokens 128] [--depth 0] [--repeats 3]
         [--llama-python PY] [--artifact ART] [--work-dir DIR] [--json FILE]
 
 Both decode greedily the same chat prompt (llmc's tokenizer and template; the peer is given the
-token ids), batch 1, with llmc's thread count (torch's; llama.cpp's n_threads and n_threads_batch),
+token ids), with --depth N behind filler text to N tokens in all (llama-bench's depth: the context
+each decode step's attention reads, where llmc's fp32 KV cache and llama.cpp's f16 one differ), batch 1, with llmc's thread count (torch's; llama.cpp's n_threads and n_threads_batch),
 timed at the same boundaries as `llmc generate` and `llmc profile`'s decode: wall time from the
 first token out to the last, over the tokens after the first. Each side runs `--repeats` times,
 taking turns, and its best run counts. llama.cpp runs in a child process of `--llama-python` (by
@@ -38,6 +39,8 @@ from .profile_steps import cpu_name
 
 PEER_SCRIPT = Path(__file__).with_name("llamacpp_peer.py")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+FILLER = ("The keeper climbed the stairs at dusk, trimmed the wick, wound the clockwork and wrote the weather "
+          "in the log: wind from the west, a swell from the south, three ships seen and none in trouble. ")
 INSTALL = ("python3 -m venv /tmp/lcpp && CMAKE_ARGS=... /tmp/lcpp/bin/pip install llama-cpp-python==0.3.36 "
            "(../shared/ENVIRONMENT.md has the flags), then --llama-python /tmp/lcpp/bin/python")
 
@@ -56,6 +59,15 @@ def run_peer(llama_python: str, *args: str, timeout: float = 1800) -> dict:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise RequestError(f"the llama.cpp peer in {llama_python} failed (exit {proc.returncode}): {tail[0]}")
     return json.loads(lines[-1])
+
+
+def depth_prompt(engine: Engine, depth: int) -> list[int]:
+    """The chat prompt's ids behind the filler text's, `depth` ids in all (the chat prompt alone where
+    depth is not longer than it)."""
+    chat = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    filler = engine.tokenizer.encode(FILLER, add_special_tokens=False)
+    needed = max(0, depth - len(chat))
+    return (filler * (needed // len(filler) + 1))[:needed] + chat
 
 
 def llmc_decode(engine: Engine, prompt_ids: list[int], tokens: int) -> dict:
@@ -99,6 +111,8 @@ def format_result(result: dict) -> str:
 def bench_llamacpp(
     gguf: Optional[Path] = typer.Option(None, help="the GGUF both run; default: the embedded SmolLM2 (Q4_1)"),
     decode_tokens: int = typer.Option(128, help="tokens each side decodes after the prompt"),
+    depth: int = typer.Option(0, help="tokens of prompt (filler text, then the chat prompt) before the decode; "
+                                     "0: the chat prompt alone"),
     repeats: int = typer.Option(3, help="runs per side, taking turns; the best counts"),
     llama_python: str = typer.Option(sys.executable, help="a Python interpreter with llama-cpp-python installed"),
     artifact: Optional[Path] = typer.Option(None, help="llmc's artifact of the GGUF; default: its int4 compile"),
@@ -106,9 +120,9 @@ def bench_llamacpp(
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
 ) -> None:
     """Batch-1 greedy decode of one GGUF: llmc's int4 artifact against llama.cpp, in one run."""
-    if decode_tokens < 2 or repeats < 1:
-        raise RequestError(f"--decode-tokens {decode_tokens} and --repeats {repeats}: decode at least 2 tokens, "
-                           "at least once")
+    if decode_tokens < 2 or repeats < 1 or depth < 0:
+        raise RequestError(f"--decode-tokens {decode_tokens}, --repeats {repeats} and --depth {depth}: decode at "
+                           "least 2 tokens, at least once, after a prompt of 0 tokens or more")
     probe = run_peer(llama_python, "probe", timeout=120)
     if "missing" in probe:
         typer.echo(f"llama.cpp peer skipped: llama_cpp is not importable by {llama_python} ({probe['missing']}); "
@@ -119,7 +133,10 @@ def bench_llamacpp(
     folder = work_dir if own else work_dir / gguf.stem
     path = artifact or compiled(None if own else str(gguf), "int4", "float32", folder)
     engine = Engine(path)
-    prompt_ids = engine.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    prompt_ids = depth_prompt(engine, depth)
+    if len(prompt_ids) + decode_tokens > engine.max_sequence_tokens:
+        raise RequestError(f"--depth {depth} and --decode-tokens {decode_tokens} need {len(prompt_ids) + decode_tokens} "
+                           f"tokens of context; this engine holds {engine.max_sequence_tokens}: ask for fewer")
     threads = torch.get_num_threads()
     ours, theirs, version = [], [], "unknown"
     for _ in range(repeats):
