@@ -147,10 +147,13 @@ def _args(spec: str, **docs: str) -> tuple[Arg, ...]:
 
 _ATTN_DOCS = {"window": "0 off; > 0: keys p - window < j <= p only",
               "softcap": "0 off; > 0: scores softcap * tanh(score / softcap)"}
+_PICKS_DOC = ("-1: none; an index output [rows]: each row of out's greedy pick (its first largest value, as "
+              "torch.argmax), taken as the panels are made")
 STEP_PLAN_INSTRUCTIONS = [
     Instruction("embedding", _args("out table ids layout:int vocab:int width:int",
                                    layout="0: rows [V, W]; 1: float panels")),
-    Instruction("linear", _args("out x panels bias:optional k:int n:int num_panels:int")),
+    Instruction("linear", _args("out picks:optional x panels bias:optional k:int n:int num_panels:int",
+                                picks=_PICKS_DOC)),
     Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
                                        "cache slots layer:int heads:int kv_heads:int head_dim:int "
                                        "q_norm:optional k_norm:optional norm_span:int norm_product:int "
@@ -165,8 +168,9 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("paged_decode_attention", _args("out q cache block_tables seq_lens layer:int heads:int "
                                                 "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale"),
-    Instruction("qlinear", _args("out x codes scales mins:optional bias:optional k:int n:int num_panels:int "
-                                 "bits:int group:int layout:int", mins="-1: int8 codes have none",
+    Instruction("qlinear", _args("out picks:optional x codes scales mins:optional bias:optional k:int n:int "
+                                 "num_panels:int bits:int group:int layout:int", mins="-1: int8 codes have none",
+                                 picks=_PICKS_DOC,
                                  layout="0: quantized panels (x widened to fp32); 1: quads (x quantized to int8 "
                                         "per block of 32: kernels/cpu/qdot_gemm.cpp)")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "

@@ -27,7 +27,7 @@ from .artifact import Artifact, load_artifact
 from .backends import check_backend_name, check_backend_options, choose_backend
 from .block_manager import BlockManager, cache_salt
 from .engine_loop import EngineLoop
-from .executor import DEVICES
+from .executor import DEVICES, StepOutput
 from .grammar import GrammarCompiler, GrammarMatcher
 from .host_times import HostTimes
 from .model_runner import ModelRunner
@@ -277,11 +277,12 @@ class Engine:
         entry = "decode" if planned.scheduled.is_pure_decode else "prefill"
         return LaunchedStep(planned, run_on(worker, self._compute, entry, planned.inputs))
 
-    def _compute(self, entry: str, inputs: StepInputs) -> tuple[torch.Tensor, float]:
-        """The step's logit rows on the runner's device (sampled there), and the seconds the forward took."""
+    def _compute(self, entry: str, inputs: StepInputs) -> tuple[StepOutput, float]:
+        """The step's logit rows on the runner's device (sampled there; with greedy picks where the step
+        made them), and the seconds the forward took."""
         start = time.perf_counter()
-        logits = self.runner.run_on_device(entry, inputs)
-        return logits, time.perf_counter() - start
+        out = self.runner.run_step(entry, inputs)
+        return out, time.perf_counter() - start
 
     def finish_step(self, launched: LaunchedStep) -> list[Request | RequestOutput]:
         """Wait for a launched step; sample and record its tokens (the token stage: stop tokens,
@@ -290,7 +291,7 @@ class Engine:
         chunks = launched.planned.scheduled.chunks
         with self.host_times.timed("wait"):
             try:
-                logits, seconds = launched.result.result()
+                out, seconds = launched.result.result()
             except Exception as exc:   # the step's requests fail; nothing was recorded for them yet
                 return self._fail_step(chunks, exc)
         self.host_times.compute += seconds
@@ -299,8 +300,8 @@ class Engine:
         live = self._live(chunks)
         with self.host_times.timed("sample"):
             try:
-                self.sampler.score_prompts(live, logits)
-                results = self.sampler.sample(live, logits, self.generators)
+                self.sampler.score_prompts(live, out.logits)
+                results = self.sampler.sample(live, out.logits, self.generators, out.greedy)
             except Exception as exc:
                 return self._fail_step(chunks, exc)
         with self.host_times.timed("commit"):

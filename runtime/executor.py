@@ -50,6 +50,16 @@ log = logging.getLogger("llmc")
 
 
 @dataclass(frozen=True)
+class StepOutput:
+    """A computed step: its logit rows [R, vocab] (fp32, on the device) and, where the program picked
+    greedy tokens as its LM head made the logits (a CPU step plan: DESIGN 14, sampling where the
+    logits are), each row's pick (int64 [R], argmax_rows' meaning); None where it did not."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """The paged KV cache the graphs declare, sized: [L, 2, NB, KVH, BS, D] of `dtype`. D is a cache
     row: head_dim elements, or for an int8 cache head_dim codes then their fp32 scale (KV_SCALE_BYTES),
@@ -217,33 +227,39 @@ class Executor:
         self.graphs = graphs
         return report
 
-    def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> torch.Tensor:
-        """`run` of a host-built step: a captured decode or verify graph where one fits, else eagerly
+    def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> StepOutput:
+        """`run_step` of a host-built step: a captured decode or verify graph where one fits, else eagerly
         with the metadata on the device (`on_device`). One inference mode either way (each entry costs
         ~5-30 us of a decode step once the forward has evicted the caches)."""
         key = self.graphs.key_for(host, entry) if self.graphs is not None else None
         if key is None and self.device.type == "cpu":   # on_device writes nothing here: run's mode is enough
-            return self.run(entry, self.on_device(host, buffers))
+            return self.run_step(entry, self.on_device(host, buffers))
         with torch.inference_mode():                    # replays and device buffers write inference tensors
-            return self.graphs.replay(host, key) if key is not None else self.run(entry, self.on_device(host, buffers))
+            if key is not None:
+                return StepOutput(self.graphs.replay(host, key))
+            return self.run_step(entry, self.on_device(host, buffers))
 
     def on_device(self, host: StepInputs, buffers: StepBuffers) -> StepInputs:
         """The step's metadata where the kernels read it: `buffers` on a GPU; on the CPU the host's
         tensors already are (packing them into the buffers would only cost a copy)."""
         return host if self.device.type == "cpu" else buffers.load(host)
 
-    @torch.inference_mode()
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
         """Logits [R, vocab] (fp32, on the device): a row per position the step asks for (prefill), or per
         sequence (decode)."""
-        (logits,) = self.programs[entry](step.feeds(self.kv_cache))
-        return logits.float()
+        return self.run_step(entry, step).logits
+
+    @torch.inference_mode()
+    def run_step(self, entry: str, step: StepInputs) -> StepOutput:
+        """`run`'s logits, and the greedy picks where the program made them beside the logits."""
+        logits, *picks = self.programs[entry](step.feeds(self.kv_cache))
+        return StepOutput(logits.float(), picks[0] if picks else None)
 
     @torch.inference_mode()
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
         """`run`, and the wall time of each launch (the device synchronised after each)."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        (logits,), timings = self.programs[entry].timed(step.feeds(self.kv_cache), sync)
+        (logits, *_), timings = self.programs[entry].timed(step.feeds(self.kv_cache), sync)   # *_: greedy picks
         return logits.float(), timings
 
     @torch.inference_mode()

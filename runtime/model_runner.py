@@ -17,7 +17,7 @@ import torch
 from .artifact import Artifact
 from .backends import BackendChoice, choose_backend
 from .cuda_graphs import CaptureReport
-from .executor import Capabilities, KVCacheSpec
+from .executor import Capabilities, KVCacheSpec, StepOutput
 from .slot_program import LaunchTime
 from .step_inputs import StepBuffers, StepInputs, build_step_inputs  # noqa: F401  (re-exported)
 
@@ -75,10 +75,15 @@ class ModelRunner:
         """`run`'s logits left on the runner's device, computed (the device has finished them, so the
         caller's clock covers the forward pass). They may be the executor's output buffer: read them
         before the next step runs."""
-        logits = self.executor.step(entry, step, self.buffers)
-        if logits.device.type == "cuda":
-            torch.cuda.current_stream(logits.device).synchronize()
-        return logits
+        return self.run_step(entry, step).logits
+
+    def run_step(self, entry: str, step: StepInputs) -> StepOutput:
+        """`run_on_device`'s logits, with the greedy picks where the step made them beside the logits
+        (StepOutput.greedy: a CPU step plan's; the sampler's argmax otherwise)."""
+        out = self.executor.step(entry, step, self.buffers)
+        if out.logits.device.type == "cuda":
+            torch.cuda.current_stream(out.logits.device).synchronize()
+        return out
 
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:
         """`run` launched eagerly, and each launch's wall time (for profiles; slower than `run`)."""

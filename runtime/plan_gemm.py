@@ -73,7 +73,7 @@ def linear_args(lo, node: Node) -> dict:
 
 
 def _lower_linear(lo, node: Node) -> Encoded:
-    return encode("linear", **linear_args(lo, node))
+    return encode("linear", **linear_args(lo, node), picks=lo.picks_for(node))
 
 
 def _lower_qlinear(lo, node: Node) -> Encoded:
@@ -88,7 +88,7 @@ def _lower_qlinear(lo, node: Node) -> Encoded:
         raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
     out, x_id = lo.result(node), lo.activation(x, node)
     codes_id, scales, mins = lo.panels(w)
-    return encode("qlinear", out=out, x=x_id, codes=codes_id, scales=scales, mins=mins,
+    return encode("qlinear", out=out, picks=lo.picks_for(node), x=x_id, codes=codes_id, scales=scales, mins=mins,
                   bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
                   num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
                   layout=int(w.layout == "quads"))

@@ -86,8 +86,9 @@ class StepPlanProgram:
 
     def __init__(self, graph: Graph, plan: Any, input_names: list[str], rope: list[RopeTables],
                  positions: str, gathered: str, launches: list[PlanLaunch], constants: list[Any],
-                 keepalive: tuple = ()):
+                 keepalive: tuple = (), picks: bool = False):
         self.graph = graph
+        self.picks = picks                      # after the graph's outputs, each logit row's greedy pick
         self.input_names = input_names
         self._gathered = gathered               # the input whose rows per-sequence values have
         self.profile_name = f"llmc::step_plan.{graph.name}"
@@ -138,6 +139,7 @@ class _Lowering:
         self.constants: list[Any] = []
         self.rope: dict[tuple, tuple[RopeTables, int, int]] = {}   # each rotation's tables, plan ids of cos, sin
         self.positions = ""
+        self.picks = -1                                                # the logits GEMM's index output
         self.gathered = graph.inputs()[0].name                          # index_select's indices, if any
         self.keepalive: list[Any] = []                                 # generated kernels' libraries
         launched = [n for n in graph.nodes if n.op not in ("input", "weight")]
@@ -213,6 +215,14 @@ class _Lowering:
             self.register_of[v] = reg
             self.ids[v] = self.plan.temporary(reg, width, self.gathered_rows(v))
         return self.ids[v]
+
+    def picks_for(self, node: Node) -> int:
+        """An index output for the greedy picks of `node`'s result where that is the graph's one output
+        (the logits, which the GEMM then picks in as it makes them); -1 for any other GEMM."""
+        if self.graph.outputs != (node.value(),) or self.picks >= 0:
+            return -1
+        self.picks = self.plan.index_output(self.gathered_rows(node.value()))
+        return self.picks
 
     def _new_register(self) -> int:
         self.registers += 1
@@ -368,4 +378,4 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
             launches.append(launch)
     rope = [tables for tables, _, _ in lo.rope.values()]
     return StepPlanProgram(graph, lo.plan, names, rope, lo.positions, lo.gathered, launches, lo.constants,
-                           tuple(lo.keepalive))
+                           tuple(lo.keepalive), picks=lo.picks >= 0)

@@ -78,10 +78,13 @@ class StepSampler:
             pairs = top_pairs(ids[j], values[j], req.seq.params.prompt_logprobs)
             req.prompt_logprobs.append(SampleResult(req.seq.prompt_ids[p + 1], chosen[j], pairs))
 
-    def sample(self, chunks: RowsOf, logits: torch.Tensor, generators: dict[int, object]) -> dict[int, StepResult]:
-        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts."""
+    def sample(self, chunks: RowsOf, logits: torch.Tensor, generators: dict[int, object],
+               greedy: torch.Tensor | None = None) -> dict[int, StepResult]:
+        """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts.
+        `greedy`: each logit row's argmax where the step made them beside the logits (StepOutput.greedy),
+        the tokens of a step of plain greedy rows."""
         if all(_plain_greedy(c, req) for _, c, req in chunks if c.samples):
-            return _argmax_results([(row + c.num_logits - 1, c) for row, c, _ in chunks if c.samples], logits)
+            return _argmax_results([(row + c.num_logits - 1, c) for row, c, _ in chunks if c.samples], logits, greedy)
         picks = _Picks([], [], [], [], [])
         states = {}                                          # verifying sequence id -> its generator's state
         self._pick_single_rows([(row, c, req) for row, c, req in chunks if c.samples and not c.num_drafts],
@@ -158,11 +161,18 @@ def _plain_greedy(c: Chunk, req: Request) -> bool:
     return not c.num_drafts and req.grammar is None and not needs_row_sampling(c.seq.params)
 
 
-def _argmax_results(picks: list[tuple[int, Chunk]], logits: torch.Tensor) -> dict[int, StepResult]:
-    """Each (logit row, chunk)'s token: the row's argmax, in one call over the rows."""
+def _argmax_results(picks: list[tuple[int, Chunk]], logits: torch.Tensor,
+                    greedy: torch.Tensor | None) -> dict[int, StepResult]:
+    """Each (logit row, chunk)'s token: the row's argmax, read from the step's `greedy` picks where it
+    made them, else in one call over the rows."""
     if not picks:
         return {}
-    tokens = argmax_rows(_rows(logits, [row for row, _ in picks])).tolist()
+    rows = [row for row, _ in picks]
+    if greedy is None:
+        tokens = argmax_rows(_rows(logits, rows)).tolist()
+    else:
+        every = greedy.tolist()
+        tokens = [every[row] for row in rows]
     return {c.seq.seq_id: ([SampleResult(token)], None) for (_, c), token in zip(picks, tokens)}
 
 

@@ -103,8 +103,8 @@ def test_no_placeholder_token_reaches_a_computed_step(artifact, monkeypatch):
     launch fills it in; with an impossible placeholder (-1) every launched step's ids are real."""
     monkeypatch.setattr(sequence_module, "PENDING_TOKEN", -1)
     engine = Engine(artifact, EngineConfig(async_scheduling=True))
-    seen, real_run = [], engine.runner.run_on_device
-    engine.runner.run_on_device = lambda entry, step: (seen.append(step.input_ids.clone()), real_run(entry, step))[1]
+    seen, real_run = [], engine.runner.run_step
+    engine.runner.run_step = lambda entry, step: (seen.append(step.input_ids.clone()), real_run(entry, step))[1]
     with EngineLoop(engine) as loop:
         done = loop.generate(prompts(6, seed=9), GREEDY)
     assert len(seen) >= GREEDY.max_tokens and all(int(ids.min()) >= 0 for ids in seen)
@@ -121,8 +121,8 @@ def test_a_stop_string_found_while_the_next_step_computes_drops_that_steps_token
     params = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,))
     plain, _ = generate(artifact, [prompt], params, False)
     engine = Engine(artifact, EngineConfig(async_scheduling=True))
-    last_position, real_run = [0], engine.runner.run_on_device
-    engine.runner.run_on_device = lambda entry, step: (last_position.append(int(step.positions.max())),
+    last_position, real_run = [0], engine.runner.run_step
+    engine.runner.run_step = lambda entry, step: (last_position.append(int(step.positions.max())),
                                                        real_run(entry, step))[1]
     with EngineLoop(engine) as loop:
         done = loop.generate([prompt], params)

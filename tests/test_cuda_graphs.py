@@ -117,7 +117,7 @@ def test_padded_decode_writes_only_the_scratch_block_and_gives_the_unpadded_logi
     assert torch.equal(padded.kv_cache[:, :, live], before[:, :, live]), "warm-up wrote outside the scratch block"
     padded.kv_cache[:, :, scratch] = float("nan")       # whatever a live row read from it would show
     rows = []
-    padded.executor.run = _recording(padded.executor.run, rows)
+    padded.executor.run_step = _recording(padded.executor.run_step, rows)
     tol = tolerance(torch.float32, artifact.config.intermediate_size, scale=4.0)
     for i in range(3):
         want, got = _decode(eager, blocks, seqs, 7 + i), _decode(padded, blocks, padded_seqs, 7 + i)
@@ -149,7 +149,7 @@ def test_a_step_the_graphs_cannot_take_runs_eagerly(artifact):
     runner, blocks, seqs = _prefilled_runner(artifact)
     runner.executor.capture_decode_graphs(max_num_seqs=2, max_blocks=4, stand_in=True)
     rows = []
-    runner.executor.run = _recording(runner.executor.run, rows)
+    runner.executor.run_step = _recording(runner.executor.run_step, rows)
     logits = _decode(runner, blocks, seqs, 9)                  # 3 sequences > the largest size, 2
     assert rows == [3] and logits.shape[0] == 3
 

@@ -117,8 +117,8 @@ def _runners(artifact, blocks, seqs, max_verify_width: int = 5, max_num_seqs: in
     graphs.executor.capture_decode_graphs(max_num_seqs, max_blocks=4, stand_in=True,
                                           max_verify_width=max_verify_width)
     runs: list[tuple[str, int]] = []
-    inner = graphs.executor.run
-    graphs.executor.run = lambda entry, step: runs.append((entry, step.input_ids.numel())) or inner(entry, step)
+    inner = graphs.executor.run_step
+    graphs.executor.run_step = lambda entry, step: runs.append((entry, step.input_ids.numel())) or inner(entry, step)
     return eager, graphs, runs
 
 

@@ -36,14 +36,14 @@ def alone(artifact):
 
 def fail_steps_with_poison(engine: Engine) -> None:
     """Fault injection: the model run raises in any step that computes the poison prompt."""
-    real_run = engine.runner.run_on_device
+    real_run = engine.runner.run_step
 
     def run(entry, step):
         if int((step.input_ids == POISON[0]).sum()) >= len(POISON):
             raise RuntimeError("injected fault")
         return real_run(entry, step)
 
-    engine.runner.run_on_device = run
+    engine.runner.run_step = run
 
 
 def test_concurrent_submitters_each_get_only_their_own_tokens(artifact, alone):
@@ -148,8 +148,8 @@ STEP_DELAY = 0.02        # seconds added to every step below: a request of n tok
 
 def slow_steps(engine: Engine) -> None:
     """Each model run STEP_DELAY longer, so a request is certainly still running a few steps in."""
-    real_run = engine.runner.run_on_device
-    engine.runner.run_on_device = lambda entry, step: (time.sleep(STEP_DELAY), real_run(entry, step))[1]
+    real_run = engine.runner.run_step
+    engine.runner.run_step = lambda entry, step: (time.sleep(STEP_DELAY), real_run(entry, step))[1]
 
 
 def shut_down_after_the_first_token(engine: Engine, prompt: list[int], params: SamplingParams,

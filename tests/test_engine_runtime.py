@@ -148,3 +148,18 @@ def test_generate_returns_text_reason_and_metrics(artifact):
     a, b = engine.generate(prompts(2, seed=9), [GREEDY, SamplingParams(max_tokens=3, temperature=0.0)])
     assert len(a.token_ids) == 24 and a.finish_reason == "length" and a.metrics.output_tokens == 24
     assert b.text == engine.tokenizer.decode(b.token_ids) and b.prompt_ids == prompts(2, seed=9)[1]
+
+
+def test_greedy_tokens_picked_in_the_step_plans_equal_transformers(tiny_family):
+    """llama_hd32 runs as step plans whose LM head picks each logit row's greedy token as it makes the
+    logits (StepOutput.greedy), and the sampler takes those picks: the engine's greedy output, three
+    prompts together, equals transformers' generate of each."""
+    model, _, art = tiny_family("llama_hd32")
+    engine, outputs = run(art, prompts(3, seed=4), kernels="native")
+    assert all(engine.runner.executor.programs[entry].picks for entry in ("prefill", "decode"))
+    for prompt, got in zip(prompts(3, seed=4), outputs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert got == want[0, len(prompt):].tolist()

@@ -34,13 +34,13 @@ def live_threads() -> set[int]:
 @pytest.mark.parametrize("threads", [2], indirect=True)
 def test_starting_a_loop_ends_the_starting_threads_idle_openmp_workers(tiny_family, threads):
     engine = Engine(tiny_family("llama_hd32")[2])
-    run, seen = engine.runner.run_on_device, {}
+    run, seen = engine.runner.run_step, {}
 
     def step(entry, inputs):            # the intra-op threads the loop thread's steps get
         seen.setdefault("step_threads", set()).add(torch.get_num_threads())
         return run(entry, inputs)
 
-    engine.runner.run_on_device = step
+    engine.runner.run_step = step
 
     def caller():           # a fresh thread, so that the workers of its OpenMP pool are new threads
         before = live_threads()

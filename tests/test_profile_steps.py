@@ -175,8 +175,8 @@ def test_served_decode_time_runs_from_the_first_token_out_to_the_last(tiny_famil
     from llmc.tools.profile_hf import decode_prompt, served_decode
 
     engine = Engine(tiny_family("llama_hd32")[2], EngineConfig(backend_options={"cuda_graphs": False}))
-    run = engine.runner.run_on_device
-    monkeypatch.setattr(engine.runner, "run_on_device", lambda entry, step: (
+    run = engine.runner.run_step
+    monkeypatch.setattr(engine.runner, "run_step", lambda entry, step: (
         time.sleep(PREFILL_DELAY if entry == "prefill" else 0), run(entry, step))[1])
     tokens = 8
     start = time.perf_counter()

@@ -18,14 +18,14 @@ import pytest
 from test_bad_inputs import assert_process_error, run_llmc
 
 
-# `llmc serve` with every model run (the engine's `run_on_device`) made a given number of seconds longer
+# `llmc serve` with every model run (the engine's `run_step`) made a given number of seconds longer
 # (the test's only change to the production process: a request of n tokens then certainly runs for at
 # least n x that).
 SLOWED_CLI = """
 import sys, time
 from llmc.runtime.model_runner import ModelRunner
-delay, run = float(sys.argv.pop(1)), ModelRunner.run_on_device
-ModelRunner.run_on_device = lambda self, entry, step: (time.sleep(delay), run(self, entry, step))[1]
+delay, run = float(sys.argv.pop(1)), ModelRunner.run_step
+ModelRunner.run_step = lambda self, entry, step: (time.sleep(delay), run(self, entry, step))[1]
 from llmc.tools.cli import app
 app()
 """

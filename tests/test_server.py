@@ -237,8 +237,8 @@ def slow_steps(server, monkeypatch):
     """Each engine step 2 ms longer: the tiny model alone can finish 16 x 240 tokens before a client
     is seen to leave, and these tests need its requests still running then."""
     runner = server.loop.engine.runner
-    run = runner.run_on_device
-    monkeypatch.setattr(runner, "run_on_device", lambda entry, step: (time.sleep(0.002), run(entry, step))[1])
+    run = runner.run_step
+    monkeypatch.setattr(runner, "run_step", lambda entry, step: (time.sleep(0.002), run(entry, step))[1])
 
 
 @pytest.mark.usefixtures("slow_steps")

@@ -142,6 +142,30 @@ def test_split_decodes_in_a_plan_bit_for_bit(artifact, variant, threads):
         torch.testing.assert_close(g, r, **tolerance(torch.float32, 160, scale=4.0))
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("variant", ["f32", "int8", "bf16_int4"])
+@pytest.mark.parametrize("family", list(PLANNABLE))
+def test_the_plan_picks_each_logit_rows_greedy_token_beside_it(artifact, family, variant, threads):
+    """StepOutput.greedy of a plan (its logits GEMM picks as it makes them): each logit row's argmax,
+    in a prefill asking for logits at every token of 5 prompts and in a decode step of the 5; a
+    program op by op has none (the sampler's argmax_rows picks)."""
+    art = artifact(family, variant)
+    plan, ops = executor(art), executor(art, step_plans=False)
+    assert plan.programs["decode"].picks and plan.programs["prefill"].picks
+    seqs, blocks = sequences([1, 15, 16, 17, 40])
+    step = build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks)
+    every = dataclasses.replace(step, logits_indices=torch.arange(step.input_ids.numel()))
+    outs = [plan.run_step("prefill", every)]
+    assert ops.run_step("prefill", every).greedy is None
+    for s in seqs:
+        s.num_computed = s.num_tokens
+        s.output_ids.append(5)
+    outs.append(plan.run_step("decode", build_step_inputs([Chunk(s, s.num_tokens - 1, s.num_tokens) for s in seqs],
+                                                           blocks)))
+    for out, rows in zip(outs, (89, 5)):
+        assert out.greedy.shape == (rows,) and torch.equal(out.greedy, out.logits.argmax(dim=-1))
+
+
 def mixed_steps(executors: list[TorchExecutor], every_position: bool = False) -> list[list[torch.Tensor]]:
     """Each executor's logits for three prefill steps over five sequences: whole prompts and first
     chunks, then the rests (over their cached parts) beside decodes, then decodes and one chunk;

@@ -24,7 +24,7 @@ needs_compiler = pytest.mark.skipif(GXX is None, reason="no C++ compiler")
 
 
 def linear_args(**changes) -> dict:
-    return dict(dict(out=5, x=1, panels=2, bias=-1, k=64, n=32, num_panels=1), **changes)
+    return dict(dict(out=5, picks=-1, x=1, panels=2, bias=-1, k=64, n=32, num_panels=1), **changes)
 
 
 def attention_args() -> dict:
@@ -34,7 +34,7 @@ def attention_args() -> dict:
 
 def test_encode_takes_every_arg_by_name_in_the_descriptions_order():
     got = encode("linear", **dict(reversed(linear_args().items())))       # the order given does not matter
-    assert got.opcode == STEP_PLAN_ISA.opcodes["linear"] and got.args == [5, 1, 2, -1, 64, 32, 1] and got.f == 0.0
+    assert got.opcode == STEP_PLAN_ISA.opcodes["linear"] and got.args == [5, -1, 1, 2, -1, 64, 32, 1] and got.f == 0.0
     attention = encode("paged_decode_attention", **attention_args(), scale=0.125)   # the float arg by its meaning
     assert attention.args == [3, 1, 2, 4, 5, 0, 4, 2, 32, 0, 0] and attention.f == 0.125
     capped = encode("paged_decode_attention", **dict(attention_args(), window=4096, softcap=50.0), scale=0.125)
@@ -117,7 +117,7 @@ def compile_snippet(tmp_path, body: str) -> subprocess.CompletedProcess:
 
 @needs_compiler
 def test_cpp_naming_an_arg_the_description_lacks_does_not_compile(tmp_path):
-    good = compile_snippet(tmp_path, "static_assert(arg::linear::bias == 3 && kFixedArgs[kLinear] == 7);\n"
+    good = compile_snippet(tmp_path, "static_assert(arg::linear::bias == 4 && kFixedArgs[kLinear] == 8);\n"
                                      "static_assert(kVariadic[kGenerated] && arg::generated::values == 2);")
     assert good.returncode == 0, good.stderr
     bad = compile_snippet(tmp_path, "int64_t scale(const int64_t* a) { return a[arg::linear::scale]; }")
@@ -143,9 +143,10 @@ def test_the_loaded_build_follows_this_description_and_another_is_refused(tmp_pa
 
 @pytest.mark.parametrize("opcode,args,message", [
     (99, [], "plan op 99 is not one of step_plan_isa.h's"),
-    ("linear", [0, 0, 0, -1, 16, 16], "plan instruction linear takes 7 args, not 6"),
-    ("linear", [0, 0, 7, -1, 16, 16, 1], "arg panels of linear is not a value"),
-    ("linear", [0, 0, 0, -2, 16, 16, 1], "arg bias of linear is neither -1 nor a value"),
+    ("linear", [0, -1, 0, 0, -1, 16, 16], "plan instruction linear takes 8 args, not 7"),
+    ("linear", [0, -1, 0, 7, -1, 16, 16, 1], "arg panels of linear is not a value"),
+    ("linear", [0, -1, 0, 0, -2, 16, 16, 1], "arg bias of linear is neither -1 nor a value"),
+    ("linear", [0, 1, 0, 0, -1, 16, 16, 1], "a GEMM's picks must be an index output (index_output) with the rows"),
     ("generated", [8], "plan instruction generated takes 2 args and a list of values, not 1"),
     ("generated", [8, 0], "a generated kernel of 0 values cannot take 0 of them as inputs and write at least one"),
     ("generated", [8, 1, 0], "cannot take 1 of them as inputs and write at least one"),

@@ -48,7 +48,7 @@ class HostStepSampler(StepSampler):
                                                                                  seq.params.prompt_logprobs)))
             seq.prompt_scored = max(seq.prompt_scored, last)
 
-    def sample(self, chunks, logits, generators):
+    def sample(self, chunks, logits, generators, greedy=None):    # greedy: the step's picks, never read here
         results, words = {}, bitmask_words(self.vocab_size)
         for row, c, req in chunks:
             seq, gen = c.seq, generators[c.seq.seq_id]

@@ -163,10 +163,10 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     """One decode step as a serving engine runs it (no per-launch timing), then a greedy pick; its seconds."""
     start = time.perf_counter()
-    logits = engine.runner.run_on_device("decode", build_step_inputs(chunks, engine.blocks))
+    out = engine.runner.run_step("decode", build_step_inputs(chunks, engine.blocks))
     for c in chunks:
         c.seq.num_computed = c.end
-    on_token(int(argmax_rows(logits[-1:])[0]))
+    on_token(out.greedy.tolist()[-1] if out.greedy is not None else int(argmax_rows(out.logits[-1:])[0]))
     return time.perf_counter() - start
 
 

@@ -17,67 +17,12 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <limits>
 
-#include "vec16.h"
+#include "row_picks.h"
 
 namespace {
 
-using llmc_cpu::Vec16;
-
-// Bit i set where lane i of x equals y (ordered: never for a NaN lane).
-inline uint32_t equal_lanes(Vec16 x, float y) {
-#ifdef __AVX512F__
-  return _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(y), _CMP_EQ_OQ);
-#else
-  uint32_t bits = 0;
-  for (int i = 0; i < 16; ++i) bits |= static_cast<uint32_t>(x[i] == y) << i;
-  return bits;
-#endif
-}
-
-// Bit i set where lane i of x is a NaN.
-inline uint32_t nan_lanes(Vec16 x) {
-#ifdef __AVX512F__
-  return _mm512_cmp_ps_mask((__m512)x, (__m512)x, _CMP_UNORD_Q);
-#else
-  uint32_t bits = 0;
-  for (int i = 0; i < 16; ++i) bits |= static_cast<uint32_t>(x[i] != x[i]) << i;
-  return bits;
-#endif
-}
-
-// The first index j < v of `row` where pick(value) holds, scanning 16 lanes at a time.
-template <typename T, typename Lanes, typename One>
-int64_t first_where(const T* row, int64_t v, Lanes lanes, One one) {
-  int64_t j = 0;
-  for (; j + 16 <= v; j += 16)
-    if (const uint32_t bits = lanes(llmc_cpu::load16(row + j))) return j + __builtin_ctz(bits);
-  for (; j < v; ++j)
-    if (one(static_cast<float>(row[j]))) return j;
-  return 0;   // not reached: the caller knows such an index exists
-}
-
-template <typename T>
-int64_t first_max(const T* row, int64_t v) {
-  Vec16 lane_max = llmc_cpu::splat(-std::numeric_limits<float>::infinity());
-  uint32_t nans = 0;
-  int64_t j = 0;
-  for (; j + 16 <= v; j += 16) {
-    const Vec16 x = llmc_cpu::load16(row + j);
-    nans |= nan_lanes(x);
-    lane_max = x > lane_max ? x : lane_max;    // a NaN lane keeps the running max
-  }
-  float best = llmc_cpu::hmax(lane_max);
-  for (; j < v; ++j) {
-    const float x = static_cast<float>(row[j]);
-    nans |= x != x;
-    best = x > best ? x : best;
-  }
-  if (nans)
-    return first_where(row, v, [](Vec16 x) { return nan_lanes(x); }, [](float x) { return x != x; });
-  return first_where(row, v, [best](Vec16 x) { return equal_lanes(x, best); }, [best](float x) { return x == best; });
-}
+using llmc_cpu::first_max;
 
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1 && logits.is_contiguous() &&

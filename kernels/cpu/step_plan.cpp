@@ -74,6 +74,9 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
       b.stride_at[i] = b.inputs[v.index].dim() >= 1 ? b.inputs[v.index].stride(0) : 0;
     } else if (v.place == kTemporary) {
       b.at[i] = arena + reg_offset[v.index];
+    } else if (v.place == kOutput && v.indices) {
+      outputs[v.index] = at::empty({b.rows_at[i]}, at::TensorOptions().dtype(at::kLong));
+      b.at[i] = static_cast<char*>(outputs[v.index].data_ptr());
     } else if (v.place == kOutput) {
       outputs[v.index] = at::empty({b.rows_at[i], v.width},
                                    at::TensorOptions().dtype(bf16_ ? at::kBFloat16 : at::kFloat));
@@ -105,6 +108,7 @@ void StepPlan::note(const Instr& in) {
   if (in.op == kLinearEpilogue) check_linear_epilogue(in);
   if (in.op == kAllReduce || in.op == kAllGather) check_collective(in);
   if (in.op == kQembedding) check_qembedding(in);
+  if (in.op == kLinear || in.op == kQlinear) check_picks(in);
 }
 
 
@@ -130,6 +134,7 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
   b.next.reset(new std::atomic<int64_t>[code_.size()]);
   for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
+  if (picks_) b.picks.resize(threads * std::max(rows, seqs));
   b.claim_team = static_cast<int>(threads);
   b.claims.reset(new ShareClaims[code_.size() * threads]);
   for (size_t i = 0; i < code_.size(); ++i) {
@@ -213,6 +218,7 @@ TORCH_LIBRARY_FRAGMENT(llmc, m) {
       .def("input", &llmc_plan::StepPlan::input)
       .def("temporary", &llmc_plan::StepPlan::temporary)
       .def("output", &llmc_plan::StepPlan::output)
+      .def("index_output", &llmc_plan::StepPlan::index_output)
       .def("add", &llmc_plan::StepPlan::add)
       .def("set_group", &llmc_plan::StepPlan::set_group)
       .def("run", &llmc_plan::StepPlan::run)

@@ -14,6 +14,7 @@
 #include "attention_work.h"
 #include "decode_splits.h"
 #include "panel_claims.h"
+#include "row_picks.h"
 #include "step_plan_isa.h"   // generated into the build folder by kernels/native.py
 #include "team_barrier.h"
 
@@ -114,6 +115,7 @@ struct Bound {
   std::unique_ptr<ShareClaims[]> claims;       // per instruction, claim_team of them: a GEMV's panels
   int claim_team = 0;                         // (panel_claims.h; the GEMMs' shares of the others unused)
   llmc_cpu::TeamBarrier* barrier = nullptr;   // the team's (team_barrier.h), between kernels and inside one
+  mutable std::vector<llmc_cpu::Pick> picks;  // a picking GEMM's partials, [team][rows] (step_plan_gemm.h)
 };
 
 // A quantized GEMM's x of at most this many floats of scratch (rows x (K + K/G)) is prepared (quantized or

@@ -34,6 +34,20 @@ void StepPlan::check_qembedding(const Instr& in) const {
               "qembedding's codes, scales and mins are not constants of ", rows, " rows of ", width, " values");
 }
 
+// A GEMM's picks are an index output with out's rows, which only it writes.
+void StepPlan::check_picks(const Instr& in) {
+  const int64_t picks = in.op == kLinear ? in.a[arg::linear::picks] : in.a[arg::qlinear::picks];
+  const int64_t out = in.op == kLinear ? in.a[arg::linear::out] : in.a[arg::qlinear::out];
+  if (picks < 0) return;
+  TORCH_CHECK(values_[picks].place == kOutput && values_[picks].indices && values_[picks].seqs == values_[out].seqs,
+              "a GEMM's picks must be an index output (index_output) with the rows of its out");
+  for (const Instr& earlier : code_)
+    TORCH_CHECK(!(earlier.op == kLinear && earlier.a[arg::linear::picks] == picks) &&
+                    !(earlier.op == kQlinear && earlier.a[arg::qlinear::picks] == picks),
+                "two GEMMs write the same picks");
+  picks_ = true;
+}
+
 // A generated kernel writes temporaries or outputs, and every activation it touches has the rows
 // of its first output.
 void StepPlan::check_generated(const Instr& in) const {
@@ -45,7 +59,7 @@ void StepPlan::check_generated(const Instr& in) const {
   const bool seqs = values_[g.values[g.num_inputs]].seqs;
   for (int64_t i = 0; i < g.count; ++i) {
     const Value& v = values_[g.values[i]];
-    const bool activation = v.place == kTemporary || v.place == kOutput;
+    const bool activation = v.place == kTemporary || (v.place == kOutput && !v.indices);
     TORCH_CHECK(i < g.num_inputs || activation, "output ", i - g.num_inputs,
                 " of a generated kernel is not a temporary or an output of the plan");
     TORCH_CHECK(!activation || v.seqs == seqs, "value ", i,

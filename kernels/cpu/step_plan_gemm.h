@@ -9,6 +9,7 @@
 #include "amx_gemm.h"
 #include "amx_qgemm.h"
 #include "qpanel_gemm.h"
+#include "row_picks.h"
 #include "step_plan_bound.h"
 
 namespace llmc_plan {
@@ -41,6 +42,52 @@ bool split_by_tokens(int64_t rows, int team) {
   return rows >= kTokenSplit * team && llmc_amx::on_amx<X>(rows / team);
 }
 
+// A GEMM's greedy picks (its `picks` arg; -1: none): each thread picks in every row of the columns it
+// has just made (row_picks.h), while they are in its caches, into its own partials (Bound::picks,
+// [team][rows]); `merge` then meets the team at a barrier and writes each row's pick of them all.
+// Where the logits are made is where a greedy step's tokens are, without a pass over cold logits.
+template <typename X>
+class GemmPicks {
+ public:
+  GemmPicks(const Bound& b, int64_t picks, int tid, int team, int64_t rows, int64_t n, const X* out)
+      : b_(b), tid_(tid), team_(team), rows_(rows), n_(n), out_(out),
+        picks_(picks < 0 ? nullptr : reinterpret_cast<int64_t*>(b.at[picks])) {
+    if (picks_) std::fill(partial(0), partial(rows), llmc_cpu::Pick{});
+  }
+
+  // Rows [r0, r1) of out in columns [c0, c1), made by this thread.
+  void columns(int64_t r0, int64_t r1, int64_t c0, int64_t c1) const {
+    if (!picks_ || c0 >= c1) return;
+    for (int64_t r = r0; r < r1; ++r) llmc_cpu::pick_in(out_ + r * n_ + c0, c1 - c0, c0, *partial(r));
+  }
+  // Panels [begin, end) of every row.
+  void panels(int64_t begin, int64_t end) const {
+    columns(0, rows_, begin * llmc_panels::kPanel, std::min(end * llmc_panels::kPanel, n_));
+  }
+
+  // Each row's pick over the team's partials (every thread calls it; rows split after a barrier).
+  void merge() const {
+    if (!picks_) return;
+    b_.barrier->wait();
+    const auto [first, last] = share(rows_, tid_, team_);
+    for (int64_t r = first; r < last; ++r) {
+      llmc_cpu::Pick best;
+      for (int t = 0; t < team_; ++t)
+        if (llmc_cpu::better(b_.picks[t * rows_ + r], best)) best = b_.picks[t * rows_ + r];
+      picks_[r] = best.index;
+    }
+  }
+
+ private:
+  llmc_cpu::Pick* partial(int64_t r) const { return b_.picks.data() + tid_ * rows_ + r; }
+
+  const Bound& b_;
+  int tid_, team_;
+  int64_t rows_, n_;
+  const X* out_;
+  int64_t* picks_;
+};
+
 template <typename X>
 void linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
             int64_t last) {
@@ -49,14 +96,18 @@ void linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, i
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], n = a[A::n];
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, n, x_at(a[A::out]));
   if (split_by_tokens<X>(rows, team)) {
     llmc_amx::linear_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias,
                            x_at(a[A::out]) + first * n, n, 0, a[A::num_panels]);
-    return;
+    picks.columns(first, last, 0, n);
+  } else {
+    for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+      llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), n, begin, end);
+      picks.panels(begin, end);
+    });
   }
-  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
-    llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), n, begin, end);
-  });
+  picks.merge();
 }
 
 // A float GEMM and its generated epilogue (instruction linear_epilogue): on AMX tiles split by
@@ -111,12 +162,15 @@ void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int te
   const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
                                 reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
     if (a[A::bits] == 8)
       llmc_amx_int8::qdot_range<8>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
     else
       llmc_amx_int8::qdot_range<4>(q, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, true);
+    picks.panels(begin, end);
   });
+  picks.merge();
 }
 
 // A quantized GEMM: x widened to fp32 (tokens split, then a barrier; in a small step each thread all of
@@ -141,12 +195,15 @@ void qlinear(const Instr& in, int64_t index, const Bound& b, int tid, int team, 
   const llmc_qpanels::QPanels w{b.at[a[A::codes]], reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k,
                                 group, k / group};
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
     if (bits == 8)
       llmc_qpanels::qpanel_gemm_range<8>(xf, nullptr, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
     else
       llmc_qpanels::qpanel_gemm_range<4>(xf, xsum, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end);
+    picks.panels(begin, end);
   });
+  picks.merge();
 }
 
 }  // namespace llmc_plan

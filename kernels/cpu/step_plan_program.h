@@ -24,6 +24,7 @@ struct Value {
   bool seqs;       // rows are the gathered rows (IR dim R, logit rows), not the step's tokens
   int64_t stride;  // elements from one row to the next: an activation's width, a constant's row
                    // stride (0 if 1-D: one row for all); an input's is taken at each run
+  bool indices = false;  // an output of int64 indices [rows] (a GEMM's greedy picks), not activations
 };
 
 class StepPlan : public torch::CustomClassHolder {
@@ -50,6 +51,8 @@ class StepPlan : public torch::CustomClassHolder {
     return add_value({kTemporary, reg, width, seqs, width});
   }
   int64_t output(int64_t width, bool seqs) { return add_value({kOutput, num_outputs_++, width, seqs, width}); }
+  // An int64 output of one index a row (a GEMM's picks arg).
+  int64_t index_output(bool seqs) { return add_value({kOutput, num_outputs_++, 1, seqs, 1, true}); }
   // The process group (c10d's name for it) the plan's collectives run on.
   void set_group(std::string name) { group_ = std::move(name); }
   // Instruction `op` (step_plan_isa.h's numbering) with its args, checked against the description.
@@ -97,6 +100,7 @@ class StepPlan : public torch::CustomClassHolder {
   void check_collective(const Instr& in) const;
   std::string run_collective(const Instr& in, const Bound& b) const;
   void check_qembedding(const Instr& in) const;
+  void check_picks(const Instr& in);
 
   Run execute(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, bool timed);
   void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
@@ -119,6 +123,7 @@ class StepPlan : public torch::CustomClassHolder {
   int64_t max_head_dim_ = 16;
   int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
   int64_t num_outputs_ = 0;
+  bool picks_ = false;                      // a GEMM picks (Bound::picks needs room)
   std::string group_;                       // the collectives' process group (set_group)
 };
 

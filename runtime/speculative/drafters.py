@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
 from tokenizers import Tokenizer as HFTokenizer
+
+from llmc.kernels.argmax import argmax_rows
 
 from ..artifact import Artifact, load_artifact
 from ..block_manager import BlockManager
+from ..executor import StepOutput
 from ..model_runner import ModelRunner
 from ..sampling_params import RequestError
 from ..scheduler import Chunk
@@ -55,8 +57,10 @@ class NgramDrafter:
         pass
 
 
-def _argmax_into(logits: torch.Tensor, seqs: list[Sequence], index: int) -> None:
-    for row, seq in zip(logits.argmax(dim=-1).tolist(), seqs):
+def _argmax_into(out: StepOutput, seqs: list[Sequence], index: int) -> None:
+    """Draft `index` of each sequence: its logit row's greedy pick (the step's own where it made them)."""
+    picks = out.greedy if out.greedy is not None else argmax_rows(out.logits)
+    for row, seq in zip(picks.tolist(), seqs):
         seq.draft_ids[index] = row
 
 
@@ -67,7 +71,7 @@ def _draft_token_by_token(runner: ModelRunner, entry: str, blocks: BlockManager,
     for j in range(first, max(c.num_drafts for c in chunks)):
         seqs = [c.seq for c in chunks if c.num_drafts > j]
         at = [Chunk(s, s.num_tokens - 1 + j, s.num_tokens + j) for s in seqs]
-        _argmax_into(runner.run_on_device(entry, build_step_inputs(at, blocks)), seqs, j)
+        _argmax_into(runner.run_step(entry, build_step_inputs(at, blocks)), seqs, j)
 
 
 class SelfDrafter:
@@ -125,7 +129,7 @@ class DraftModelDrafter:
         for c, up in zip(chunks, catch_up):       # the draft writes [caught up, newest + K - 1)
             self.blocks.prepare_write(c.seq.seq_id, up.start, c.seq.num_tokens + c.num_drafts - 1)
         self.runner.copy_blocks(self.blocks.take_copies())
-        _argmax_into(self.runner.run_on_device("prefill", build_step_inputs(catch_up, self.blocks)), seqs, 0)
+        _argmax_into(self.runner.run_step("prefill", build_step_inputs(catch_up, self.blocks)), seqs, 0)
         _draft_token_by_token(self.runner, "decode", self.blocks, chunks, first=1)
 
     def after_verify(self, seq: Sequence, num_accepted: int, num_drafted: int) -> None:

@@ -24,7 +24,7 @@ from typing import Callable, TypeVar
 import torch
 
 from ..artifact import Artifact
-from ..executor import Capabilities, Executor, KVCacheSpec
+from ..executor import Capabilities, Executor, KVCacheSpec, StepOutput
 from ..sampling_params import RequestError
 from ..step_inputs import StepBuffers, StepInputs
 from .protocol import MISMATCH, READY, StepChannel
@@ -108,7 +108,7 @@ class TensorParallelExecutor:
 
     # -- what every rank does -----------------------------------------------------------------
 
-    def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> torch.Tensor:
+    def step(self, entry: str, host: StepInputs, buffers: StepBuffers) -> StepOutput:
         return self._together(lambda: self.channel.send_step(entry, host),
                               lambda: self.local.step(entry, host, buffers))
 
