@@ -22,8 +22,10 @@ on AMX tiles (split by tokens, so each thread's rows stay in its core's caches; 
 same dot product), so a plan's outputs equal that table's bit for bit; the torch refs are the meaning
 (tests compare both).
 
-The program is called like a SlotProgram (feeds by input name -> the graph's outputs); `timed`
-gives each instruction's time as measured inside the parallel region.
+The program is called like a SlotProgram (feeds by input name -> the graph's outputs), and where the
+GEMM that writes the graph's one output (the logits) is a plan kernel, it picks each row's greedy token
+as it makes them (the instruction's `picks`, an int64 output after the graph's: `picks` is True);
+`timed` gives each instruction's time as measured inside the parallel region.
 
 Instructions: kernels/step_plan_isa.py describes them; a lowering names every arg of its
 instruction (`encode("linear", out=..., x=..., ...)`), and the C++ side reads them by the same

@@ -66,6 +66,17 @@ def test_the_picks_are_the_argmax_of_the_logits_the_gemm_made(fmt, tokens, threa
         assert torch.equal(picks, logits.float().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_a_prompt_sized_gemm_picks_too(fmt, threads):
+    """160 rows: a bf16 GEMM splits by tokens on AMX tiles where the CPU has them (each thread all the
+    panels of its rows), by panels elsewhere; the picks are the argmax either way."""
+    g = torch.Generator().manual_seed(160)
+    plan, dtype = picking_gemm(torch.randn(N, K, generator=g), fmt)
+    logits, picks = run(plan, torch.randn(160, K, generator=g).to(dtype))
+    assert torch.equal(picks, logits.float().argmax(dim=-1))
+
+
 def tied_weight(columns: list[int], value: float = 3.0) -> torch.Tensor:
     """A weight whose rows `columns` are the same row, `value` times larger than any other's."""
     g = torch.Generator().manual_seed(7)

@@ -65,7 +65,8 @@ def test_plan_gathers_the_artifacts_rows_as_the_ref(bits, group, dtype):
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_plan_gathers_a_tied_tables_panels_as_the_op_by_op_kernels(tokens):
     """test_gemv_kernels' graph (an int4 table tied to its LM head, an int8 and a float GEMM): the
-    plan's logits equal the native ops' bit for bit, and its gather reads the LM head's panels."""
+    plan's logits equal the native ops' bit for bit, its gather reads the LM head's panels, and the
+    LM head picks each row's greedy token beside them."""
     load_native_kernels()
     graph = parse_graph(GRAPH)
     prepared = prepare_weights([graph], tiny_graph_weights())
@@ -73,10 +74,10 @@ def test_plan_gathers_a_tied_tables_panels_as_the_op_by_op_kernels(tokens):
     program = lower_step_plan(graph, prepared, 16)
     ids = torch.randint(0, 97, (tokens,), generator=torch.Generator().manual_seed(tokens))
     ids[0] = 96                                                  # the last, padded panel
-    (got,) = program({"ids": ids})
+    got, picks = program({"ids": ids})                        # the LM head writes the one output: it picks
     with torch.inference_mode():
         (want,) = TorchProgram(graph, prepared, native_op_impls())({"ids": ids})
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and program.picks and torch.equal(picks, got.argmax(dim=-1))
 
 
 def quads(codes: torch.Tensor, bits: int) -> torch.Tensor:
