@@ -84,7 +84,8 @@ def test_depth_puts_the_chat_prompt_behind_filler_to_that_many_tokens(tiny_famil
     for depth in (0, 160):
         proc = bench(*common, "--depth", depth, "--json", out)
         assert proc.returncode == 0, proc.stderr
-    chat, deep = (json.loads(line.rstrip("\t").split("\t")[6]) for line in (tmp_path / "calls").read_text().splitlines())
+    calls = (tmp_path / "calls").read_text().splitlines()
+    chat, deep = (json.loads(line.rstrip("\t").split("\t")[6]) for line in calls)
     assert len(deep) == 160 == json.loads(out.read_text())["prompt_tokens"] and "160-token prompt" in proc.stdout
     assert len(chat) < 160 and deep[-len(chat):] == chat and deep[:len(chat)] != chat
     for bad in (-1, 10**6):

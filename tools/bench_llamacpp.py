@@ -6,9 +6,10 @@ through llmc's int4 artifact of it, in one run.
 
 Both decode greedily the same chat prompt (llmc's tokenizer and template; the peer is given the
 token ids), with --depth N behind filler text to N tokens in all (llama-bench's depth: the context
-each decode step's attention reads, where llmc's fp32 KV cache and llama.cpp's f16 one differ), batch 1, with llmc's thread count (torch's; llama.cpp's n_threads and n_threads_batch),
-timed at the same boundaries as `llmc generate` and `llmc profile`'s decode: wall time from the
-first token out to the last, over the tokens after the first. Each side runs `--repeats` times,
+each decode step's attention reads, where llmc's fp32 KV cache and llama.cpp's f16 one differ),
+batch 1, with llmc's thread count (torch's; llama.cpp's n_threads and n_threads_batch), timed at
+the same boundaries as `llmc generate` and `llmc profile`'s decode: wall time from the first token
+out to the last, over the tokens after the first. Each side runs `--repeats` times,
 taking turns, and its best run counts. llama.cpp runs in a child process of `--llama-python` (by
 default this interpreter), tools/llamacpp_peer.py, which prints JSON, so it may live in a venv of
 its own: llama-cpp-python is never a dependency of llmc. Where it cannot be imported the script
@@ -135,8 +136,9 @@ def bench_llamacpp(
     engine = Engine(path)
     prompt_ids = depth_prompt(engine, depth)
     if len(prompt_ids) + decode_tokens > engine.max_sequence_tokens:
-        raise RequestError(f"--depth {depth} and --decode-tokens {decode_tokens} need {len(prompt_ids) + decode_tokens} "
-                           f"tokens of context; this engine holds {engine.max_sequence_tokens}: ask for fewer")
+        raise RequestError(f"--depth {depth} and --decode-tokens {decode_tokens} need "
+                           f"{len(prompt_ids) + decode_tokens} tokens of context; this engine holds "
+                           f"{engine.max_sequence_tokens}: ask for fewer")
     threads = torch.get_num_threads()
     ours, theirs, version = [], [], "unknown"
     for _ in range(repeats):
