@@ -99,7 +99,11 @@ inline void epilogue_range(const Bf16* x, const Bf16* panels, int64_t tokens, in
     run(ready.end);
     ready = {filled++ % 2, w, e.row0 + b0, e.row0 + b0, e.row0 + b1};
   };
-  const auto during = [&] { run(ready.next + chunk); };
+  int64_t from = 0;                                             // where this token tile's share began
+  const auto during = [&](int64_t part, int64_t parts) {
+    if (part == 1) from = ready.next;
+    run(from + (chunk * part + parts - 1) / parts);
+  };
   gemm_groups(x, panels, tokens, k_dim, bias, order, e.reads, dest_of, finished, during);
   run(ready.end);
 }

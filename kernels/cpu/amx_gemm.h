@@ -194,9 +194,15 @@ struct Prefetch {
   int64_t lines;
 };
 
+// Times a panel's K loop hands the core's other work (`while_busy`) a part: at most this many, so each
+// part's vector work stays small beside the multiplies issued before it.
+constexpr int64_t kBusyParts = 6;
+
 // c[2i + j] = A tile i (16 tokens from a0, a1) x the panel's output half j, over all K inputs;
-// `while_busy()` runs once the last multiply is issued, before the C tiles are stored (which waits
-// for every multiply of the panel to finish).
+// `while_busy(part, parts)` runs `parts` times (part 1 .. parts), spread over the K loop after the
+// multiplies, each time to do the part-th of its work: the AMX unit multiplies while the core's
+// vector units do it. Run once after the whole loop, work larger than the core's reorder window
+// (a gated epilogue's 16 rows) stalled the issue of the next panel's tiles until it retired.
 template <int M, typename Busy>
 __attribute__((target("amx-tile,amx-bf16"))) inline void panel_tiles(const Bf16* a0, const Bf16* a1, int64_t k_dim,
                                                                       const Bf16* panel, float (*c)[kRows][kRows],
@@ -207,13 +213,17 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void panel_tiles(const Bf16*
   _tile_zero(3);
   const int64_t full = k_dim / kDepth * kDepth, a_stride = k_dim * sizeof(Bf16);
   const int64_t b_stride = llmc_panels::kPanel * 2 * sizeof(Bf16);     // one pair row of the panel
-  for (int64_t k = 0; k < full; k += kDepth) {
+  const int64_t steps = full / kDepth, parts = std::max<int64_t>(1, std::min(steps, kBusyParts));
+  int64_t part = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t k = step * kDepth;
     multiply<M>(a0 + k, a1 + k, a_stride, panel + k * llmc_panels::kPanel, b_stride);
     for (int64_t i = 0; ahead.from && i < ahead.lines; ++i)
-      _mm_prefetch(ahead.from + (k / kDepth * ahead.lines + i) * 64, _MM_HINT_T1);
+      _mm_prefetch(ahead.from + (step * ahead.lines + i) * 64, _MM_HINT_T1);
+    if ((step + 1) * parts / steps > part) while_busy(++part, parts);
   }
   if (full < k_dim) multiply_tail<M>(a0 + full, a1 + full, k_dim, panel + full * llmc_panels::kPanel, k_dim - full);
-  while_busy();
+  if (part == 0) while_busy(1, 1);
   _tile_stored(0, c[0], kRows * sizeof(float));
   _tile_stored(1, c[1], kRows * sizeof(float));
   if constexpr (M == 2) {
@@ -250,17 +260,16 @@ inline void store_rows(const float (*c)[kRows][kRows], int64_t s, int64_t from, 
 // having started at rows s0 and s1, the panel's first column n0.
 struct TileBlock {
   alignas(64) float c[4][kRows][kRows];
-  int64_t s0 = 0, s1 = 0, t0 = 0, tt = 0, n0 = 0;
+  int64_t s0 = 0, s1 = 0, t0 = 0, tt = 0, n0 = 0, stored = 0;
   Dest dest{nullptr, 0, 0};
 
-  void store(const Bf16* bias) {
-    if (tt > kRows) {
-      store_rows(c, s0, t0, t0 + kRows, bias, dest, n0);
-      store_rows(c + 2, s1, t0 + kRows, t0 + tt, bias, dest, n0);
-    } else if (tt > 0) {
-      store_rows(c, s0, t0, t0 + tt, bias, dest, n0);
-    }
-    tt = 0;
+  // The part-th of `parts` of the rows (through row tt x part / parts); the last part ends the block.
+  void store(const Bf16* bias, int64_t part = 1, int64_t parts = 1) {
+    const int64_t upto = tt * part / parts, split = std::min(upto, kRows);
+    if (stored < split) store_rows(c, s0, t0 + stored, t0 + split, bias, dest, n0);
+    if (std::max(stored, kRows) < upto) store_rows(c + 2, s1, t0 + std::max(stored, kRows), t0 + upto, bias, dest, n0);
+    stored = upto;
+    if (part == parts) tt = 0, stored = 0;
   }
 };
 
@@ -268,16 +277,16 @@ struct TileBlock {
 // last tile shifted back to end at row `last` + 16), while the AMX unit multiplies, the epilogue of
 // `waiting`, the previous tile's: its stores to out (lines from L2 or memory) overlap the multiplies
 // instead of waiting for them (K 576 x N 3072, one thread with weights hot: 1187 -> 1425 GFLOP/s).
-// Then, still while it multiplies, `during()`: other work of the caller's.
+// Then, still while it multiplies, `during(part, parts)`: other work of the caller's, in the same parts.
 template <typename During>
 void panel_rows(const Bf16* x, const Bf16* panels, int64_t k_dim, const Bf16* bias, const Dest& dest, int64_t p,
                 int64_t t0, int64_t tt, int64_t last, Prefetch ahead, TileBlock& done, TileBlock& waiting,
                 During&& during) {
   const Bf16* panel = panels + p * k_dim * llmc_panels::kPanel;
   const int64_t s0 = std::min(t0, last), s1 = std::min(t0 + kRows, last);
-  const auto store_waiting = [&] {
-    waiting.store(bias);
-    during();
+  const auto store_waiting = [&](int64_t part, int64_t parts) {
+    waiting.store(bias, part, parts);
+    during(part, parts);
   };
   if (tt > kRows)
     panel_tiles<2>(x + s0 * k_dim, x + s1 * k_dim, k_dim, panel, done.c, ahead, store_waiting);
@@ -299,7 +308,7 @@ inline Prefetch next_panel_share(const Bf16* panels, int64_t k_dim, int64_t next
 // x [T, K] times the panels of `order`, in that order, on AMX, on the calling thread (which must be
 // allowed the tile state: support().usable), `group` panels at a time: a group's outputs go to
 // dest_of(b0, g), and once they are all stored finished(b0, b1, g) runs (b0 .. b1 - 1 the block's
-// tokens, g the group); during() runs once a token tile, while the AMX unit multiplies. Tokens go
+// tokens, g the group); during(part, parts) runs in parts over each token tile's multiplies. Tokens go
 // in blocks whose x fits kBlockBytes, every panel meeting a whole block before the next
 // (panel_tiles.h's walk_tiles, with blocks 4x the AVX-512 kernel's: AMX consumes a panel ~10x
 // faster, so the weight is read fewer times; K 1536 x N 576 at 512 tokens on one thread: 543 ->
@@ -345,7 +354,8 @@ inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_
   std::vector<int64_t> order(end - begin);
   for (int64_t p = begin; p < end; ++p) order[p - begin] = p;
   const auto to_out = [&](int64_t, int64_t) { return Dest{out, n_dim, n_dim}; };
-  gemm_groups(x, panels, tokens, k_dim, bias, order, end - begin, to_out, [](int64_t, int64_t, int64_t) {}, [] {});
+  gemm_groups(x, panels, tokens, k_dim, bias, order, end - begin, to_out, [](int64_t, int64_t, int64_t) {},
+              [](int64_t, int64_t) {});
 }
 
 #endif
