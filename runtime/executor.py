@@ -33,6 +33,7 @@ import torch
 
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import TensorType
+from llmc.kernels.argmax import argmax_rows
 
 from .artifact import Artifact
 from .cuda_graphs import CaptureReport, DecodeGraphs, decode_batch_sizes, graph_entry, verify_graph_sizes
@@ -57,6 +58,11 @@ class StepOutput:
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """Each logit row's greedy token (int64 [R]): the step's own picks where it made them, else
+        argmax_rows over the logits."""
+        return self.greedy if self.greedy is not None else argmax_rows(self.logits)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ It builds the executor a `BackendChoice` names (backends.py: the registry picks 
 device and options), sizing the paged KV cache from what the graphs declare, asks it to capture
 CUDA graphs of the decode step as its options say, hands each step's host-built metadata to the
 executor (which copies it into persistent device buffers, `step_inputs.StepBuffers`, or replays a
-graph), and hands logits back on its device for sampling (`run_on_device`), or on the host for
+graph), and hands logits back on its device for sampling (`run_step`), or on the host for
 tools (`run`). It knows no backend's insides: what the executor runs and how is its `capabilities()`.
 """
 
@@ -68,18 +68,14 @@ class ModelRunner:
 
     def run(self, entry: str, step: StepInputs) -> torch.Tensor:
         """Logits [R, vocab] (fp32, on the host): each chunk's rows at its `logit_positions`, in chunk
-        order (for tools that read whole logits; the engine samples from `run_on_device`'s)."""
-        return self.run_on_device(entry, step).cpu()
-
-    def run_on_device(self, entry: str, step: StepInputs) -> torch.Tensor:
-        """`run`'s logits left on the runner's device, computed (the device has finished them, so the
-        caller's clock covers the forward pass). They may be the executor's output buffer: read them
-        before the next step runs."""
-        return self.run_step(entry, step).logits
+        order (for tools that read whole logits; the engine samples from `run_step`'s)."""
+        return self.run_step(entry, step).logits.cpu()
 
     def run_step(self, entry: str, step: StepInputs) -> StepOutput:
-        """`run_on_device`'s logits, with the greedy picks where the step made them beside the logits
-        (StepOutput.greedy: a CPU step plan's; the sampler's argmax otherwise)."""
+        """`run`'s logits left on the runner's device, computed (the device has finished them, so the
+        caller's clock covers the forward pass), with the greedy picks where the step made them beside
+        the logits (StepOutput.greedy: a CPU step plan's; the sampler's argmax otherwise). The logits
+        may be the executor's output buffer: read them before the next step runs."""
         out = self.executor.step(entry, step, self.buffers)
         if out.logits.device.type == "cuda":
             torch.cuda.current_stream(out.logits.device).synchronize()

@@ -166,7 +166,7 @@ def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
     out = engine.runner.run_step("decode", build_step_inputs(chunks, engine.blocks))
     for c in chunks:
         c.seq.num_computed = c.end
-    on_token(out.greedy.tolist()[-1] if out.greedy is not None else int(argmax_rows(out.logits[-1:])[0]))
+    on_token(int(out.greedy_tokens()[-1]))
     return time.perf_counter() - start
 
 

@@ -23,8 +23,6 @@ from typing import Mapping
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from llmc.kernels.argmax import argmax_rows
-
 from ..artifact import Artifact, load_artifact
 from ..block_manager import BlockManager
 from ..executor import StepOutput
@@ -59,8 +57,7 @@ class NgramDrafter:
 
 def _argmax_into(out: StepOutput, seqs: list[Sequence], index: int) -> None:
     """Draft `index` of each sequence: its logit row's greedy pick (the step's own where it made them)."""
-    picks = out.greedy if out.greedy is not None else argmax_rows(out.logits)
-    for row, seq in zip(picks.tolist(), seqs):
+    for row, seq in zip(out.greedy_tokens().tolist(), seqs):
         seq.draft_ids[index] = row
 
 
