@@ -11,8 +11,8 @@ GEMMs never take AMX: their products stay fp32.
 
 The same choice (the same support, override and hook) puts a bf16 model's prompt attention (chunks
 of 2 or more queries over a bf16 KV cache) on AMX tiles, kernels/cpu/amx_attention.h, where head_dim
-is a multiple of `AMX_ATTENTION_DEPTH`; else it runs on the AVX-512 (vdpbf16ps) tiles of
-attention_items.h. `attention_path` says which, and why.
+is a multiple of `AMX_ATTENTION_DEPTH` (head_dim 32 and 64 with each row block's outputs held in tiles,
+amx_attention_resident.h); else it runs on the AVX-512 (vdpbf16ps) tiles of attention_items.h. `attention_path` says which, and why.
 
 Quantized GEMMs with int8 activations over quads (kernels/cpu/qdot_gemm.cpp) take AMX-INT8 tiles
 (kernels/cpu/amx_qgemm.h; the CPU's AMX-INT8 and the same tile state) from `AMX_INT8_MIN_TOKENS`

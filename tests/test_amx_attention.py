@@ -1,8 +1,8 @@
 """Prompt attention on AMX tiles (kernels/cpu/amx_attention.h) and its fallback, against the ref.
 
 bf16 q over a bf16 cache, chunks of 2 or more queries: prompts of several 64-key tiles, chunks over
-cached context ending mid-block and mid-tile next to decodes, 1 to 4 query heads per KV head,
-head_dim 32 to 256, windows and softcap. Unused cache rows are NaN, so a read past a sequence's end
+cached context ending mid-block and mid-tile next to decodes, keys in several spans of 512, 1 to 4
+query heads per KV head, head_dim 32 to 256, windows and softcap. Unused cache rows are NaN, so a read past a sequence's end
 (or a zero key's NaN product) shows. Two bounds: as close to float64 as paged_attention_ref is (it
 rounds its probabilities to bf16 too), and the contract's own: each probability rounded once to bf16
 (half an ulp, 2^-9 relatively) moves an output by at most 2^-9 max|v|, the output's rounding by
@@ -36,6 +36,9 @@ CASES = [
     ([150, 40, 9], [150, 23, 1], 4, 4, 32),
     ([150, 40], [150, 23], 8, 2, 128),
     ([70, 20], [70, 20], 2, 1, 256),
+    # keys in several spans of 512 (head_dim 32 and 64 keep each row block's outputs in tiles over a span)
+    ([1100, 700], [40, 700], 9, 3, 64),
+    ([600, 530], [600, 17], 4, 2, 32),
 ]
 OPTIONS = [dict(window=37), dict(window=64), dict(softcap=1.5), dict(window=16, softcap=1.5)]
 

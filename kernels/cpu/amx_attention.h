@@ -1,5 +1,5 @@
-// Prompt attention on AMX-BF16 tiles, and run_chunk: the choice of kernel for a chunk of more than
-// one query (this, attention_items.h's run_tiles_bf16 with vdpbf16ps, or its fp32 run_tiles).
+// Prompt attention on AMX-BF16 tiles, 32 rows against each 64-key tile (amx_attention_resident.h
+// holds head_dim 32 and 64's outputs in tiles instead, and run_chunk, the choice among the kernels).
 //
 // Contract: run_tiles_bf16's (paged_attention.cpp's, with the meaning of paged_attention_ref) for
 // bf16 q and a bf16 cache, head_dim a multiple of 32: scores q.k of the bf16 values accumulated in
@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "amx_gemm.h"
 #include "attention_items.h"
@@ -201,21 +200,5 @@ inline void run_tiles_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, const 
   finish_rows(in, it, rows, w);
 }
 #endif
-
-// A chunk of more than one query: AMX tiles for bf16 q and cache where amx_attention_usable, bf16
-// pairs (vdpbf16ps) for other bf16 q where the CPU has AVX512_BF16, else fp32 tiles.
-template <typename T, typename C>
-void run_chunk(const Inputs<T, C>& in, const Item& it, Scratch& w) {
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#if defined(__x86_64__)
-    if constexpr (std::is_same_v<C, c10::BFloat16>)
-      if (amx_attention_usable(in.g.head_dim)) return run_tiles_amx(in, it, w);
-#endif
-    return run_tiles_bf16(in, it, w);
-  }
-#endif
-  run_tiles(in, it, w);
-}
 
 }  // namespace llmc_cpu

@@ -10,7 +10,8 @@
 //              the blocks before its first query's window, are never read; the mask is applied
 //              only on the tiles it touches. run_tiles_bf16 is the same
 //              with bf16 operands (vdpbf16ps) for bf16 q where the CPU has AVX512_BF16;
-//              amx_attention.h has the AMX tiles' run and run_chunk, which chooses among them.
+//              amx_attention.h and amx_attention_resident.h have the AMX tiles' runs, the
+//              latter run_chunk, which chooses among them.
 #pragma once
 
 #include <algorithm>

@@ -11,7 +11,7 @@
 #include <numeric>
 #include <vector>
 
-#include "amx_attention.h"
+#include "amx_attention_resident.h"
 #include "attention_items.h"
 
 namespace llmc_cpu {
