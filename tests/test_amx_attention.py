@@ -2,8 +2,8 @@
 
 bf16 q over a bf16 cache, chunks of 2 or more queries: prompts of several 64-key tiles, chunks over
 cached context ending mid-block and mid-tile next to decodes, keys in several spans of 512, 1 to 4
-query heads per KV head, head_dim 32 to 256, windows and softcap. Unused cache rows are NaN, so a read past a sequence's end
-(or a zero key's NaN product) shows. Two bounds: as close to float64 as paged_attention_ref is (it
+query heads per KV head, head_dim 32 to 256, windows and softcap. Unused cache rows are NaN, so a read
+past a sequence's end (or a zero key's NaN product) shows. Two bounds: as close to float64 as paged_attention_ref is (it
 rounds its probabilities to bf16 too), and the contract's own: each probability rounded once to bf16
 (half an ulp, 2^-9 relatively) moves an output by at most 2^-9 max|v|, the output's rounding by
 2^-9 of its size. On AMX where it is usable (skipped, saying why, where not); on the AVX-512

@@ -155,6 +155,16 @@ inline void pack_queries(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t r
                   kRowTile);
 }
 
+// An item's `rows` set up in w for the AMX kernels: fresh outputs and softmax state, each row's
+// position and the packed queries, over the rows padded to a multiple of kRowTile (returned).
+inline int64_t start_item(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t rows, Scratch& w) {
+  const int64_t padded_rows = (rows + kRowTile - 1) / kRowTile * kRowTile;
+  reset_rows(padded_rows, in.g.head_dim, w);
+  tile_positions(in, it, rows, padded_rows, w);
+  pack_queries(in, it, rows, padded_rows, w);
+  return padded_rows;
+}
+
 // One key tile (keys first .. first + keys - 1) of an item whose rows are set up in w.
 inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first, int64_t keys, int64_t rows,
                      Scratch& w) {
@@ -185,10 +195,7 @@ inline void key_tile(const Inputs<Bf16, Bf16>& in, const Item& it, int64_t first
 inline void run_tiles_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, const Item& it, Scratch& w) {
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1;
-  const int64_t padded_rows = (rows + amx_attention::kRowTile - 1) / amx_attention::kRowTile * amx_attention::kRowTile;
-  reset_rows(padded_rows, d, w);
-  tile_positions(in, it, rows, padded_rows, w);
-  amx_attention::pack_queries(in, it, rows, padded_rows, w);
+  const int64_t padded_rows = amx_attention::start_item(in, it, rows, w);
   w.pp.resize(tiles::kKeys / 2 * amx_attention::kRowTile);
   w.kp.resize(amx_attention::kRowTile * amx_attention::kPairs);
   w.vp.resize(tiles::kKeys / 2 * d);

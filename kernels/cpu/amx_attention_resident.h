@@ -159,10 +159,7 @@ inline void run_resident_amx(const Inputs<c10::BFloat16, c10::BFloat16>& in, con
   namespace A = amx_attention;
   const int64_t d = in.g.head_dim, rows = it.num_queries * in.g.groups, first_pos = in.first_pos(it);
   const int64_t last_pos = first_pos + it.num_queries - 1;
-  const int64_t padded_rows = (rows + A::kRowTile - 1) / A::kRowTile * A::kRowTile;
-  reset_rows(padded_rows, d, w);
-  tile_positions(in, it, rows, padded_rows, w);
-  A::pack_queries(in, it, rows, padded_rows, w);
+  A::start_item(in, it, rows, w);
   w.s.resize(tiles::kKeys * kBlock);
   w.pp.resize(A::kPairs * kBlock);
   w.kp.resize(kBlock * A::kPairs);
