@@ -111,6 +111,41 @@ void StepPlan::note(const Instr& in) {
   if (in.op == kLinear || in.op == kQlinear) check_picks(in);
 }
 
+// The plan's Bound emptied for a run of `rows` tokens and `seqs` gathered rows by `team` threads:
+// every vector a run fills is cleared or sized here (keeping its room), the claims and attention
+// counters reallocated only when the plan or the team grew.
+Bound& StepPlan::reuse(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, int team) {
+  Bound& b = bound_;
+  b.rows = rows;
+  b.seqs = seqs;
+  b.inputs = std::move(inputs);
+  b.items.clear();
+  b.qsl.clear();
+  b.ptrs.resize(code_.size());
+  b.strides.resize(code_.size());
+  for (size_t i = 0; i < code_.size(); ++i) b.ptrs[i].clear(), b.strides[i].clear();
+  const int64_t widened = widened_per_row_ * std::max(rows, seqs);    // the team's x scratch
+  b.widened_alone = widened <= kAloneFloats ? widened : 0;             // and each thread's own, in a small step
+  b.widened.resize(widened + b.widened_alone * team);
+  if (picks_) b.picks.resize(team * std::max(rows, seqs));
+  const size_t counters = code_.size() * team;
+  if (counters > b.counters) {
+    b.next.reset(new std::atomic<int64_t>[counters]);   // one per instruction needs no more
+    b.claims.reset(new ShareClaims[counters]);
+    b.counters = counters;
+  }
+  b.claim_team = team;
+  for (size_t i = 0; i < code_.size(); ++i) {
+    const Instr& in = code_[i];
+    const int64_t panels = in.op == kLinear ? in.a[arg::linear::num_panels]
+                           : in.op == kQlinear ? in.a[arg::qlinear::num_panels] : 0;
+    b.next[i] = 0;
+    reset_claims(&b.claims[i * team], panels, team);
+  }
+  team_scratch_.resize(team);
+  for (TeamScratch& s : team_scratch_) s.row.resize(2 * max_head_dim_);
+  return b;
+}
 
 StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, bool timed) {
   TORCH_CHECK(inputs.size() >= input_types_.size(), "the plan takes ", input_types_.size(), " inputs, not ",
@@ -120,29 +155,10 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
                 "plan input ", i, " must be a contiguous CPU ", input_types_[i], " tensor, not ",
                 inputs[i].scalar_type());
   const std::lock_guard<std::mutex> hold(running_);
-  Bound b;
-  b.rows = rows;
-  b.seqs = seqs;
-  b.inputs = std::move(inputs);
-  std::vector<at::Tensor> outputs = bind(b);
   const int64_t threads = at::get_num_threads();
-  const int64_t widened = widened_per_row_ * std::max(rows, seqs);    // the team's x scratch
-  b.widened_alone = widened <= kAloneFloats ? widened : 0;             // and each thread's own, in a small step
-  b.widened.resize(widened + b.widened_alone * threads);
-  b.ptrs.assign(code_.size(), {});
-  b.strides.assign(code_.size(), {});
+  Bound& b = reuse(std::move(inputs), rows, seqs, static_cast<int>(threads));
+  std::vector<at::Tensor> outputs = bind(b);
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
-  b.next.reset(new std::atomic<int64_t>[code_.size()]);
-  for (size_t i = 0; i < code_.size(); ++i) b.next[i] = 0;
-  if (picks_) b.picks.resize(threads * std::max(rows, seqs));
-  b.claim_team = static_cast<int>(threads);
-  b.claims.reset(new ShareClaims[code_.size() * threads]);
-  for (size_t i = 0; i < code_.size(); ++i) {
-    const Instr& in = code_[i];
-    const int64_t panels = in.op == kLinear ? in.a[arg::linear::num_panels]
-                           : in.op == kQlinear ? in.a[arg::qlinear::num_panels] : 0;
-    reset_claims(&b.claims[i * threads], panels, b.claim_team);
-  }
   using Clock = std::chrono::steady_clock;
   std::vector<Clock::time_point> stamps(timed ? code_.size() + 1 : 0);
   std::vector<double> waits(timed ? code_.size() * threads : 0);   // [instruction][thread]: at the barrier after it
@@ -156,8 +172,7 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
 #pragma omp parallel num_threads(threads)
     {
       const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-      llmc_cpu::Scratch scratch;
-      std::vector<float> row(2 * max_head_dim_);  // a rotation's scratch: its normed head and rotated row
+      TeamScratch& scratch = team_scratch_[tid];
 #pragma omp single
       barrier.reset(team);
       if (timed && tid == 0) stamps[0] = Clock::now();
@@ -165,7 +180,7 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
         if (code_[i].op == kAllReduce || code_[i].op == kAllGather) {
           if (tid == 0 && !(failure = run_collective(code_[i], b)).empty()) failed_at = static_cast<int64_t>(i);
         } else {
-          llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch, row.data());
+          llmc_plan::run_instruction<X, C>(code_[i], i, b, tid, team, scratch.attention, scratch.row.data());
         }
         const auto arrived = timed ? Clock::now() : Clock::time_point{};
         barrier.wait();
@@ -183,6 +198,7 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
     typed(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
     typed(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  b.inputs.clear();                         // the plan keeps no tensor of a step past its run
   TORCH_CHECK(failed_at.load() < 0, "the step plan's ", kOpNames[code_[std::max<int64_t>(failed_at.load(), 0)].op],
               " failed: ", failure);
   std::vector<double> seconds;

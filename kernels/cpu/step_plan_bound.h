@@ -94,7 +94,9 @@ inline int64_t result_of(const Instr& in) {
   return attention_args(in).out;
 }
 
-// One run's addresses and the attention work every attention call of the step shares.
+// One run's addresses and the attention work every attention call of the step shares. The plan keeps
+// one Bound from run to run (StepPlan::reuse empties it) so that its vectors keep their room: a decode
+// step allocating them afresh paid a malloc and a free per instruction with the caches cold.
 struct Bound {
   int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
   std::vector<char*> at;                      // value id -> its first row
@@ -114,8 +116,16 @@ struct Bound {
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
   std::unique_ptr<ShareClaims[]> claims;       // per instruction, claim_team of them: a GEMV's panels
   int claim_team = 0;                         // (panel_claims.h; the GEMMs' shares of the others unused)
+  size_t counters = 0;                        // room in claims (and in next: one per instruction)
   llmc_cpu::TeamBarrier* barrier = nullptr;   // the team's (team_barrier.h), between kernels and inside one
   mutable std::vector<llmc_cpu::Pick> picks;  // a picking GEMM's partials, [team][rows] (step_plan_gemm.h)
+};
+
+// A thread's scratch in a run, kept by the plan from run to run like Bound: attention's, and a
+// rotation's normed head and rotated row.
+struct alignas(64) TeamScratch {
+  llmc_cpu::Scratch attention;
+  std::vector<float> row;
 };
 
 // A quantized GEMM's x of at most this many floats of scratch (rows x (K + K/G)) is prepared (quantized or

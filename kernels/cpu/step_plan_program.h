@@ -103,6 +103,7 @@ class StepPlan : public torch::CustomClassHolder {
   void check_picks(const Instr& in);
 
   Run execute(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, bool timed);
+  Bound& reuse(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, int team);
   void plan_attention(const Instr& in, Bound& b, const at::Tensor& cache) const;
   std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, int64_t index, Bound& b) const;
@@ -117,7 +118,9 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<int64_t> reg_bytes_;          // bytes of one row of each register's widest per-token value
   std::vector<int64_t> reg_seq_bytes_;      // and of its widest per-sequence value
   at::Tensor arena_;                        // the temporaries, kept between runs
-  std::mutex running_;                      // one run at a time uses the arena
+  std::mutex running_;                      // one run at a time uses the arena, bound_ and team_scratch_
+  Bound bound_;                             // the run's addresses, kept for their vectors' room (reuse)
+  std::vector<TeamScratch> team_scratch_;   // each thread's attention and rotation scratch, kept likewise
   std::vector<Instr> code_;
   std::vector<int64_t> attention_meta_;     // attention's kind and the tables, lengths (and query starts) it reads
   int64_t max_head_dim_ = 16;
