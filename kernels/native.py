@@ -16,10 +16,12 @@ this checkout's is refused with NativeBuildError.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,6 +91,20 @@ def check_isa_hash(built: str, build: Path, described: str = STEP_PLAN_ISA.hash(
     if built != described:
         raise NativeBuildError(f"the native kernels in {build} were built for step-plan instruction set {built}, "
                                f"not this checkout's {described}; delete that folder to build them again")
+
+
+def native_module():
+    """The loaded native build as a Python module: its pybind11 functions (plan_binding.cpp's run_plan),
+    beside the torch.ops it registers. Imported from the library load_native_kernels loaded, once a
+    process (sys.modules keeps it)."""
+    load_native_kernels()
+    if EXTENSION_NAME not in sys.modules:
+        path = next(p for p in torch.ops.loaded_libraries if Path(p).name.startswith(EXTENSION_NAME))
+        spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[EXTENSION_NAME] = module
+    return sys.modules[EXTENSION_NAME]
 
 
 def loaded_isa_hash() -> str:

@@ -61,6 +61,7 @@ from llmc.compiler.ir import Graph, Node, Value
 from llmc.compiler.ops import OPS, operands_of
 from llmc.compiler.ops.attention import attention_options
 from llmc.kernels.gemv import GemvWeight
+from llmc.kernels.native import native_module
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.step_plan_isa import Encoded, encode
 
@@ -100,6 +101,8 @@ class StepPlanProgram:
         self._launches = launches
         self.constants = constants              # what the plan holds (weights as prepared), for memory reports
         self.keepalive = keepalive              # the libraries of its generated kernels, kept mapped
+        self._run = native_module().run_plan    # plan_binding.cpp: the plan's run without TorchScript's boxing
+        self._address = plan.address()          # valid while self._plan lives
 
     def _inputs(self, feeds: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int, int]:
         """The plan's inputs (the graph's, then each rotation's cos and sin), the step's tokens and the
@@ -111,9 +114,9 @@ class StepPlanProgram:
 
     def __call__(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         if not torch.autograd._profiler_enabled():                  # a record_function costs ~5-20 us a step
-            return self._plan.run(*self._inputs(feeds))
+            return self._run(self._address, *self._inputs(feeds))
         with torch.profiler.record_function(self.profile_name):     # what torch.profiler shows of the step
-            return self._plan.run(*self._inputs(feeds))
+            return self._run(self._address, *self._inputs(feeds))
 
     def timed(self, feeds: dict[str, torch.Tensor], sync: Callable[[], None] = lambda: None):
         """The outputs, and each instruction's LaunchTime (its seconds measured by the team's first thread,

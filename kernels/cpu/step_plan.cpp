@@ -238,5 +238,8 @@ TORCH_LIBRARY_FRAGMENT(llmc, m) {
       .def("add", &llmc_plan::StepPlan::add)
       .def("set_group", &llmc_plan::StepPlan::set_group)
       .def("run", &llmc_plan::StepPlan::run)
-      .def("run_timed", &llmc_plan::StepPlan::run_timed);
+      .def("run_timed", &llmc_plan::StepPlan::run_timed)
+      .def("address", [](const c10::intrusive_ptr<llmc_plan::StepPlan>& self) {
+        return reinterpret_cast<int64_t>(self.get());   // for run_plan (plan_binding.cpp), while self lives
+      });
 }
