@@ -161,9 +161,10 @@ def _profile_step(engine: Engine, entry: str, chunks: list[Chunk], on_token=None
 
 
 def _plain_step(engine: Engine, chunks: list[Chunk], on_token) -> float:
-    """One decode step as a serving engine runs it (no per-launch timing), then a greedy pick; its seconds."""
+    """One decode step as a serving engine runs it (its metadata from the engine's persistent input
+    batch, no per-launch timing), then a greedy pick; its seconds."""
     start = time.perf_counter()
-    out = engine.runner.run_step("decode", build_step_inputs(chunks, engine.blocks))
+    out = engine.runner.run_step("decode", engine.input_batch.build(chunks))
     for c in chunks:
         c.seq.num_computed = c.end
     on_token(int(out.greedy_tokens()[-1]))
