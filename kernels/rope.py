@@ -25,7 +25,7 @@ class RopeTables:
     1) of one step's positions, gathered from tables of every position up to the largest seen yet
     (grown by doubling, as vLLM's cos/sin cache is made once), so a step costs two row gathers, not
     a rotation's arithmetic; the same positions tensor, unmodified, gets the tables it already
-    has. `key(attrs)` names the tables a rope_kv_write node's attributes need, so the layers
+    has. A step plan takes the tables themselves (`covering`) and reads each token's rows. `key(attrs)` names the tables a rope_kv_write node's attributes need, so the layers
     sharing a rotation share one."""
 
     @staticmethod
@@ -59,6 +59,13 @@ class RopeTables:
                 self._tables = self._gather(positions)
             self._key = (positions, positions._version)
         return self._tables
+
+    def covering(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [P, head_dim/2] of positions 0..P-1 with P >= `end` (the tables grown by doubling
+        when they hold fewer): for a step plan, whose rope_kv_write reads each token's row itself."""
+        if self._all[0].shape[0] < end:
+            self._all = self._tables_to(max(2 * self._all[0].shape[0], end))
+        return self._all
 
     def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._all

@@ -155,12 +155,15 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("linear", _args("out picks:optional x panels bias:optional k:int n:int num_panels:int",
                                 picks=_PICKS_DOC)),
     Instruction("rope_kv_write", _args("q_out q k v q_col:column k_col:column v_col:column row_width:int cos sin "
-                                       "cache slots layer:int heads:int kv_heads:int head_dim:int "
+                                       "positions cache slots layer:int heads:int kv_heads:int head_dim:int "
                                        "q_norm:optional k_norm:optional norm_span:int norm_product:int "
                                        "rotary_dim:int",
                                        row_width="the elements of a row of q, k and v",
+                                       cos="[P, rotary_dim / 2] f32: row p the angles' cosines at position p",
+                                       sin="[P, rotary_dim / 2] f32: row p their sines",
+                                       positions="[T] int64, each below P: token t turns by row positions[t]",
                                        rotary_dim="the values of a head that turn (head_dim but for a partial "
-                                                  "rotary); cos and sin hold rotary_dim / 2 a token",
+                                                  "rotary)",
                                        norm_span="q/k norms before the rotation: 0 none, 1 per head, 2 whole row",
                                        norm_product="the norms' rounding: 0 the normed value, then the weight "
                                                     "product; 1 the fp32 product once (compiler/ops/norms.py)"),

@@ -356,6 +356,8 @@ def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
     slots = ex.kv_cache.shape[2] * BLOCK                               # the pool and the scratch block
     with pytest.raises(RuntimeError, match=f"slot {slots} is outside the cache's {slots} slots"):
         program({**feeds, "slot_mapping": torch.tensor([slots])})
+    with pytest.raises(RuntimeError, match="position -1 is outside the RoPE tables' 256 rows"):
+        program({**feeds, "positions": torch.tensor([-1])})
     with pytest.raises(RuntimeError, match="block 99 of sequence 0 is outside the cache's"):
         program({**feeds, "block_tables": torch.full_like(feeds["block_tables"], 99)})
     with pytest.raises(RuntimeError, match="plan input 2 must be a contiguous CPU"):

@@ -138,13 +138,15 @@ void rope_kv_write(const Instr& in, const Bound& b, int64_t first, int64_t last,
   const float* cos = reinterpret_cast<const float*>(b.at[a[A::cos]]);
   const float* sin = reinterpret_cast<const float*>(b.at[a[A::sin]]);
   const int64_t* slots = reinterpret_cast<const int64_t*>(b.at[a[A::slots]]);
+  const int64_t* positions = reinterpret_cast<const int64_t*>(b.at[a[A::positions]]);
   llmc_rows::QkNorm<X> norm;
   if (a[A::norm_span])
     norm = {x_at(a[A::q_norm]), x_at(a[A::k_norm]), a[A::norm_span], static_cast<float>(in.f),
             a[A::norm_product] != 0};
   for (int64_t t = first; t < last; ++t)
     llmc_rows::rope_token(x_at(a[A::q]) + t * width + a[A::q_col], x_at(a[A::k]) + t * width + a[A::k_col],
-                          x_at(a[A::v]) + t * width + a[A::v_col], cos + t * half, sin + t * half, slots[t], k_cache,
+                          x_at(a[A::v]) + t * width + a[A::v_col], cos + positions[t] * half,
+                          sin + positions[t] * half, slots[t], k_cache,
                           k_cache + cache.stride(1), x_at(a[A::q_out]) + t * s.heads * s.head_dim, s, norm, row);
 }
 

@@ -131,29 +131,7 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     for (int64_t s = 0; s < indices.numel(); ++s)
       TORCH_CHECK(p[s] >= 0 && p[s] < from, "row index ", p[s], " is outside the step's ", from, " rows");
   } else if (in.op == kRopeKvWrite) {
-    namespace A = arg::rope_kv_write;
-    const at::Tensor& cache = *b.tensor_at[a[A::cache]];
-    check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
-    const at::Tensor& slots = *b.tensor_at[a[A::slots]];
-    TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 2 == 0 && a[A::rotary_dim] <= a[A::head_dim],
-                "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not even and within head_dim");
-    TORCH_CHECK(slots.numel() == b.rows && b.tensor_at[a[A::cos]]->numel() == b.rows * a[A::rotary_dim] / 2,
-                "slot_mapping and the RoPE tables need one row per token");
-    const int64_t span = a[A::norm_span], d = a[A::head_dim];
-    TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");
-    TORCH_CHECK(a[A::norm_product] == 0 || a[A::norm_product] == 1, "rope_kv_write's norm_product ",
-                a[A::norm_product], " is not 0 or 1");
-    const auto elems = [&](int64_t id) {   // a norm weight: a plan constant
-      return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].numel() : -1;
-    };
-    if (span)
-      TORCH_CHECK(elems(a[A::q_norm]) == (span == 1 ? d : a[A::heads] * d) &&
-                      elems(a[A::k_norm]) == (span == 1 ? d : a[A::kv_heads] * d),
-                  "rope_kv_write's q_norm and k_norm are not constants that fit its norm_span ", span);
-    const int64_t* p = slots.const_data_ptr<int64_t>();
-    for (int64_t t = 0; t < b.rows; ++t)
-      TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
-                  cache.size(2) * llmc_cpu::kBlock, " slots");
+    check_rope_kv_write(in, b);
   } else if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {
     const AttentionArgs x = attention_args(in);
     const at::Tensor& cache = *b.tensor_at[x.cache];
@@ -162,6 +140,42 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
   } else if (in.op == kGenerated || in.op == kLinearEpilogue) {
     bind_generated(in, index, b);
   }
+}
+
+// A rotation's tables hold every position the step turns by; its slots are within the cache.
+void StepPlan::check_rope_kv_write(const Instr& in, const Bound& b) const {
+  const auto& a = in.a;
+  namespace A = arg::rope_kv_write;
+  const at::Tensor& cache = *b.tensor_at[a[A::cache]];
+  check_cache(cache, a[A::layer], a[A::kv_heads], a[A::head_dim]);
+  const at::Tensor& slots = *b.tensor_at[a[A::slots]];
+  TORCH_CHECK(a[A::rotary_dim] > 0 && a[A::rotary_dim] % 2 == 0 && a[A::rotary_dim] <= a[A::head_dim],
+              "rope_kv_write's rotary_dim ", a[A::rotary_dim], " is not even and within head_dim");
+  const at::Tensor &positions = *b.tensor_at[a[A::positions]], &cos = *b.tensor_at[a[A::cos]];
+  const int64_t half = a[A::rotary_dim] / 2, turns = cos.numel() / half;   // the positions the tables hold
+  TORCH_CHECK(slots.numel() == b.rows && positions.numel() == b.rows, "slot_mapping and positions need one entry "
+              "per token");
+  TORCH_CHECK(cos.numel() % half == 0 && b.tensor_at[a[A::sin]]->numel() == cos.numel(), "the RoPE tables must be "
+              "[P, ", half, "] cos and sin");
+  const int64_t* turn = positions.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < b.rows; ++t)
+    TORCH_CHECK(turn[t] >= 0 && turn[t] < turns, "position ", turn[t], " is outside the RoPE tables' ", turns,
+                " rows");
+  const int64_t span = a[A::norm_span], d = a[A::head_dim];
+  TORCH_CHECK(span >= 0 && span <= 2, "rope_kv_write's norm_span ", span, " is not 0, 1 or 2");
+  TORCH_CHECK(a[A::norm_product] == 0 || a[A::norm_product] == 1, "rope_kv_write's norm_product ",
+              a[A::norm_product], " is not 0 or 1");
+  const auto elems = [&](int64_t id) {   // a norm weight: a plan constant
+    return id >= 0 && values_[id].place == kConstant ? constants_[values_[id].index].numel() : -1;
+  };
+  if (span)
+    TORCH_CHECK(elems(a[A::q_norm]) == (span == 1 ? d : a[A::heads] * d) &&
+                    elems(a[A::k_norm]) == (span == 1 ? d : a[A::kv_heads] * d),
+                "rope_kv_write's q_norm and k_norm are not constants that fit its norm_span ", span);
+  const int64_t* p = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < b.rows; ++t)
+    TORCH_CHECK(p[t] < cache.size(2) * llmc_cpu::kBlock, "slot ", p[t], " is outside the cache's ",
+                cache.size(2) * llmc_cpu::kBlock, " slots");
 }
 
 void StepPlan::check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t d) const {

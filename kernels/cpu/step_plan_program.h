@@ -108,6 +108,7 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<at::Tensor> bind(Bound& b);
   void check(const Instr& in, int64_t index, Bound& b) const;
   void check_cache(const at::Tensor& cache, int64_t layer, int64_t kv_heads, int64_t head_dim) const;
+  void check_rope_kv_write(const Instr& in, const Bound& b) const;
   void bind_generated(const Instr& in, int64_t index, Bound& b) const;
 
   bool bf16_, int8_cache_;
