@@ -157,6 +157,10 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
   const std::lock_guard<std::mutex> hold(running_);
   const int64_t threads = at::get_num_threads();
   Bound& b = reuse(std::move(inputs), rows, seqs, static_cast<int>(threads));
+  struct Release {   // the plan keeps no tensor of a step past its run, a refused one included
+    Bound& b;
+    ~Release() { b.inputs.clear(); }
+  } release{b};
   std::vector<at::Tensor> outputs = bind(b);
   for (size_t i = 0; i < code_.size(); ++i) check(code_[i], i, b);
   using Clock = std::chrono::steady_clock;
@@ -198,7 +202,6 @@ StepPlan::Run StepPlan::execute(std::vector<at::Tensor> inputs, int64_t rows, in
     typed(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
     typed(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  b.inputs.clear();                         // the plan keeps no tensor of a step past its run
   TORCH_CHECK(failed_at.load() < 0, "the step plan's ", kOpNames[code_[std::max<int64_t>(failed_at.load(), 0)].op],
               " failed: ", failure);
   std::vector<double> seconds;
