@@ -24,6 +24,7 @@ from llmc.compiler.quant_recipe import QuantRecipe
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.cpu_program import CpuProgram, load_cpu_kernels
 from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.executor import KVCacheSpec
 from llmc.runtime.model_runner import build_step_inputs
 from llmc.runtime.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ from llmc.runtime.sequence import Sequence
 from llmc.runtime.step_plan import NotPlannable, StepPlanProgram, lower_step_plan
 from llmc.runtime.torch_backend import TorchProgram
 from llmc.runtime.torch_executor import TorchExecutor, TorchOptions
+from llmc.tools import bench_plan_call
 from tiny_models import build_hf_model, write_hf_folder
 from tolerances import assert_as_close_as_ref, tolerance
 
@@ -363,6 +365,19 @@ def test_bad_step_inputs_are_refused_before_anything_is_written(artifact):
     with pytest.raises(RuntimeError, match="plan input 2 must be a contiguous CPU"):
         program({**feeds, "kv_cache": ex.kv_cache.to(torch.float64)})
     assert torch.equal(ex.kv_cache, cache)
+
+
+def test_the_plan_runs_alike_through_pybind11_and_torchscript(artifact, capsys):
+    """runtime/step_plan.py calls a plan through plan_binding.cpp's run_plan, not its TorchScript method;
+    both run the same step to the same outputs, and bench_plan_call times the two."""
+    art = artifact("llama", "f32")
+    calls = bench_plan_call.decode_calls(Engine(art, EngineConfig()))
+    with torch.inference_mode():
+        pybind, torchscript = (call() for call in calls.values())
+    assert len(pybind) == len(torchscript) and all(torch.equal(a, b) for a, b in zip(pybind, torchscript))
+    bench_plan_call.main([str(art.path), "--steps", "1", "--flush-mib", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0].strip() for line in lines[1:]] == ["cold", "warm"], lines
 
 
 def test_the_plans_hold_the_prepared_weights_not_copies(artifact):
