@@ -87,7 +87,8 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
 }
 
 // What the plan keeps for an instruction's kind: the scratch a rotation and a quantized GEMM
-// need, the one layout every attention call shares; a generated kernel's values, checked.
+// need, the one layout every attention call shares, which instructions claim panels or take
+// attention items; a generated kernel's values, checked.
 void StepPlan::note(const Instr& in) {
   const auto& a = in.a;
   if (in.op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, a[arg::rope_kv_write::head_dim]);
@@ -95,6 +96,13 @@ void StepPlan::note(const Instr& in) {
     namespace A = arg::qlinear;
     widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
   }
+  const int64_t index = static_cast<int64_t>(code_.size());
+  const int64_t panels = in.op == kLinear           ? in.a[arg::linear::num_panels]
+                         : in.op == kLinearEpilogue ? in.a[arg::linear_epilogue::num_panels]
+                         : in.op == kQlinear        ? in.a[arg::qlinear::num_panels]
+                                                    : 0;
+  if (panels > 0) claimed_.push_back({index, panels});
+  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) attention_at_.push_back(index);
   if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, every layer
     const AttentionArgs x = attention_args(in);
     const std::vector<int64_t> meta{in.op, x.block_tables, x.seq_lens, x.query_start_loc};
@@ -113,7 +121,8 @@ void StepPlan::note(const Instr& in) {
 
 // The plan's Bound emptied for a run of `rows` tokens and `seqs` gathered rows by `team` threads:
 // every vector a run fills is cleared or sized here (keeping its room), the claims and attention
-// counters reallocated only when the plan or the team grew.
+// counters reallocated only when the plan or the team grew and reset only for the instructions that
+// use them (note lists them: reading every instruction's args each run cost cache misses).
 Bound& StepPlan::reuse(std::vector<at::Tensor> inputs, int64_t rows, int64_t seqs, int team) {
   Bound& b = bound_;
   b.rows = rows;
@@ -135,13 +144,8 @@ Bound& StepPlan::reuse(std::vector<at::Tensor> inputs, int64_t rows, int64_t seq
     b.counters = counters;
   }
   b.claim_team = team;
-  for (size_t i = 0; i < code_.size(); ++i) {
-    const Instr& in = code_[i];
-    const int64_t panels = in.op == kLinear ? in.a[arg::linear::num_panels]
-                           : in.op == kQlinear ? in.a[arg::qlinear::num_panels] : 0;
-    b.next[i] = 0;
-    reset_claims(&b.claims[i * team], panels, team);
-  }
+  for (const auto& [i, panels] : claimed_) reset_claims(&b.claims[i * team], panels, team);
+  for (const int64_t i : attention_at_) b.next[i] = 0;
   team_scratch_.resize(team);
   for (TeamScratch& s : team_scratch_) s.row.resize(2 * max_head_dim_);
   return b;

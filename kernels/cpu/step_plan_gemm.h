@@ -132,8 +132,9 @@ void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, in
     }
   }
 #endif
-  const auto [begin, end] = share(a[A::num_panels], tid, team);
-  llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), a[A::n], begin, end);
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+    llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), a[A::n], begin, end);
+  });
   b.barrier->wait();
   if (first < last)
     reinterpret_cast<GeneratedFn>(static_cast<intptr_t>(a[A::fn]))(b.ptrs[index].data(), b.strides[index].data(),

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "step_plan.h"
@@ -122,6 +123,8 @@ class StepPlan : public torch::CustomClassHolder {
   std::mutex running_;                      // one run at a time uses the arena, bound_ and team_scratch_
   Bound bound_;                             // the run's addresses, kept for their vectors' room (reuse)
   std::vector<TeamScratch> team_scratch_;   // each thread's attention and rotation scratch, kept likewise
+  std::vector<std::pair<int64_t, int64_t>> claimed_;   // (instruction, panels): the GEMMs, whose panels are claimed
+  std::vector<int64_t> attention_at_;       // the attention instructions (each takes items from Bound::next)
   std::vector<Instr> code_;
   std::vector<int64_t> attention_meta_;     // attention's kind and the tables, lengths (and query starts) it reads
   int64_t max_head_dim_ = 16;
