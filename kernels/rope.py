@@ -25,8 +25,9 @@ class RopeTables:
     1) of one step's positions, gathered from tables of every position up to the largest seen yet
     (grown by doubling, as vLLM's cos/sin cache is made once), so a step costs two row gathers, not
     a rotation's arithmetic; the same positions tensor, unmodified, gets the tables it already
-    has. A step plan takes the tables themselves (`covering`) and reads each token's rows. `key(attrs)` names the tables a rope_kv_write node's attributes need, so the layers
-    sharing a rotation share one."""
+    has. A step plan takes the whole tables (`covering`) and reads each token's rows itself.
+    `key(attrs)` names the tables a rope_kv_write node's attributes need, so the layers sharing a
+    rotation share one."""
 
     @staticmethod
     def key(attrs: dict[str, Any]) -> tuple:

@@ -96,7 +96,7 @@ inline int64_t result_of(const Instr& in) {
 
 // One run's addresses and the attention work every attention call of the step shares. The plan keeps
 // one Bound from run to run (StepPlan::reuse empties it) so that its vectors keep their room: a decode
-// step allocating them afresh paid a malloc and a free per instruction with the caches cold.
+// step allocating them afresh paid a malloc and a free per generated kernel with the caches cold.
 struct Bound {
   int64_t rows, seqs;                         // the step's tokens, and the rows a gather makes
   std::vector<char*> at;                      // value id -> its first row
