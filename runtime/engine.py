@@ -300,8 +300,9 @@ class Engine:
         live = self._live(chunks)
         with self.host_times.timed("sample"):
             try:
-                self.sampler.score_prompts(live, out.logits)
-                results = self.sampler.sample(live, out.logits, self.generators, out.greedy)
+                logits = out.logits if self.sampler.reads_logits(live, out.greedy) else None   # not read
+                self.sampler.score_prompts(live, logits)
+                results = self.sampler.sample(live, logits, self.generators, out.greedy)
             except Exception as exc:
                 return self._fail_step(chunks, exc)
         with self.host_times.timed("commit"):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -52,12 +53,19 @@ log = logging.getLogger("llmc")
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A computed step: its logit rows [R, vocab] (fp32, on the device) and, where the program picked
-    greedy tokens as its LM head made the logits (a CPU step plan: DESIGN 14, sampling where the
-    logits are), each row's pick (int64 [R], argmax_rows' meaning); None where it did not."""
+    """A computed step: its logit rows as the program made them (`raw_logits`: a bf16 step plan's are
+    bf16) and, where the program picked greedy tokens as its LM head made the logits (a CPU step plan:
+    DESIGN 14, sampling where the logits are), each row's pick (int64 [R], argmax_rows' meaning); None
+    where it did not. `logits` [R, vocab] (fp32, on the device) is made when first read: a step of
+    greedy rows the program picked never reads it (widening a bf16 row of a large vocabulary is a
+    fresh allocation and a pass over it, once the step has evicted the caches)."""
 
-    logits: torch.Tensor
+    raw_logits: torch.Tensor
     greedy: torch.Tensor | None = None
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        return self.raw_logits.float()
 
     def greedy_tokens(self) -> torch.Tensor:
         """Each logit row's greedy token (int64 [R]): the step's own picks where it made them, else
@@ -259,7 +267,7 @@ class Executor:
     def run_step(self, entry: str, step: StepInputs) -> StepOutput:
         """`run`'s logits, and the greedy picks where the program made them beside the logits."""
         logits, *picks = self.programs[entry](step.feeds(self.kv_cache))
-        return StepOutput(logits.float(), picks[0] if picks else None)
+        return StepOutput(logits, picks[0] if picks else None)
 
     @torch.inference_mode()
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:

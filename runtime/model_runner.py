@@ -77,8 +77,8 @@ class ModelRunner:
         the logits (StepOutput.greedy: a CPU step plan's; the sampler's argmax otherwise). The logits
         may be the executor's output buffer: read them before the next step runs."""
         out = self.executor.step(entry, step, self.buffers)
-        if out.logits.device.type == "cuda":
-            torch.cuda.current_stream(out.logits.device).synchronize()
+        if out.raw_logits.device.type == "cuda":
+            torch.cuda.current_stream(out.raw_logits.device).synchronize()
         return out
 
     def run_timed(self, entry: str, step: StepInputs) -> tuple[torch.Tensor, list[LaunchTime]]:

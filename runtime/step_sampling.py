@@ -56,7 +56,15 @@ class StepSampler:
         self.grammar_rows = 0               # logit rows a grammar masked, since the start
         self.grammar_mask_seconds = 0.0     # ... and the time their masks took (filled and applied)
 
-    def score_prompts(self, chunks: RowsOf, logits: torch.Tensor) -> None:
+    @staticmethod
+    def reads_logits(chunks: RowsOf, greedy: torch.Tensor | None) -> bool:
+        """Whether `score_prompts` or `sample` will read the step's logits: not where every sampling chunk
+        is plain greedy, the step made its picks (`greedy`) and no chunk wants prompt logprobs."""
+        sampling = [(c, req) for _, c, req in chunks if c.samples]
+        return (any(c.seq.wants_prompt_logprobs and not c.num_drafts for _, c, _ in chunks)
+                or (greedy is None and bool(sampling)) or not all(_plain_greedy(c, req) for c, req in sampling))
+
+    def score_prompts(self, chunks: RowsOf, logits: torch.Tensor | None) -> None:
         """Prompt logprobs: row p of a chunk scores prompt token p + 1 (raw logprobs, as vLLM's), all
         chunks' rows in one log-softmax on the logits' device."""
         wanted = []                                          # (logit row, prompt position, request)
@@ -78,11 +86,11 @@ class StepSampler:
             pairs = top_pairs(ids[j], values[j], req.seq.params.prompt_logprobs)
             req.prompt_logprobs.append(SampleResult(req.seq.prompt_ids[p + 1], chosen[j], pairs))
 
-    def sample(self, chunks: RowsOf, logits: torch.Tensor, generators: dict[int, object],
+    def sample(self, chunks: RowsOf, logits: torch.Tensor | None, generators: dict[int, object],
                greedy: torch.Tensor | None = None) -> dict[int, StepResult]:
         """Per sampling chunk's sequence id: the tokens it gains, and the verdict when it verified drafts.
         `greedy`: each logit row's argmax where the step made them beside the logits (StepOutput.greedy),
-        the tokens of a step of plain greedy rows."""
+        the tokens of a step of plain greedy rows. `logits` may be None where `reads_logits` says no."""
         if all(_plain_greedy(c, req) for _, c, req in chunks if c.samples):
             return _argmax_results([(row + c.num_logits - 1, c) for row, c, _ in chunks if c.samples], logits, greedy)
         picks = _Picks([], [], [], [], [])
