@@ -96,13 +96,6 @@ void StepPlan::note(const Instr& in) {
     namespace A = arg::qlinear;
     widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
   }
-  const int64_t index = static_cast<int64_t>(code_.size());
-  const int64_t panels = in.op == kLinear           ? in.a[arg::linear::num_panels]
-                         : in.op == kLinearEpilogue ? in.a[arg::linear_epilogue::num_panels]
-                         : in.op == kQlinear        ? in.a[arg::qlinear::num_panels]
-                                                    : 0;
-  if (panels > 0) claimed_.push_back({index, panels});
-  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) attention_at_.push_back(index);
   if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, every layer
     const AttentionArgs x = attention_args(in);
     const std::vector<int64_t> meta{in.op, x.block_tables, x.seq_lens, x.query_start_loc};
@@ -117,6 +110,13 @@ void StepPlan::note(const Instr& in) {
   if (in.op == kAllReduce || in.op == kAllGather) check_collective(in);
   if (in.op == kQembedding) check_qembedding(in);
   if (in.op == kLinear || in.op == kQlinear) check_picks(in);
+  const int64_t index = static_cast<int64_t>(code_.size());   // listed once every check above has passed
+  const int64_t panels = in.op == kLinear           ? a[arg::linear::num_panels]
+                         : in.op == kLinearEpilogue ? a[arg::linear_epilogue::num_panels]
+                         : in.op == kQlinear        ? a[arg::qlinear::num_panels]
+                                                    : 0;
+  if (panels > 0) claimed_.push_back({index, panels});
+  if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) attention_at_.push_back(index);
 }
 
 // The plan's Bound emptied for a run of `rows` tokens and `seqs` gathered rows by `team` threads:
