@@ -378,6 +378,8 @@ def test_the_plan_runs_alike_through_pybind11_and_torchscript(artifact, capsys):
     bench_plan_call.main([str(art.path), "--steps", "1", "--flush-mib", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["cold", "warm"], lines
+    with pytest.raises(SystemExit, match="bench_plan_call: .* does not exist"):
+        bench_plan_call.main([str(art.path / "missing")])
 
 
 def test_the_plans_hold_the_prepared_weights_not_copies(artifact):

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from llmc.compiler.artifact_format import ArtifactError
 from llmc.runtime.artifact import load_artifact
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.sampling_params import SamplingParams
@@ -64,7 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40, help="calls of each kind, cold and warm")
     parser.add_argument("--flush-mib", type=int, default=600, help="MiB read before each cold call")
     args = parser.parse_args(argv)
-    engine = Engine(load_artifact(args.artifact), EngineConfig())
+    try:
+        artifact = load_artifact(args.artifact)
+    except ArtifactError as exc:
+        raise SystemExit(f"bench_plan_call: {exc}") from None
+    engine = Engine(artifact, EngineConfig())
     calls = decode_calls(engine)
     flush = torch.ones(args.flush_mib * 2**20 // 4)
     times = {(name, state): [] for name in calls for state in ("cold", "warm")}
