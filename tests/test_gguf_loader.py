@@ -16,6 +16,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from llmc.models.config import ModelError
 from llmc.models.gguf_loader import load_gguf
+from llmc.tools.bench_hf import dense_gguf_kwargs
 
 # ---------------------------------------------------------------- tiny GGUF files
 
@@ -308,7 +309,7 @@ def smollm2(smollm2_dir):
 def hf_state(smollm2_dir) -> dict[str, torch.Tensor]:
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, gguf_file=SMOLLM2, dtype=torch.float32)  # ~20 s: dequantizes every tensor
+        smollm2_dir, dtype=torch.float32, **dense_gguf_kwargs(SMOLLM2))  # ~20 s: dequantizes every tensor
     return model.state_dict()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmc.tools.bench import BenchRequest
-from llmc.tools.bench_hf import run_hf_static
+from llmc.tools.bench_hf import dense_gguf_kwargs, run_hf_static
 from llmc.tools.hf_paths import HfPath, TokenClock, tune
 
 
@@ -64,3 +64,15 @@ def test_the_token_clock_skips_the_prompt_and_spans_first_to_last_token():
         clock.put("token")
     clock.stamps = [10.0, 10.5, 11.0]
     assert clock.seconds_per_token() == pytest.approx(0.5)
+
+
+def test_a_gguf_peer_or_reference_is_asked_for_dense_weights():
+    """transformers from 5.2x keeps a GGUF's blocks packed where Hugging Face's `kernels` is installed;
+    the peer and the references ask for every tensor dequantized wherever the version can be asked."""
+    transformers = pytest.importorskip("transformers")
+    kwargs = dense_gguf_kwargs("model.gguf")
+    assert kwargs["gguf_file"] == "model.gguf"
+    if hasattr(transformers, "GgufConfig"):
+        assert kwargs["quantization_config"].dequantize is True
+    else:
+        assert "quantization_config" not in kwargs

@@ -9,6 +9,7 @@ import torch
 from llmc.models.embedded import EMBEDDED_FILE, embedded_model_path
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.tools.bench_hf import dense_gguf_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +30,8 @@ def hf():
     transformers = pytest.importorskip("transformers")
     folder = embedded_model_path().parent
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=EMBEDDED_FILE)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=EMBEDDED_FILE,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              **dense_gguf_kwargs(EMBEDDED_FILE)).eval()
     return tok, model
 
 

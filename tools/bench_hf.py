@@ -38,6 +38,20 @@ def _model_path(artifact: Artifact, hf_model: str | None) -> Path:
     raise RequestError("the artifact's source model was not found; name it with --hf-model")
 
 
+def dense_gguf_kwargs(file_name: str) -> dict[str, Any]:
+    """`from_pretrained` kwargs that load the GGUF file `file_name` as a dense model, every tensor
+    dequantized, as a reference or a peer must be. transformers from 5.2x keeps a quantized file's
+    blocks packed when Hugging Face's `kernels` package is installed (its matmuls then cast every
+    input and output) and otherwise dequantizes after a warning that the packed weights would be
+    faster; `GgufConfig(dequantize=True)` asks for the dense model outright. Earlier versions have
+    no GgufConfig and always dequantize."""
+    import transformers
+    kwargs: dict[str, Any] = {"gguf_file": file_name}
+    if hasattr(transformers, "GgufConfig"):
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    return kwargs
+
+
 def load_hf_model(artifact: Artifact, hf_model: str | None, device: str | None = None):
     """The transformers model of the artifact's source, in the artifact's compute dtype, on `device`
     (default: the GPU where there is one, as llmc's engine runs there, else the CPU)."""
@@ -49,7 +63,7 @@ def load_hf_model(artifact: Artifact, hf_model: str | None, device: str | None =
     dtype = to_torch(USER_DTYPES[artifact.manifest["compile"]["dtype"]])
     kwargs: dict[str, Any] = {"dtype": dtype}
     if path.suffix == ".gguf":
-        path, kwargs["gguf_file"] = path.parent, path.name
+        path, kwargs = path.parent, {**kwargs, **dense_gguf_kwargs(path.name)}
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
     model.generation_config.eos_token_id = None    # ignore EOS, as llmc's side does
