@@ -22,6 +22,15 @@ namespace llmc_panels {
 constexpr int kTile = 12;                // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
 constexpr int kGemvPanels = 4;           // panels a batch-1 GEMV runs at once (8 accumulator chains)
 
+// Bytes a GEMV's prefetch at input k of its PP panels [K, 32] adds to kAhead: once kAhead reaches
+// past a panel's end, the stream goes on in the next group's panel (PP panels on), not in the
+// panel after it, which a stream of this group reads.
+template <int PP>
+inline int64_t next_group_jump(int64_t k, int64_t k_dim, int64_t elem) {
+  const int64_t panel_bytes = k_dim * kPanel * elem;
+  return PP > 1 && k * kPanel * elem + kAhead >= panel_bytes ? (PP - 1) * panel_bytes : 0;
+}
+
 // f32: TT tokens (rows of x from x0, stride K) times PP consecutive panels [K, 32] from `panel`.
 // PP > 1 only at TT = 1 (a GEMV): one panel's two chains of FMAs would wait on the FMA latency.
 template <int TT, int PP, typename Out>
@@ -31,11 +40,12 @@ void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bia
   for (int u = 0; u < PP; ++u)
     for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
   for (int64_t k = 0; k < k_dim; ++k) {
+    const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(float));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
       const float* w = panel + (u * k_dim + k) * kPanel;
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
       const Vec16 w0 = load16(w), w1 = load16(w + 16);
 #pragma GCC unroll 12
       for (int t = 0; t < TT; ++t) {
@@ -57,11 +67,12 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_di
   for (int u = 0; u < PP; ++u)
     for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
   for (int64_t k = 0; k < k_dim; k += 2) {
+    const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(c10::BFloat16));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
       const c10::BFloat16* w = panel + (u * k_dim + k) * kPanel;      // 32 rows x (k, k + 1)
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead);
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + kAhead + 64);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
+      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
 #if defined(__AVX512BF16__)
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
