@@ -169,10 +169,11 @@ def _plain_greedy(c: Chunk, req: Request) -> bool:
     return not c.num_drafts and req.grammar is None and not needs_row_sampling(c.seq.params)
 
 
-def _argmax_results(picks: list[tuple[int, Chunk]], logits: torch.Tensor,
+def _argmax_results(picks: list[tuple[int, Chunk]], logits: torch.Tensor | None,
                     greedy: torch.Tensor | None) -> dict[int, StepResult]:
     """Each (logit row, chunk)'s token: the row's argmax, read from the step's `greedy` picks where it
-    made them, else in one call over the rows."""
+    made them (`logits` then unread, and None where StepSampler.reads_logits said so), else in one
+    call over the rows."""
     if not picks:
         return {}
     rows = [row for row, _ in picks]
