@@ -17,7 +17,9 @@ amx_attention_resident.h); else it runs on the AVX-512 (vdpbf16ps) tiles of atte
 Quantized GEMMs with int8 activations over quads (kernels/cpu/qdot_gemm.cpp) take AMX-INT8 tiles
 (kernels/cpu/amx_qgemm.h; the CPU's AMX-INT8 and the same tile state) from `AMX_INT8_MIN_TOKENS`
 tokens, the AVX512-VNNI kernel below that and wherever AMX-INT8 is not usable, with the same numbers
-on both paths; `cpu_qgemm_path` says which, and why.
+on both paths; `cpu_qgemm_path` says which, and why. With bf16 prompts (`activations="bf16"`) those
+of 32 or more tokens take AMX-BF16 instead, x and the weight dequantized to bf16 (kernels/cpu/
+amx_dequant_gemm.h; the same support and override as the bf16 GEMMs).
 
 Environment:
   LLMC_CPU_AMX=off          bf16 GEMMs on the AVX-512 panel kernel even where AMX is usable (read

@@ -7,8 +7,10 @@ column panels of 32 outputs (kernels/panels.py):
   int4        codes u4 in pairs, scales and mins f16 (G % 32 == 0)   meaning: qlinear_ref
 A quantized weight prepared for int8 activations (`activations="int8"`, G % 32 == 0) holds its codes
 as quads instead (layout "quads": kernels/cpu/qdot_gemm.cpp, integer dot products, AVX512-VNNI where
-the CPU has it); its meaning is kernels/quant.py's qlinear_int8act_ref. The layout is decided once,
-so one copy stays resident.
+the CPU has it); its meaning is kernels/quant.py's qlinear_int8act_ref. With `activations="bf16"`
+the quads' GEMMs of a prompt (PROMPT_MIN_TOKENS or more tokens, where AMX-BF16 is usable) multiply x
+rounded to bf16 by the weight dequantized to bf16 instead (kernels/cpu/amx_dequant_gemm.h; meaning
+qlinear_bf16_ref), fewer tokens stay int8. The layout is decided once, so one copy stays resident.
 bias [N] in x's dtype or None; returns [T, N] in x's dtype: products accumulated in fp32, bias added
 in fp32, rounded once. `gemv_ref` is the meaning (and the fallback).
 
@@ -28,12 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_linear_ref, qpanel_linear_ref,
-                     quad_panels, quad_rows, quantized_panels, quantized_rows, to_panels)
+from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_bf16_linear_ref, qdot_linear_ref,
+                     qpanel_linear_ref, quad_panels, quad_rows, quantized_panels, quantized_rows, to_panels)
 from .quant import ACT_BLOCK
 
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
-ACTIVATIONS = ("float", "int8")     # what a quantized weight's GEMM multiplies: x as given, or int8 per block
+# what a quantized weight's GEMM multiplies: x as given, int8 per block, or int8 but bf16 for a prompt
+ACTIVATIONS = ("float", "int8", "bf16")
+PROMPT_MIN_TOKENS = 32              # llmc_amx_dq::kMinTokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +53,7 @@ class GemvWeight:
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
     layout: str = "panels"             # or "quads" (a quantized weight for int8 activations)
+    prompts: str = "int8"              # quads: "bf16" where a prompt's GEMMs take bf16 on AMX
     bits: int = field(init=False)      # 8 or 4; 0 for float weights
     out_features: int = field(init=False)
     in_features: int = field(init=False)
@@ -70,12 +75,20 @@ class GemvWeight:
 
 
 def gemv_ref(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one."""
+    """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one;
+    quads qlinear_int8act_ref, or for a prompt with bf16 prompts where AMX-BF16 is usable qlinear_bf16_ref."""
+    if w.layout == "quads" and w.prompts == "bf16" and x.shape[0] >= PROMPT_MIN_TOKENS and bf16_prompts_run():
+        return qdot_bf16_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     if w.layout == "quads":
         return qdot_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     if w.bits:
         return qpanel_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     return panel_linear_ref(x, w.weight, w.rows, bias)
+
+
+def bf16_prompts_run() -> bool:
+    """Whether a prompt's quads GEMM with bf16 prompts takes bf16 here now (AMX-BF16 usable, not overridden)."""
+    return torch.ops.llmc.cpu_prompt_qgemm_path()[0] == "amx-bf16"
 
 
 def _native_layout(t: torch.Tensor | None) -> bool:
@@ -99,16 +112,17 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
                            group_size: int, activations: str = "float") -> GemvWeight | None:
     """A quantized weight (kernels/quant.py's layout) as panels for the native kernels (new tensors,
     to be kept instead of the artifact's), or None where they do not take it. activations "int8":
-    as quads for the int8-activation kernel (the caller checks `int8_activations_fit` first)."""
+    as quads for the int8-activation kernel (the caller checks `int8_activations_fit` first); "bf16":
+    the same quads, a prompt's GEMMs in bf16 on AMX where usable."""
     step = 16 if bits == 8 else 32
     if group_size % step or scales.dtype != torch.float16 or not all(map(_native_layout, (codes, scales, mins))):
         return None
     if bits == 4 and (mins is None or mins.dtype != torch.float16):
         return None
     fmt = "int8" if bits == 8 else "int4"
-    if activations == "int8":
+    if activations in ("int8", "bf16"):
         return GemvWeight(fmt, quad_panels(codes, bits), codes.shape[0], column_panels(scales),
-                          None if mins is None else column_panels(mins), group_size, "quads")
+                          None if mins is None else column_panels(mins), group_size, "quads", activations)
     panels, scale_panels, min_panels = quantized_panels(codes, scales, mins, bits)
     return GemvWeight(fmt, panels, codes.shape[0], scale_panels, min_panels, group_size)
 
@@ -146,5 +160,6 @@ def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
     if not w.bits:
         return torch.ops.llmc.panel_gemm(x.contiguous(), w.weight, w.rows, bias)
     if w.layout == "quads":
-        return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size, True)
+        return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size, True,
+                                        w.prompts == "bf16")
     return torch.ops.llmc.qpanel_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size)

@@ -28,7 +28,7 @@ from llmc.compiler.ops.rope import norm_rounding, qkv_columns
 
 from .amx import describe_qgemm_path
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
-from .gemv import (GemvWeight, gemv_fits, gemv_ref, int8_activations_fit, prepare_linear_weight,
+from .gemv import (PROMPT_MIN_TOKENS, GemvWeight, gemv_fits, gemv_ref, int8_activations_fit, prepare_linear_weight,
                    prepare_qlinear_weight, quantized_weight_rows, run_gemv)
 from .native import NativeBuildError, load_native_kernels
 from .panels import from_panels, panel_rows
@@ -157,8 +157,9 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
     and the tied table's lookup read the scales and mins, their entries become that GemvWeight too
     (those ops read them from it). A weight that another op reads too, or one the kernels do not
     take, stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
-    activations "int8": the quantized weights whose groups are whole blocks of 32 inputs become
-    quads for the int8-activation kernel; any other keeps float activations, said once at INFO.
+    activations "int8" (or "bf16": the same, a prompt's GEMMs in bf16 on AMX): the quantized weights
+    whose groups are whole blocks of 32 inputs become quads for the int8-activation kernel; any other
+    keeps float activations, said once at INFO.
     """
     graphs = list(graphs)
     reads, prepared, kept_float = _weight_reads(graphs), dict(weights), []
@@ -173,12 +174,14 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:
             k = weights[name].shape[1] * (2 if bits == 4 else 1)
-            fits = activations == "int8" and int8_activations_fit(k, group)
-            if activations == "int8" and not fits:
+            quads = activations in ("int8", "bf16")
+            fits = quads and int8_activations_fit(k, group)
+            if quads and not fits:
                 kept_float.append(f"{name} (groups of {group})")
             gemv_weight = prepare_qlinear_weight(weights[name], weights[params["scales"]],
                                                  weights[params["mins"]] if bits == 4 else None,
-                                                 bits=bits, group_size=group, activations="int8" if fits else "float")
+                                                 bits=bits, group_size=group,
+                                                 activations=activations if fits else "float")
         if gemv_weight is None:
             continue
         prepared[name] = gemv_weight
@@ -191,34 +194,45 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
     return prepared
 
 
-ACTIVATION_CHOICES = ("auto", "int8", "float")
+ACTIVATION_CHOICES = ("auto", "int8", "bf16", "float")
 
 
 def choose_activations(activations: str) -> str:
-    """What a quantized GEMM's activations are with the native kernels loaded: 'int8' or 'float'.
-    auto: int8 where the build has AVX512-VNNI, else float (said at INFO); int8 without VNNI runs
-    the portable integer dot products (slower than float: said at INFO)."""
-    isa = torch.ops.llmc.qdot_isa()
+    """What a quantized GEMM's activations are with the native kernels loaded: 'int8', 'bf16' (int8,
+    but a prompt's GEMMs on bf16: kernels/cpu/amx_dequant_gemm.h) or 'float'. auto: bf16 where the CPU
+    has AMX-BF16 (usable) and AVX512-VNNI, int8 where it has VNNI only, else float (said at INFO);
+    bf16 where AMX-BF16 is not usable is int8 (said at INFO, with why); int8 without VNNI runs the
+    portable integer dot products (slower than float: said at INFO)."""
+    log, isa = logging.getLogger("llmc"), torch.ops.llmc.qdot_isa()
     if activations == "float" or (activations == "auto" and isa != "avx512-vnni"):
         if activations == "auto":
-            logging.getLogger("llmc").info("this CPU has no AVX512-VNNI: quantized GEMMs keep float activations")
+            log.info("this CPU has no AVX512-VNNI: quantized GEMMs keep float activations")
         return "float"
     if isa != "avx512-vnni":
-        logging.getLogger("llmc").info("int8 activations without AVX512-VNNI run portable integer dot products")
+        log.info("int8 activations without AVX512-VNNI run portable integer dot products")
+    if activations in ("auto", "bf16"):
+        path, why = torch.ops.llmc.cpu_prompt_qgemm_path()
+        if path == "amx-bf16":
+            return "bf16"
+        if activations == "bf16":
+            log.info("a prompt's quantized GEMMs keep int8 activations: %s", why)
     return "int8"
 
 
 def described_kernels(weights: dict[str, Any], activations: str) -> str:
     """'native', or with quantized GEMMs 'native, int8 activations (amx-int8 from 32 tokens, avx512-vnni
-    below)' or '..., float activations' (and how many keep float activations where int8 was asked for)."""
+    below)', 'native, bf16 prompts (amx-bf16 from 32 tokens), int8 activations below (avx512-vnni)' or
+    '..., float activations' (and how many keep float activations where int8 was asked for)."""
     quantized = {id(w): w for w in weights.values() if isinstance(w, GemvWeight) and w.bits}.values()
     if not quantized:
         return "native"
     if activations == "float":
         return "native, float activations"
     kept = sum(w.layout != "quads" for w in quantized)
-    return (f"native, int8 activations ({describe_qgemm_path()})"
-            + (f", {kept} GEMMs float activations" if kept else ""))
+    said = (f"bf16 prompts (amx-bf16 from {PROMPT_MIN_TOKENS} tokens), int8 activations below "
+            f"({torch.ops.llmc.qdot_isa()})" if activations == "bf16"
+            else f"int8 activations ({describe_qgemm_path()})")
+    return f"native, {said}" + (f", {kept} GEMMs float activations" if kept else "")
 
 
 KERNEL_CHOICES = ("auto", "native", "reference")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import pack_int4, qlinear_int8act_ref, qlinear_ref, unpack_int4
+from .quant import pack_int4, qlinear_bf16_ref, qlinear_int8act_ref, qlinear_ref, unpack_int4
 
 PANEL = 32                       # output rows per panel
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -132,6 +132,14 @@ def qpanel_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                       bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
     """The meaning: qlinear_ref on the weight the panels hold."""
     return qlinear_ref(x, *quantized_rows(codes, scales, mins, torch.arange(n), bits), bias, bits=bits)
+
+
+def qdot_bf16_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         n: int, bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """The meaning of a prompt's quads GEMM on AMX-BF16: qlinear_bf16_ref on the weight the quads hold."""
+    rows = torch.arange(n)
+    return qlinear_bf16_ref(x, quad_rows(quads, rows, bits), panel_rows(scales, rows),
+                            None if mins is None else panel_rows(mins, rows), bias, bits=bits)
 
 
 def qdot_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int,

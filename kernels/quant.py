@@ -8,7 +8,9 @@ here for the kernels and tools that read them beside these refs.
 float64 inputs), rounded to x's dtype once; `qembedding` is rows of the dequantized table.
 `qlinear_int8act_ref` is what the CPU's int8-activation kernels compute instead (kernels/cpu/
 qdot_gemm.cpp): x quantized per token per block of 32 inputs (llama.cpp's Q8_0 blocks), exact
-integer products, the block's scale and then the weight group's scale.
+integer products, the block's scale and then the weight group's scale. `qlinear_bf16_ref` is what
+they compute for a prompt on AMX-BF16 (kernels/cpu/amx_dequant_gemm.h): x and the dequantized weight
+rounded to bf16, their products summed in fp32.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from llmc.compiler.ops.gemm import qlinear_ref
 __all__ = ["F16_MAX", "INT4_BLOCK", "INT4_MAX", "INT8_MAX", "KV_SCALE_BYTES", "QuantizedWeight", "cache_head_dim",
            "concat_rows", "dequantize_kv_rows", "dequantize_weight", "is_int8_cache", "pack_int4", "quantize_int4",
            "quantize_int8", "quantize_kv_rows", "unpack_int4",
-           "qembedding_ref", "qlinear_ref", "ACT_BLOCK", "quantize_activations", "qlinear_int8act_ref"]
+           "qembedding_ref", "qlinear_ref", "ACT_BLOCK", "quantize_activations", "qlinear_int8act_ref",
+           "qlinear_bf16_ref"]
 
 ACT_BLOCK = 32        # activation inputs per int8 scale
 
@@ -53,4 +56,14 @@ def qlinear_int8act_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     if mins is not None:
         block_sums = (d.double() * q.double().sum(-1)).view(len(q), groups, -1).sum(-1)   # [T, groups]
         y = y + block_sums @ mins.double().T
+    return (y if bias is None else y + bias.double()).to(x.dtype)
+
+
+def qlinear_bf16_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """qlinear with x and the weight rounded to bf16 -> [T, N] in x's dtype: the fp32 dequantized weight
+    (dequantize_weight) and x each rounded to bf16 (nearest even), their products summed in float64
+    (the kernel's fp32 sums differ from it by their rounding), bias added, rounded once."""
+    w = dequantize_weight(codes, scales, mins, bits).to(torch.bfloat16)
+    y = x.to(torch.bfloat16).double() @ w.double().T
     return (y if bias is None else y + bias.double()).to(x.dtype)

@@ -172,10 +172,13 @@ STEP_PLAN_INSTRUCTIONS = [
                                                 "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale"),
     Instruction("qlinear", _args("out picks:optional x codes scales mins:optional bias:optional k:int n:int "
-                                 "num_panels:int bits:int group:int layout:int", mins="-1: int8 codes have none",
-                                 picks=_PICKS_DOC,
+                                 "num_panels:int bits:int group:int layout:int prompts:int",
+                                 mins="-1: int8 codes have none", picks=_PICKS_DOC,
                                  layout="0: quantized panels (x widened to fp32); 1: quads (x quantized to int8 "
-                                        "per block of 32: kernels/cpu/qdot_gemm.cpp)")),
+                                        "per block of 32: kernels/cpu/qdot_gemm.cpp)",
+                                 prompts="quads: 1 from 32 rows x rounded to bf16 times the weight dequantized "
+                                         "to bf16, on AMX-BF16 where usable (kernels/cpu/amx_dequant_gemm.h); "
+                                         "0 int8 at every row count")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "
                                          "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale",

@@ -91,7 +91,7 @@ def _lower_qlinear(lo, node: Node) -> Encoded:
     return encode("qlinear", out=out, picks=lo.picks_for(node), x=x_id, codes=codes_id, scales=scales, mins=mins,
                   bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
                   num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
-                  layout=int(w.layout == "quads"))
+                  layout=int(w.layout == "quads"), prompts=int(w.prompts == "bf16"))
 
 
 GEMM_LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,

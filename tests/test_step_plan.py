@@ -7,7 +7,8 @@ over its cached part) with decodes. Tiny random models whose shapes every plan k
 multiple of 16, head_dim 32): Llama with separate and tied embeddings, Qwen2 with QKV biases; f32
 and bf16 activations, float, int8 and int4 weights, float and int8 caches; 1 to 9 sequences of
 lengths across block edges, on one thread and on two. The declines and bad step inputs too. Quantized
-weights run with the default activations (int8 where the CPU has AVX512-VNNI) where the plan meets the
+weights run with the default activations (bf16 prompts where the CPU has AMX-BF16, int8 where it has
+AVX512-VNNI) where the plan meets the
 op-by-op run, float ones where it meets the refs (tests/test_int8_activations.py holds int8's to theirs)."""
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ numbers, not how two kernels order their sums (so weights kept bit for bit score
   top-1 agreement  fraction of positions where both models' most likely next token is the same
 `llmc compile --quality` stores this as report.json's "quality"; `llmc eval ART --against REF`
 prints it for two artifacts. `llmc eval --activations int8` runs ART's quantized GEMMs as the CPU
-serves them by default instead (the native kernels, x quantized to int8 per block of 32): against
-ART itself it is the int8 activations' own cost, against the unquantized artifact the whole cost.
+serves them instead (the native kernels, x quantized to int8 per block of 32): against ART itself it
+is the int8 activations' own cost, against the unquantized artifact the whole cost. `--activations
+bf16` measures what a prompt's GEMMs cost where the CPU has AMX-BF16 and serves them so by default
+(x and the dequantized weight rounded to bf16; each window is a prompt); where it has no AMX-BF16
+it runs int8 and the report says so.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from llmc.compiler.driver import CompileConfig
 from llmc.compiler.dtypes import USER_DTYPES
 from llmc.compiler.frontend import trace
 from llmc.compiler.ir import Graph
-from llmc.kernels.native_ops import choose_op_impls, prepare_weights
+from llmc.kernels.native_ops import choose_activations, choose_op_impls, prepare_weights
 from llmc.models.config import LoadedModel, TokenizerFiles
 from llmc.passes.pipeline import run_pipeline
 from llmc.passes.rewrite import PassContext
@@ -81,10 +84,13 @@ class WindowScorer:
     def __init__(self, prefill: Graph, weights: dict[str, torch.Tensor], kernels: str = "reference",
                  activations: str = "float"):
         """activations 'int8': the native kernels' quantized GEMMs with x quantized per block of 32
-        (kernels/quant.py's qlinear_int8act_ref), what the CPU serves with by default."""
-        impls, _ = choose_op_impls("native" if activations == "int8" else kernels)
-        if activations == "int8":
-            weights = prepare_weights([prefill], weights, "int8")
+        (kernels/quant.py's qlinear_int8act_ref); 'bf16': a prompt's in bf16 on AMX (qlinear_bf16_ref),
+        or int8 where AMX-BF16 is not usable. `self.activations` says which ran."""
+        native = activations in ("int8", "bf16")
+        impls, _ = choose_op_impls("native" if native else kernels)
+        self.activations = choose_activations(activations) if native else "float"
+        if native:
+            weights = prepare_weights([prefill], weights, self.activations)
         self.graph = prefill
         self.program = TorchProgram(prefill, weights, impls)
 
@@ -156,7 +162,7 @@ def evaluate_artifacts(path: str, against: str, tokens: int, window: int, activa
     span = min(window, model.config.max_position_embeddings)
     scorer = WindowScorer(model.graphs["prefill"], model.weights, activations=activations)
     ref_scorer = WindowScorer(reference.graphs["prefill"], reference.weights)
-    return compare(scorer, ref_scorer, ids, span, str(against), activations)
+    return compare(scorer, ref_scorer, ids, span, str(against), scorer.activations)
 
 
 def eval_cmd(
@@ -165,16 +171,17 @@ def eval_cmd(
     tokens: int = typer.Option(1024, help="tokens of held text to read"),
     window: int = typer.Option(512, help="tokens per sequence (each window a fresh prompt)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a line"),
-    activations: str = typer.Option("float", help="ARTIFACT's quantized GEMMs: float (the torch refs) or int8 "
-                                    "(the native kernels, x quantized per block of 32, as the CPU serves by "
-                                    "default); the reference always runs float"),
+    activations: str = typer.Option("float", help="ARTIFACT's quantized GEMMs: float (the torch refs), int8 "
+                                    "(the native kernels, x quantized per block of 32) or bf16 (a prompt's x and "
+                                    "weights in bf16 on AMX, as a CPU with AMX-BF16 serves prompts); the "
+                                    "reference always runs float"),
 ) -> None:
     """Perplexity, mean KL and top-1 agreement of ARTIFACT against a reference, on Python's help text."""
     from .inspect import quality_line
 
     if tokens < 2 or window < 1:
         raise RequestError(f"--tokens {tokens} and --window {window} must be at least 2 and 1")
-    if activations not in ("float", "int8"):
-        raise RequestError(f"--activations {activations!r} is unknown; choose float or int8")
+    if activations not in ("float", "int8", "bf16"):
+        raise RequestError(f"--activations {activations!r} is unknown; choose float, int8 or bf16")
     quality = evaluate_artifacts(artifact, against, tokens, window, activations)
     typer.echo(json.dumps(quality.to_dict(), indent=2) if as_json else quality_line(quality.to_dict()))

@@ -93,7 +93,7 @@ inline void epilogue_range(const Bf16* x, const Bf16* panels, int64_t tokens, in
     ready.next = to;
   };
   const auto dest_of = [&](int64_t b0, int64_t w) {            // row t, column c at stage row t - b0, c - 32 w
-    return Dest{moved(stages[filled % 2].get(), -b0 * stride - w * kPanel), stride, e.reads * e.width};
+    return Dest<Bf16>{moved(stages[filled % 2].get(), -b0 * stride - w * kPanel), stride, e.reads * e.width};
   };
   const auto finished = [&](int64_t b0, int64_t b1, int64_t w) {
     run(ready.end);

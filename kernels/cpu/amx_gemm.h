@@ -233,38 +233,42 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void panel_tiles(const Bf16*
   memory_fence();
 }
 
-// Where a GEMM's outputs go: row t, column c (c < n_dim) at out + t * stride + c.
+// Where a GEMM's outputs go: row t, column c (c < n_dim) at out + t * stride + c (bf16, or fp32 for
+// the quantized GEMM of amx_wgemm.h).
+template <typename Out>
 struct Dest {
-  Bf16* out;
+  Out* out;
   int64_t stride, n_dim;
 };
 
 // Output rows from .. to - 1 of a C tile pair (c[0], c[1]: row t is row t - s there), columns n0 ..
 // n0 + 31 below N, plus bias, rounded once.
-inline void store_rows(const float (*c)[kRows][kRows], int64_t s, int64_t from, int64_t to, const Bf16* bias,
-                       const Dest& d, int64_t n0) {
+template <typename Out>
+void store_rows(const float (*c)[kRows][kRows], int64_t s, int64_t from, int64_t to, const Out* bias,
+                const Dest<Out>& d, int64_t n0) {
   const int64_t cols = std::min(llmc_panels::kPanel, d.n_dim - n0);
   float b[llmc_panels::kPanel] = {};
   for (int64_t j = 0; bias && j < cols; ++j) b[j] = static_cast<float>(bias[n0 + j]);
   for (int64_t t = from; t < to; ++t) {
-    Bf16 row[llmc_panels::kPanel], *dst = d.out + t * d.stride + n0;
-    Bf16* to_row = cols == llmc_panels::kPanel ? dst : row;   // a whole panel straight to out: a memcpy of
+    Out row[llmc_panels::kPanel], *dst = d.out + t * d.stride + n0;
+    Out* to_row = cols == llmc_panels::kPanel ? dst : row;   // a whole panel straight to out: a memcpy of
     for (int h = 0; h < 2; ++h)                                // variable length per row was a libc call,
       llmc_cpu::store16(to_row + kRows * h, llmc_cpu::load16(c[h][t - s]) + llmc_cpu::load16(b + kRows * h));
-    if (to_row == row) std::memcpy(dst, row, cols * sizeof(Bf16));   // 8% of a bf16 prefill on one thread
+    if (to_row == row) std::memcpy(dst, row, cols * sizeof(Out));   // 8% of a bf16 prefill on one thread
   }
 }
 
 // A token tile's C tiles of one panel, stored from the tiles and waiting for their epilogue (bias,
 // one rounding, the stores to `dest`): rows t0 .. t0 + tt - 1 (tt <= 32, none: tt 0), the A tiles
 // having started at rows s0 and s1, the panel's first column n0.
+template <typename Out>
 struct TileBlock {
   alignas(64) float c[4][kRows][kRows];
   int64_t s0 = 0, s1 = 0, t0 = 0, tt = 0, n0 = 0, stored = 0;
-  Dest dest{nullptr, 0, 0};
+  Dest<Out> dest{nullptr, 0, 0};
 
   // The part-th of `parts` of the rows (through row tt x part / parts); the last part ends the block.
-  void store(const Bf16* bias, int64_t part = 1, int64_t parts = 1) {
+  void store(const Out* bias, int64_t part = 1, int64_t parts = 1) {
     const int64_t upto = tt * part / parts, split = std::min(upto, kRows);
     if (stored < split) store_rows(c, s0, t0 + stored, t0 + split, bias, dest, n0);
     if (std::max(stored, kRows) < upto) store_rows(c + 2, s1, t0 + std::max(stored, kRows), t0 + upto, bias, dest, n0);
@@ -278,9 +282,9 @@ struct TileBlock {
 // `waiting`, the previous tile's: its stores to out (lines from L2 or memory) overlap the multiplies
 // instead of waiting for them (K 576 x N 3072, one thread with weights hot: 1187 -> 1425 GFLOP/s).
 // Then, still while it multiplies, `during(part, parts)`: other work of the caller's, in the same parts.
-template <typename During>
-void panel_rows(const Bf16* x, const Bf16* panels, int64_t k_dim, const Bf16* bias, const Dest& dest, int64_t p,
-                int64_t t0, int64_t tt, int64_t last, Prefetch ahead, TileBlock& done, TileBlock& waiting,
+template <typename Out, typename During>
+void panel_rows(const Bf16* x, const Bf16* panels, int64_t k_dim, const Out* bias, const Dest<Out>& dest, int64_t p,
+                int64_t t0, int64_t tt, int64_t last, Prefetch ahead, TileBlock<Out>& done, TileBlock<Out>& waiting,
                 During&& during) {
   const Bf16* panel = panels + p * k_dim * llmc_panels::kPanel;
   const int64_t s0 = std::min(t0, last), s1 = std::min(t0 + kRows, last);
@@ -313,8 +317,8 @@ inline Prefetch next_panel_share(const Bf16* panels, int64_t k_dim, int64_t next
 // (panel_tiles.h's walk_tiles, with blocks 4x the AVX-512 kernel's: AMX consumes a panel ~10x
 // faster, so the weight is read fewer times; K 1536 x N 576 at 512 tokens on one thread: 543 ->
 // 1067 GFLOP/s).
-template <typename DestOf, typename Finished, typename During>
-void gemm_groups(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_dim, const Bf16* bias,
+template <typename Out, typename DestOf, typename Finished, typename During>
+void gemm_groups(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_dim, const Out* bias,
                  const std::vector<int64_t>& order, int64_t group, DestOf&& dest_of, Finished&& finished,
                  During&& during) {
   std::vector<Bf16> padded;                                  // fewer than 16 tokens: zero rows after
@@ -327,12 +331,12 @@ void gemm_groups(const Bf16* x, const Bf16* panels, int64_t tokens, int64_t k_di
   configure_tiles();
   const int64_t tile = 2 * kRows, block = std::max(tile, kBlockBytes / (k_dim * int64_t{sizeof(Bf16)}) / tile * tile);
   const int64_t count = static_cast<int64_t>(order.size());
-  TileBlock blocks[2];                                       // one filled while the other is stored
+  TileBlock<Out> blocks[2];                                  // one filled while the other is stored
   int64_t n = 0;
   for (int64_t b0 = 0; b0 < tokens; b0 += block) {
     const int64_t b1 = std::min(tokens, b0 + block), tiles = (b1 - b0 + tile - 1) / tile;
     for (int64_t i = 0; i < count; ++i) {
-      const Dest dest = dest_of(b0, i / group);
+      const auto dest = dest_of(b0, i / group);
       for (int64_t t0 = b0; t0 < b1; t0 += tile, ++n)
         panel_rows(x, panels, k_dim, bias, dest, order[i], t0, std::min(tile, b1 - t0), last,
                    next_panel_share(panels, k_dim, i + 1 < count ? order[i + 1] : -1, (t0 - b0) / tile, tiles),
@@ -353,7 +357,7 @@ inline void gemm_range(const Bf16* x, const Bf16* panels, int64_t tokens, int64_
   if (begin >= end || tokens == 0) return;
   std::vector<int64_t> order(end - begin);
   for (int64_t p = begin; p < end; ++p) order[p - begin] = p;
-  const auto to_out = [&](int64_t, int64_t) { return Dest{out, n_dim, n_dim}; };
+  const auto to_out = [&](int64_t, int64_t) { return Dest<Bf16>{out, n_dim, n_dim}; };
   gemm_groups(x, panels, tokens, k_dim, bias, order, end - begin, to_out, [](int64_t, int64_t, int64_t) {},
               [](int64_t, int64_t) {});
 }

@@ -12,13 +12,18 @@
 //   vnni    the CPU's integer dot products: AMX-INT8 tiles from llmc_amx_int8::kMinTokens tokens where
 //           usable (amx_qgemm.h), else AVX512-VNNI where this build has it; false: the portable
 //           integer dots (the same numbers on every path)
+//   bf16_prompts  (with vnni) from llmc_amx_dq::kMinTokens tokens where AMX-BF16 is usable, x rounded
+//           to bf16 times the weight dequantized to bf16 instead (amx_dequant_gemm.h's contract)
 //   -> out  [T, N] in x's dtype: per block the exact int32 dot of the codes, times d in fp32,
 //           summed over the group's blocks, times the group's scale; int4 adds min x the group's
 //           sum of d x (the block's code sum); rounded once.
 // qdot_isa() names the integer path `vnni` selects in this build below AMX's token count;
 // cpu_qgemm_path() -> ("amx-int8", "") or (qdot_isa(), why AMX-INT8 is not taken);
 // amx_qdot_gemm(x, codes, scales, mins, n, bias, bits, group_size) the same contract, always on AMX
-// tiles (at every token count; an error where AMX-INT8 is not usable): the AMX kernel's own check.
+// tiles (at every token count; an error where AMX-INT8 is not usable): the AMX kernel's own check;
+// amx_bf16_qgemm(x, codes, scales, mins, n, bias, bits, group_size) amx_dequant_gemm.h's contract at
+// every token count (an error where AMX-BF16 is not usable); cpu_prompt_qgemm_path() -> ("amx-bf16",
+// "") or ("", why a prompt's quads GEMM keeps int8 activations).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +32,7 @@
 #include <string>
 #include <tuple>
 
+#include "amx_dequant_gemm.h"
 #include "amx_qgemm.h"
 #include "qweight_checks.h"
 
@@ -35,7 +41,8 @@ namespace {
 using llmc_panels::kPanel;
 using llmc_qdot::kBlock;
 
-enum class Path { kPortable, kChosen, kAmx };     // kChosen: qdot_range's choice (AMX or VNNI)
+// kChosen: qdot_range's choice (AMX-INT8 or VNNI); kPrompts: bf16 where use_bf16, else kChosen's
+enum class Path { kPortable, kChosen, kAmx, kPrompts, kAmxBf16 };
 
 template <int Bits, typename Out>
 void run_typed(const llmc_qdot::QActs& q, const llmc_qdot::QuadPanels& w, int64_t tokens, int64_t num_panels,
@@ -48,6 +55,29 @@ void run_typed(const llmc_qdot::QActs& q, const llmc_qdot::QuadPanels& w, int64_
 #endif
     llmc_amx_int8::qdot_range<Bits>(q, w, tokens, b, o, n_dim, begin, end, path == Path::kChosen);
   });
+}
+
+// x rounded to bf16, then each thread's panels dequantized and multiplied (amx_dequant_gemm.h).
+template <int Bits, typename Out>
+void run_bf16(const at::Tensor& x, const llmc_qdot::QuadPanels& w, int64_t num_panels, int64_t n_dim,
+              const at::Tensor& bias, at::Tensor& out) {
+  const int64_t tokens = x.size(0), k_dim = x.size(1);
+  at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : at::empty({tokens, k_dim}, x.options().dtype(at::kBFloat16));
+  auto* xbp = xb.data_ptr<c10::BFloat16>();
+  if (x.scalar_type() == at::kFloat)
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      llmc_amx_dq::round_rows(x.const_data_ptr<float>(), xbp, k_dim, begin, end);
+    });
+  const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
+  Out* o = out.data_ptr<Out>();
+#if defined(__x86_64__)
+  const int64_t elems = llmc_amx_dq::scratch_elems(k_dim);
+  at::Tensor scratch = at::empty({at::get_num_threads() * elems}, x.options().dtype(at::kBFloat16));
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    auto* panels = scratch.data_ptr<c10::BFloat16>() + at::get_thread_num() * elems;
+    llmc_amx_dq::gemm_range<Bits>(xbp, w, tokens, b, o, n_dim, begin, end, panels);
+  });
+#endif
 }
 
 template <typename X>
@@ -78,14 +108,21 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor
   check_inputs(x_in, codes, scales, mins, n_dim, bias, bits, group);
   const at::Tensor x = x_in.contiguous();
   const int64_t tokens = x.size(0), k_dim = x.size(1), panels = codes.size(0);
-  at::Tensor scratch = at::empty({tokens * llmc_qdot::qacts_bytes_per_row(k_dim)}, x.options().dtype(at::kByte));
-  const llmc_qdot::QActs q = llmc_qdot::qacts_in(static_cast<char*>(scratch.data_ptr()), tokens, k_dim);
-  const bool f32 = x.scalar_type() == at::kFloat;
-  f32 ? quantize<float>(x, q) : quantize<c10::BFloat16>(x, q);
   const llmc_qdot::QuadPanels w{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(),
                                 bits == 4 ? mins->const_data_ptr<c10::Half>() : nullptr, k_dim, group,
                                 k_dim / group};
+  const bool f32 = x.scalar_type() == at::kFloat;
   at::Tensor out = at::empty({tokens, n_dim}, x.options());
+  if (path == Path::kAmxBf16 || (path == Path::kPrompts && llmc_amx_dq::use_bf16(tokens, true))) {
+    const auto call = bits == 8 ? (f32 ? run_bf16<8, float> : run_bf16<8, c10::BFloat16>)
+                                : (f32 ? run_bf16<4, float> : run_bf16<4, c10::BFloat16>);
+    call(x, w, panels, n_dim, bias, out);
+    return out;
+  }
+  if (path == Path::kPrompts) path = Path::kChosen;
+  at::Tensor scratch = at::empty({tokens * llmc_qdot::qacts_bytes_per_row(k_dim)}, x.options().dtype(at::kByte));
+  const llmc_qdot::QActs q = llmc_qdot::qacts_in(static_cast<char*>(scratch.data_ptr()), tokens, k_dim);
+  f32 ? quantize<float>(x, q) : quantize<c10::BFloat16>(x, q);
   if (bits == 8 && f32)
     run_typed<8, float>(q, w, tokens, panels, n_dim, bias, out, path);
   else if (bits == 8)
@@ -99,8 +136,9 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor
 
 at::Tensor qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias,
-                     int64_t bits, int64_t group, bool vnni) {
-  return run(x, codes, scales, mins, n_dim, bias, bits, group, vnni ? Path::kChosen : Path::kPortable);
+                     int64_t bits, int64_t group, bool vnni, bool bf16_prompts) {
+  const Path path = !vnni ? Path::kPortable : bf16_prompts ? Path::kPrompts : Path::kChosen;
+  return run(x, codes, scales, mins, n_dim, bias, bits, group, path);
 }
 
 at::Tensor amx_qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -108,6 +146,18 @@ at::Tensor amx_qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at:
                          int64_t bits, int64_t group) {
   TORCH_CHECK(llmc_amx::int8_support().usable, "AMX-INT8 is not usable here: ", llmc_amx::int8_support().why);
   return run(x, codes, scales, mins, n_dim, bias, bits, group, Path::kAmx);
+}
+
+at::Tensor amx_bf16_qgemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias,
+                          int64_t bits, int64_t group) {
+  TORCH_CHECK(llmc_amx::support().usable, "AMX-BF16 is not usable here: ", llmc_amx::support().why);
+  return run(x, codes, scales, mins, n_dim, bias, bits, group, Path::kAmxBf16);
+}
+
+std::tuple<std::string, std::string> cpu_prompt_qgemm_path() {
+  auto [path, why] = llmc_amx_dq::prompt_path();
+  return {path, why};
 }
 
 std::tuple<std::string, std::string> cpu_qgemm_path() {
@@ -121,14 +171,18 @@ std::string qdot_isa() { return llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
-        "int group_size, bool vnni) -> Tensor");
+        "int group_size, bool vnni, bool bf16_prompts=False) -> Tensor");
   m.def("amx_qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
         "int group_size) -> Tensor");
+  m.def("amx_bf16_qgemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
+        "int group_size) -> Tensor");
   m.def("qdot_isa() -> str", &qdot_isa);
+  m.def("cpu_prompt_qgemm_path() -> (str, str)", &cpu_prompt_qgemm_path);
   m.def("cpu_qgemm_path() -> (str, str)", &cpu_qgemm_path);
 }
 
 TORCH_LIBRARY_IMPL(llmc, CPU, m) {
   m.impl("qdot_gemm", &qdot_gemm);
   m.impl("amx_qdot_gemm", &amx_qdot_gemm);
+  m.impl("amx_bf16_qgemm", &amx_bf16_qgemm);
 }

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "amx_dequant_gemm.h"
 #include "amx_epilogue.h"
 #include "amx_gemm.h"
 #include "amx_qgemm.h"
@@ -141,15 +142,59 @@ void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, in
                                                                    first, last);
 }
 
-// A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
-// split, so one token's are shared too, then a barrier; in a small step each thread all of them for
-// itself), then the panels split (for_panels).
+// The quads of a qlinear instruction, as the kernels read them.
+inline llmc_qdot::QuadPanels quad_panels(const Instr& in, const Bound& b) {
+  namespace A = arg::qlinear;
+  const auto& a = in.a;
+  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
+  return {reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]), reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]),
+          mins, a[A::k], a[A::group], a[A::k] / a[A::group]};
+}
+
+// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x rounded to bf16 (the
+// step's rows split, then a barrier), then the panels split, each thread dequantizing only its own
+// into its part of the plan's scratch (Bound::dequantized).
 template <typename X>
-void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows) {
+void qdot_bf16_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
+                      int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const int64_t k = a[A::k], group = a[A::group];
+  auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
+  if (b.widened_alone) {
+    llmc_amx_dq::round_rows(x_at(a[A::x]), xb, a[A::k], 0, rows);
+  } else {
+    llmc_amx_dq::round_rows(x_at(a[A::x]), xb, a[A::k], first, last);
+    b.barrier->wait();
+  }
+  const llmc_qdot::QuadPanels w = quad_panels(in, b);
+  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
+  auto* panels = b.dequantized.data() + tid * b.dequantized_per_thread;
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    if (a[A::bits] == 8)
+      llmc_amx_dq::gemm_range<8>(xb, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+    else
+      llmc_amx_dq::gemm_range<4>(xb, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+#endif
+    picks.panels(begin, end);
+  });
+  picks.merge();
+}
+
+// A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
+// split, so one token's are shared too, then a barrier; in a small step each thread all of them for
+// itself), then the panels split (for_panels). A prompt's with `prompts` 1 on AMX-BF16: qdot_bf16_linear.
+template <typename X>
+void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
+                 int64_t last) {
+  namespace A = arg::qlinear;
+  const auto& a = in.a;
+  if (llmc_amx_dq::use_bf16(rows, a[A::prompts] == 1))
+    return qdot_bf16_linear<X>(in, index, b, tid, team, rows, first, last);
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const int64_t k = a[A::k];
   const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(x_scratch(b, tid)), rows, k);
   const int64_t blocks = rows * (k / llmc_qdot::kBlock);
   if (b.widened_alone) {
@@ -159,9 +204,7 @@ void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int te
     llmc_qdot::quantize_blocks(x_at(a[A::x]), q, qfirst, qlast);
     b.barrier->wait();
   }
-  const auto* mins = a[A::mins] < 0 ? nullptr : reinterpret_cast<const c10::Half*>(b.at[a[A::mins]]);
-  const llmc_qdot::QuadPanels w{reinterpret_cast<const uint8_t*>(b.at[a[A::codes]]),
-                                reinterpret_cast<const c10::Half*>(b.at[a[A::scales]]), mins, k, group, k / group};
+  const llmc_qdot::QuadPanels w = quad_panels(in, b);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
   const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
@@ -181,7 +224,7 @@ void qlinear(const Instr& in, int64_t index, const Bound& b, int tid, int team, 
              int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
-  if (a[A::layout] == 1) return qdot_linear<X>(in, index, b, tid, team, rows);
+  if (a[A::layout] == 1) return qdot_linear<X>(in, index, b, tid, team, rows, first, last);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k], group = a[A::group], bits = a[A::bits];
   float* xf = x_scratch(b, tid);
