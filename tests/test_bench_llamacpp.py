@@ -15,7 +15,7 @@ FAKE_PEER = """#!/bin/sh
 # argv: -I llamacpp_peer.py probe | -I llamacpp_peer.py decode GGUF THREADS TOKENS PROMPT_IDS REPEATS
 if [ "$3" = probe ]; then echo '{"version": "fake-1"}'; exit 0; fi
 printf '%s\t' "$@" >> "$(dirname "$0")/calls"; echo >> "$(dirname "$0")/calls"
-echo '{"version": "fake-1", "runs": [{"decode_s": 0.5, "tokens": 3, "token_ids": [5, 6, 7, 8]}]}'
+echo '{"version": "fake-1", "runs": [{"decode_s": 0.5, "tokens": 3, "token_ids": [5, 6, 7, 8], "prefill_s": 4.0}]}'
 """
 
 
@@ -39,8 +39,9 @@ def test_an_interpreter_that_does_not_run_is_one_line_and_exit_1(tmp_path):
 
 
 def test_a_fake_peer_gives_the_ratio_of_both_sides(tiny_family, tmp_path):
-    """llmc decodes the tiny artifact; the fake peer reports 3 tokens in 0.5 s (6 tok/s); the table
-    and the JSON hold both and their ratio, and the peer got llmc's thread count and prompt ids."""
+    """llmc decodes the tiny artifact; the fake peer reports 3 tokens in 0.5 s (6 tok/s) after its
+    prompt in 4 s; the table and the JSON hold both sides' decode and prompt and their ratios, and the
+    peer got llmc's thread count and prompt ids."""
     _, _, art = tiny_family("llama_hd32")
     peer = tmp_path / "python"
     peer.write_text(FAKE_PEER)
@@ -51,8 +52,10 @@ def test_a_fake_peer_gives_the_ratio_of_both_sides(tiny_family, tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["llama.cpp"]["tok_s"] == 6.0 and result["llmc"]["tokens"] == 4 and result["llmc"]["tok_s"] > 0
-    ratio = result["llmc"]["tok_s"] / 6.0
-    assert f"llmc / llama.cpp: {ratio:.2f}x (different greedy tokens)" in proc.stdout
+    ratio, prompt = result["llmc"]["tok_s"] / 6.0, 4.0 / result["llmc"]["prefill_s"]
+    assert result["llama.cpp"]["prompt_tok_s"] == result["prompt_tokens"] / 4.0
+    assert 0 < result["llmc"]["prefill_s"] < 4.0
+    assert f"llmc / llama.cpp: {ratio:.2f}x (different greedy tokens); the prompt {prompt:.2f}x" in proc.stdout
     assert "llama.cpp fake-1" in proc.stdout and "llmc float" in proc.stdout
     calls = (tmp_path / "calls").read_text().splitlines()
     assert len(calls) == 2                                                   # one peer run per repeat
@@ -63,12 +66,13 @@ def test_a_fake_peer_gives_the_ratio_of_both_sides(tiny_family, tmp_path):
 
 
 def test_the_table_names_the_faster_side_by_its_ratio():
-    side = {"tok_s": 50.0, "token_ids": [1, 2]}
+    side = {"tok_s": 50.0, "token_ids": [1, 2], "prefill_s": 0.2, "prompt_tok_s": 100.0}
     result = {"cpu": "a CPU", "threads": 2, "gguf": "/x/m.gguf", "decode_tokens": 8, "prompt_tokens": 20,
               "repeats": 1, "artifact_recipe": "int4-g32, int8 embeddings", "peer_version": "0.3.36",
-              "llmc": {**side, "tok_s": 125.0}, "llama.cpp": side}
+              "llmc": {**side, "tok_s": 125.0, "prefill_s": 0.05}, "llama.cpp": side}
     text = format_result(result)
-    assert "llmc / llama.cpp: 2.50x (the same greedy tokens)" in text and "a CPU | threads 2 | m.gguf" in text
+    assert "llmc / llama.cpp: 2.50x (the same greedy tokens); the prompt 4.00x" in text
+    assert "a CPU | threads 2 | m.gguf" in text
 
 
 def test_depth_puts_the_chat_prompt_behind_filler_to_that_many_tokens(tiny_family, tmp_path):
