@@ -24,7 +24,7 @@ def prepared(w: torch.Tensor, fmt: str):
     """`w` [N, K] fp32 as the plan's GEMM takes it in `fmt`."""
     if fmt in ("f32", "bf16"):
         return prepare_linear_weight(w.to(torch.float32 if fmt == "f32" else torch.bfloat16))
-    acts = "int8" if fmt.endswith("quads") else "float"
+    acts = "bf16" if fmt.endswith("quads-bf16") else "int8" if fmt.endswith("quads") else "float"
     if fmt.startswith("int8"):
         return prepare_qlinear_weight(*quantize_int8(w, 32), None, bits=8, group_size=32, activations=acts)
     return prepare_qlinear_weight(*quantize_int4(w, 32), bits=4, group_size=32, activations=acts)
@@ -44,7 +44,7 @@ def picking_gemm(w: torch.Tensor, fmt: str):
         ins = encode("linear", **common, panels=panels[0])
     else:
         ins = encode("qlinear", **common, codes=panels[0], scales=panels[1], mins=panels[2], bits=g.bits,
-                     group=32, layout=int(g.layout == "quads"))
+                     group=32, layout=int(g.layout == "quads"), prompts=int(g.prompts == "bf16"))
     plan.add(ins.opcode, ins.args, ins.f)
     return plan, dtype
 
@@ -67,10 +67,11 @@ def test_the_picks_are_the_argmax_of_the_logits_the_gemm_made(fmt, tokens, threa
 
 
 @pytest.mark.parametrize("threads", [2], indirect=True)
-@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "int8-quads-bf16", "int4-quads-bf16"])
 def test_a_prompt_sized_gemm_picks_too(fmt, threads):
     """160 rows: a bf16 GEMM splits by tokens on AMX tiles where the CPU has them (each thread all the
-    panels of its rows), by panels elsewhere; the picks are the argmax either way."""
+    panels of its rows), by panels elsewhere; quads with bf16 prompts take AMX-BF16 where the CPU has it
+    (amx_dequant_gemm.h), int8 activations elsewhere; the picks are the argmax either way."""
     g = torch.Generator().manual_seed(160)
     plan, dtype = picking_gemm(torch.randn(N, K, generator=g), fmt)
     logits, picks = run(plan, torch.randn(160, K, generator=g).to(dtype))
