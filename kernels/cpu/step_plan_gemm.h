@@ -151,22 +151,32 @@ inline llmc_qdot::QuadPanels quad_panels(const Instr& in, const Bound& b) {
           mins, a[A::k], a[A::group], a[A::k] / a[A::group]};
 }
 
-// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x rounded to bf16 (the
-// step's rows split, then a barrier), then the panels split, each thread dequantizing only its own
-// into its part of the plan's scratch (Bound::dequantized).
+// x [rows, k] as bf16: itself, or an fp32 x rounded into the run's scratch (the rows split, then a
+// barrier; in a small step each thread all of them for itself).
+template <typename X>
+const llmc_amx::Bf16* bf16_rows(const X* x, int64_t k, const Bound& b, int tid, int64_t rows, int64_t first,
+                                int64_t last) {
+  if constexpr (std::is_same_v<X, llmc_amx::Bf16>) return x;
+  auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
+  if (b.widened_alone) {
+    llmc_amx_dq::round_rows(x, xb, k, 0, rows);
+  } else {
+    llmc_amx_dq::round_rows(x, xb, k, first, last);
+    b.barrier->wait();
+  }
+  return xb;
+}
+
+// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x as bf16 (bf16_rows), then
+// the panels split, each thread dequantizing only its own into its part of the plan's scratch
+// (Bound::dequantized).
 template <typename X>
 void qdot_bf16_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
                       int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
-  if (b.widened_alone) {
-    llmc_amx_dq::round_rows(x_at(a[A::x]), xb, a[A::k], 0, rows);
-  } else {
-    llmc_amx_dq::round_rows(x_at(a[A::x]), xb, a[A::k], first, last);
-    b.barrier->wait();
-  }
+  const llmc_amx::Bf16* xb = bf16_rows(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
   const llmc_qdot::QuadPanels w = quad_panels(in, b);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
   const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
