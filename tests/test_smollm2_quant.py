@@ -61,6 +61,20 @@ def test_quality_targets(quality, report):
     assert quality["int8"].mean_kl > 0 and quality["kv8"].mean_kl > 0   # those recipes really changed the numbers
 
 
+@pytest.mark.parametrize("activations", ["int8", "bf16"])
+def test_the_native_activations_stay_within_the_recipes_targets(artifact, activations, report):
+    """The native kernels' quantized GEMMs as the CPU serves them (int8 activations; bf16 prompts where
+    the CPU has AMX-BF16, int8 where not: the report names which ran) against fp32, within each
+    recipe's target (the kept Q4_1 blocks: int4-rtn's)."""
+    for name, limit in (("int8", TARGETS["int8"]), ("int4-kept", TARGETS["int4-rtn"])):
+        q = evaluate_artifacts(artifact(name), artifact("fp32"), 1024, 512, activations)
+        report(f"{name}, {q.activations} activations: perplexity {q.perplexity:.4f} vs fp32 "
+               f"{q.reference_perplexity:.4f} ({q.delta_perplexity_percent:+.3f}%, target at most {limit}%), "
+               f"mean KL {q.mean_kl:.5f}, top-1 agreement {q.top1_agreement:.4f}")
+        assert q.activations in (activations, "int8") and 0 < q.mean_kl
+        assert abs(q.delta_perplexity_percent) <= limit, name
+
+
 def test_gguf_q4_1_pass_through_changes_nothing(quality):
     kept = quality["int4-kept"]
     assert kept.delta_perplexity_percent == 0 and kept.mean_kl == 0 and kept.top1_agreement == 1

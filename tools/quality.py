@@ -58,7 +58,7 @@ class Quality:
     delta_perplexity_percent: float
     mean_kl: float
     top1_agreement: float
-    activations: str = "float"      # the measured model's quantized GEMMs: float (the refs) or int8 (native)
+    activations: str = "float"      # the measured model's quantized GEMMs: float (the refs), int8 or bf16 (native)
 
     def to_dict(self) -> dict:
         return asdict(self)
