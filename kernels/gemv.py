@@ -114,6 +114,8 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
     to be kept instead of the artifact's), or None where they do not take it. activations "int8":
     as quads for the int8-activation kernel (the caller checks `int8_activations_fit` first); "bf16":
     the same quads, a prompt's GEMMs in bf16 on AMX where usable."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r} is not one of {ACTIVATIONS}")
     step = 16 if bits == 8 else 32
     if group_size % step or scales.dtype != torch.float16 or not all(map(_native_layout, (codes, scales, mins))):
         return None
