@@ -8,7 +8,8 @@ the rounds, each against the samples beside it); and the default `llmc bench` wo
 decode and bench tok/s also as ratios to recipe none's (unquantized) in the same run. A recipe is WEIGHTS
 (none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
 round from the float values even where a GGUF's own blocks fit (`--requantize`). `--activations`
-sets the quantized GEMMs' activations (int8 where the CPU has AVX512-VNNI by default); the table
+sets the quantized GEMMs' activations (by default bf16 prompts where the CPU has AMX-BF16, int8 where it
+has AVX512-VNNI); the table
 says per recipe what the kernels were.
 """
 
