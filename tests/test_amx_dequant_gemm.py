@@ -22,12 +22,13 @@ import pytest
 import torch
 
 from llmc.kernels.amx import AMX_OVERRIDE
-from llmc.kernels.gemv import PROMPT_MIN_TOKENS, prepare_qlinear_weight
+from llmc.kernels.gemv import PROMPT_MIN_TOKENS
 from llmc.kernels.native_ops import choose_activations
 from llmc.kernels.quant import qlinear_bf16_ref, qlinear_int8act_ref
 from llmc.runtime.step_plan import StepPlanProgram
+import test_amx_qgemm
 import test_int8_activations
-from test_int8_activations import executor, quantized
+from test_int8_activations import executor
 from tolerances import tolerance
 
 pytestmark = pytest.mark.usefixtures("native_kernels_built")
@@ -50,11 +51,8 @@ def amx_bf16_or_skip() -> None:
 
 
 def operands(n: int, k: int, bits: int, group: int | None, tokens: int, dtype=torch.float32):
-    """(quantized weight, its quads with bf16 prompts, x, bias) with x ~ 3 N(0, 1), in `dtype`."""
-    codes, scales, mins, g = quantized(n, k, bits, group)
-    w = prepare_qlinear_weight(codes, scales, mins, bits=bits, group_size=g, activations="bf16")
-    x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype)
-    return (codes, scales, mins, g), w, x, torch.randn(n).to(dtype)
+    """test_amx_qgemm's operands, the quads with bf16 prompts."""
+    return test_amx_qgemm.operands(n, k, bits, group, tokens, dtype, activations="bf16")
 
 
 def assert_meets_the_ref(got: torch.Tensor, weight, x: torch.Tensor, bias: torch.Tensor, bits: int) -> None:

@@ -44,10 +44,10 @@ def amx_int8_or_skip() -> None:
         pytest.skip(f"AMX-INT8 is not usable here: {why}")
 
 
-def operands(n: int, k: int, bits: int, group: int | None, tokens: int, dtype=torch.float32):
-    """(quantized weight, its quads, x, bias) with x ~ 3 N(0, 1) and a bias, in `dtype`."""
+def operands(n: int, k: int, bits: int, group: int | None, tokens: int, dtype=torch.float32, activations="int8"):
+    """(quantized weight, its quads for `activations`, x, bias) with x ~ 3 N(0, 1) and a bias, in `dtype`."""
     codes, scales, mins, g = quantized(n, k, bits, group)
-    w = prepare_qlinear_weight(codes, scales, mins, bits=bits, group_size=g, activations="int8")
+    w = prepare_qlinear_weight(codes, scales, mins, bits=bits, group_size=g, activations=activations)
     x = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(tokens)) * 3).to(dtype)
     return (codes, scales, mins, g), w, x, torch.randn(n).to(dtype)
 

@@ -59,11 +59,10 @@ inline bool use_bf16(int64_t tokens, bool bf16_prompts) {
   return bf16_prompts && tokens >= kMinTokens && llmc_amx::use_amx(tokens);
 }
 
-// ("amx-bf16", "") or ("", why a prompt's quads GEMM keeps int8 activations).
+// ("amx-bf16", "") or ("", why a prompt's quads GEMM keeps int8 activations): the bf16 GEMMs' choice.
 inline std::pair<std::string, std::string> prompt_path() {
-  if (!llmc_amx::support().usable) return {"", llmc_amx::support().why};
-  if (llmc_amx::env_is("LLMC_CPU_AMX", "off")) return {"", "LLMC_CPU_AMX=off"};
-  return {"amx-bf16", ""};
+  const auto [path, why] = llmc_amx::gemm_path();
+  return {why.empty() ? path : "", why};
 }
 
 // Elements of scratch gemm_range needs for K inputs: a chunk, at least one panel.

@@ -234,7 +234,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void panel_tiles(const Bf16*
 }
 
 // Where a GEMM's outputs go: row t, column c (c < n_dim) at out + t * stride + c (bf16, or fp32 for
-// the quantized GEMM of amx_wgemm.h).
+// the quantized GEMM of amx_dequant_gemm.h).
 template <typename Out>
 struct Dest {
   Out* out;

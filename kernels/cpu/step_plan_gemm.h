@@ -156,15 +156,18 @@ inline llmc_qdot::QuadPanels quad_panels(const Instr& in, const Bound& b) {
 template <typename X>
 const llmc_amx::Bf16* bf16_rows(const X* x, int64_t k, const Bound& b, int tid, int64_t rows, int64_t first,
                                 int64_t last) {
-  if constexpr (std::is_same_v<X, llmc_amx::Bf16>) return x;
-  auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
-  if (b.widened_alone) {
-    llmc_amx_dq::round_rows(x, xb, k, 0, rows);
+  if constexpr (std::is_same_v<X, llmc_amx::Bf16>) {
+    return x;
   } else {
-    llmc_amx_dq::round_rows(x, xb, k, first, last);
-    b.barrier->wait();
+    auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
+    if (b.widened_alone) {
+      llmc_amx_dq::round_rows(x, xb, k, 0, rows);
+    } else {
+      llmc_amx_dq::round_rows(x, xb, k, first, last);
+      b.barrier->wait();
+    }
+    return xb;
   }
-  return xb;
 }
 
 // A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x as bf16 (bf16_rows), then
