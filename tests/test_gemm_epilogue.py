@@ -1,6 +1,7 @@
-"""A GEMM with a generated epilogue (kernels/cpu/amx_epilogue.h; the step plan's `linear_epilogue`).
+"""A GEMM with a generated epilogue (kernels/cpu/amx_epilogue.h, panel_epilogue.h; the step plan's
+`linear_epilogue`).
 
-The kernel: a bf16 GEMM on AMX tiles whose column-local epilogue (a gated activation's window
+The AMX kernel: a bf16 GEMM on AMX tiles whose column-local epilogue (a gated activation's window
 function, generated from the IR as an artifact's are) runs on each 32 columns as they are made,
 against the GEMM (amx_panel_gemm) then the epilogue's row function: equal bit for bit, at token
 counts below, at and across the 16-token tiles, ATen's threads splitting the tokens (so a thread's
@@ -8,6 +9,11 @@ rows start past 0), K with and without a tail, across token blocks (K 4096: bloc
 gate/up halves of one and of several windows, with and without bias; the output starts as NaN, so
 an element left unwritten fails too (planted: the last window never run). Skipped, saying why, where
 AMX is not usable.
+
+The AVX-512 panel kernel's (every CPU; f32 and bf16): the same check against panel_gemm then the row
+function, at token counts below and across its 12-token tiles and 48-row stages, across token blocks
+(K 4096 f32: blocks of 12 tokens), ATen's threads splitting the windows (planted: a stage row stride
+one panel short, so the up half overwrites the gate half of the next row, fails it).
 
 The lowering: `epilogue_reads` (runtime/plan_generated.py) fuses a linear with the column-local
 unit after it only where the plan can (the GEMM's result read by that unit alone, at whole
@@ -41,28 +47,30 @@ SHAPES = [(t, k, w) for t in (1, 15, 16, 33, 130) for k in (64, 90, 608) for w i
 SHAPES += [(130, 4096, 32)]                # token blocks of 128: a second block of 2 tokens
 
 
-def gated_graph(op: str, width: int, n: int | None = None, also_returned: bool = False, k: int = 64):
+def gated_graph(op: str, width: int, n: int | None = None, also_returned: bool = False, k: int = 64,
+                dtype: str = "bf16"):
     """x -> linear (n outputs, 2 x width unless given) -> the one-input gated `op`, grouped as the
     pipeline groups it; `also_returned`: the GEMM's result is a graph output too."""
     n = n or 2 * width
-    text = (f"graph g {{\n  %x = input() : bf16[T,{k}]\n  %w.up = weight() : bf16[{n},{k}]\n"
-            f"  %0 = linear(%x, %w.up) : bf16[T,{n}]\n  %1 = {op}(%0) : bf16[T,{width}]\n"
+    text = (f"graph g {{\n  %x = input() : {dtype}[T,{k}]\n  %w.up = weight() : {dtype}[{n},{k}]\n"
+            f"  %0 = linear(%x, %w.up) : {dtype}[T,{n}]\n  %1 = {op}(%0) : {dtype}[T,{width}]\n"
             f"  return %1{', %0' if also_returned else ''}\n}}\n")
     return fusion_grouping(parse_graph(text), PassContext())
 
 
 @pytest.fixture(scope="module")
 def windows():
-    """(op, W) -> (row function address, window function address, the unit, its graph, the library)."""
+    """(op, W, dtype) -> (row function address, window function address, the unit, its graph, the library)."""
     load_native_kernels()
     made = {}
     for op in GATED:
         for width in (32, 96):
-            graph = gated_graph(op, width)
-            lowering = lower_cpu({graph.name: graph})
-            (unit, name), = [(u, f) for u, f in zip(lowering.units["g"], lowering.plan["g"]) if f is not None]
-            library = load_generated(lowering.source())
-            made[op, width] = (library.address(name), library.address(name + "_cols"), unit, graph, library)
+            for dtype, name in ((BF16, "bf16"), (torch.float32, "f32")):
+                graph = gated_graph(op, width, dtype=name)
+                lowering = lower_cpu({graph.name: graph})
+                (unit, fn), = [(u, f) for u, f in zip(lowering.units["g"], lowering.plan["g"]) if f is not None]
+                library = load_generated(lowering.source())
+                made[op, width, dtype] = (library.address(fn), library.address(fn + "_cols"), unit, graph, library)
     return made
 
 
@@ -77,7 +85,7 @@ def amx_or_skip() -> None:
 @pytest.mark.parametrize("t,k,width", SHAPES)
 def test_the_fused_gemm_equals_the_gemm_then_the_epilogue(windows, op, t, k, width, bias):
     amx_or_skip()
-    row_fn, window_fn, unit, graph, _ = windows[op, width]
+    row_fn, window_fn, unit, graph, _ = windows[op, width, BF16]
     g = torch.Generator().manual_seed(t * k + width)
     x = torch.randn(t, k, generator=g).to(BF16)
     w = torch.randn(2 * width, k, generator=g).to(BF16)
@@ -87,6 +95,30 @@ def test_the_fused_gemm_equals_the_gemm_then_the_epilogue(windows, op, t, k, wid
     (want,) = generated_launch(row_fn, unit, graph)([gate_up], {})
     got = torch.full((t, width), float("nan"), dtype=BF16)
     torch.ops.llmc.amx_gemm_epilogue(x, panels, b, window_fn, 2, got)
+    assert torch.equal(got, want)
+
+
+PANEL_SHAPES = [(t, k, w) for t in (1, 13, 50, 130) for k in (64, 90) for w in (32, 96)]
+PANEL_SHAPES += [(30, 4096, 32)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("op", GATED)
+@pytest.mark.parametrize("t,k,width", PANEL_SHAPES)
+def test_the_panel_kernel_fused_equals_the_gemm_then_the_epilogue(windows, op, t, k, width, bias, dtype):
+    row_fn, window_fn, unit, graph, _ = windows[op, width, dtype]
+    g = torch.Generator().manual_seed(t * k + width)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    w = torch.randn(2 * width, k, generator=g).to(dtype)
+    b = torch.randn(2 * width, generator=g).to(dtype) if bias else None
+    panels = to_panels(w)
+    # row by row: the panel kernel's values (a token's do not depend on its batch), where panel_gemm
+    # would take AMX tiles for bf16
+    gate_up = torch.cat([torch.ops.llmc.panel_gemm(row, panels, 2 * width, b) for row in x.split(1)])
+    (want,) = generated_launch(row_fn, unit, graph)([gate_up], {})
+    got = torch.full((t, width), float("nan"), dtype=dtype)
+    torch.ops.llmc.panel_gemm_epilogue(x, panels, b, window_fn, 2, got)
     assert torch.equal(got, want)
 
 

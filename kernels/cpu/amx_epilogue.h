@@ -2,12 +2,9 @@
 // columns of its output while the GEMM makes the next 32, and the GEMM's own output is never
 // written out (the step plan's `linear_epilogue`, on a prompt's tokens).
 //
-// Contract: as amx_gemm.h's gemm_range for x [T, K] bf16 and all the panels of an N-wide weight,
-// then the epilogue's window function (compiler/codegen/cpp.py's NAME_cols: a column-local unit,
-// output column j reading the GEMM's columns j, W + j, ..., (reads - 1) W + j) over rows row0 ..
-// row0 + T - 1 of its values. N = reads x W, W a multiple of 32 (a panel). Each GEMM output is rounded
-// to bf16 once, as gemm_range stores it, and the kernel reads those values: the results equal the
-// GEMM then the kernel, bit for bit.
+// Contract: panel_epilogue.h's (the epilogue's window function over the GEMM's values, each rounded
+// to bf16 once, as gemm_range stores it: equal to the GEMM then the kernel, bit for bit), for x [T, K]
+// bf16 and all the panels of an N-wide weight, every window on the calling thread.
 //
 // How: for each window of 32 output columns the panels it reads (the gate's and the up's for a
 // gated activation) meet the token block one after the other, their outputs go to a stage that
@@ -24,41 +21,16 @@
 #include <vector>
 
 #include "amx_gemm.h"
+#include "panel_epilogue.h"
 
 namespace llmc_amx {
 
-// compiler/codegen/cpp.py's window function: values' rows first .. last - 1, columns col0 .. col1 - 1.
-using WindowFn = void (*)(char* const* ptrs, const int64_t* strides, int64_t first, int64_t last, int64_t col0,
-                          int64_t col1);
-
-// The epilogue of one GEMM call: its values as the generated kernel takes them (`source`: the GEMM's
-// result), its output width W, how many W-wide column groups of the result it reads, and the plan
-// row of the GEMM's first token.
-struct Epilogue {
-  WindowFn fn;
-  std::vector<char*> ptrs;
-  std::vector<int64_t> strides;
-  int64_t source, width, reads, row0;
-};
+using llmc_panels::Epilogue;
+using llmc_panels::moved;
+using llmc_panels::stage_slots;
+using llmc_panels::WindowFn;
 
 #if defined(__x86_64__)
-// `p` moved by `elements` (negative ones too) as an address: where a window function's row r,
-// column j of the GEMM's result lands on the stage.
-inline Bf16* moved(Bf16* p, int64_t elements) {
-  return reinterpret_cast<Bf16*>(reinterpret_cast<uintptr_t>(p) + elements * int64_t{sizeof(Bf16)});
-}
-
-// The stage's row stride in panels: the fewest m (from 2) at which a row's column groups, W / 32
-// panels apart, fall on distinct panel slots of distinct rows (no (g - h) x W / 32 a multiple of m).
-inline int64_t stage_slots(int64_t width, int64_t reads) {
-  const int64_t apart = width / llmc_panels::kPanel;
-  for (int64_t m = 2;; ++m) {
-    bool distinct = true;
-    for (int64_t d = 1; d < reads; ++d) distinct = distinct && (d * apart) % m != 0;
-    if (distinct) return m;
-  }
-}
-
 // The window whose stage is full and whose rows the window function has yet to run on.
 struct WindowRows {
   int64_t stage = 0, window = 0, first = 0, next = 0, end = 0;   // plan rows: the stage's first, to go
@@ -75,7 +47,7 @@ inline void epilogue_range(const Bf16* x, const Bf16* panels, int64_t tokens, in
   for (int64_t w = 0; w < windows; ++w)
     for (int64_t g = 0; g < e.reads; ++g) order.push_back(g * windows + w);
   const int64_t stride = stage_slots(e.width, e.reads) * kPanel, rows = std::max(tokens, int64_t{32});
-  const int64_t size = rows * stride + (e.reads - 1) * e.width + kPanel;
+  const int64_t size = llmc_panels::stage_size(rows, stride, e);
   const std::unique_ptr<Bf16[]> stages[2] = {std::unique_ptr<Bf16[]>(new Bf16[size]),
                                              std::unique_ptr<Bf16[]>(new Bf16[size])};   // written before read
   std::vector<char*> ptrs = e.ptrs;

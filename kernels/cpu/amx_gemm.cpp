@@ -69,8 +69,9 @@ void amx_gemm_epilogue(const at::Tensor& x, const at::Tensor& panels, const std:
 #if defined(__x86_64__)
   const auto* bp = bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
-    const llmc_amx::Epilogue e{reinterpret_cast<llmc_amx::WindowFn>(static_cast<intptr_t>(window_fn)),
-                               {nullptr, static_cast<char*>(out.data_ptr())}, {n_dim, width}, 0, width, reads, begin};
+    const llmc_panels::Epilogue e{reinterpret_cast<llmc_panels::WindowFn>(static_cast<intptr_t>(window_fn)),
+                                  {nullptr, static_cast<char*>(out.data_ptr())}, {n_dim, width}, 0, width, reads,
+                                  begin};
     llmc_amx::epilogue_range(x.const_data_ptr<c10::BFloat16>() + begin * x.size(1),
                              panels.const_data_ptr<c10::BFloat16>(), end - begin, x.size(1), bp, e);
   });

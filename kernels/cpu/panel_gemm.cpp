@@ -20,12 +20,17 @@
 // of a thread meets a whole block before the next, so a panel is read from memory once per block
 // (batch-1 decode: exactly once, kGemvPanels panels at a time, so that 8 accumulator chains, not
 // 2, hide the FMA / vdpbf16ps latency; each output is still summed input by input).
+//
+// panel_gemm_epilogue: the same GEMM with a generated column-local kernel as its epilogue, the
+// GEMM's result never written (panel_epilogue.h states its contract): out [T, W] in x's dtype, N =
+// reads x W; the threads split the windows of 32 output columns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "amx_gemm.h"
+#include "panel_epilogue.h"
 
 namespace {
 
@@ -44,9 +49,8 @@ void panel_gemm_typed(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
   });
 }
 
-at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim,
-                      const std::optional<at::Tensor>& bias_opt) {
-  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+// x, panels, n and bias as the contract states them, or an error naming the one that is not.
+void check_operands(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim, const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be f32 or bf16, not ",
               x.scalar_type());
@@ -65,16 +69,57 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t n_d
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n_dim && bias.is_contiguous() &&
                     bias.scalar_type() == x.scalar_type(),
                 "bias must be a contiguous [", n_dim, "] tensor of x's dtype");
+}
+
+at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t n_dim,
+                      const std::optional<at::Tensor>& bias_opt) {
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  check_operands(x, panels, n_dim, bias);
   at::Tensor out = at::empty({x.size(0), n_dim}, x.options());
-  if (bf16)
+  if (x.scalar_type() == at::kBFloat16)
     panel_gemm_typed<c10::BFloat16>(x, panels, n_dim, bias, out);
   else
     panel_gemm_typed<float>(x, panels, n_dim, bias, out);
   return out;
 }
 
+template <typename X>
+void panel_gemm_epilogue_typed(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias, int64_t window_fn,
+                               int64_t reads, const at::Tensor& out) {
+  const int64_t width = out.size(1);
+  const X* bp = bias.defined() ? bias.const_data_ptr<X>() : nullptr;
+  at::parallel_for(0, width / kPanel, 1, [&](int64_t begin, int64_t end) {
+    const llmc_panels::Epilogue e{reinterpret_cast<llmc_panels::WindowFn>(static_cast<intptr_t>(window_fn)),
+                                  {nullptr, static_cast<char*>(out.data_ptr())}, {reads * width, width}, 0, width,
+                                  reads, 0};
+    llmc_panels::panel_epilogue_range(x.const_data_ptr<X>(), panels.const_data_ptr<X>(), x.size(0), x.size(1), bp, e,
+                                      begin, end);
+  });
+}
+
+void panel_gemm_epilogue(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias_opt,
+                         int64_t window_fn, int64_t reads, const at::Tensor& out) {
+  const at::Tensor bias = bias_opt.value_or(at::Tensor());
+  const int64_t width = out.size(1), n_dim = panels.size(0) * kPanel;
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == x.scalar_type() &&
+                  out.size(0) == x.size(0) && width % kPanel == 0 && reads >= 1 && reads * width == n_dim,
+              "out must be a contiguous [T, W] tensor of x's dtype, W a multiple of 32 and N = ", n_dim,
+              " = reads x W");
+  check_operands(x, panels, n_dim, bias);
+  if (x.scalar_type() == at::kBFloat16)
+    panel_gemm_epilogue_typed<c10::BFloat16>(x, panels, bias, window_fn, reads, out);
+  else
+    panel_gemm_epilogue_typed<float>(x, panels, bias, window_fn, reads, out);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(llmc, m) { m.def("panel_gemm(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(llmc, m) {
+  m.def("panel_gemm(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("panel_gemm_epilogue(Tensor x, Tensor panels, Tensor? bias, int window_fn, int reads, Tensor(a!) out) -> ()");
+}
 
-TORCH_LIBRARY_IMPL(llmc, CPU, m) { m.impl("panel_gemm", &panel_gemm); }
+TORCH_LIBRARY_IMPL(llmc, CPU, m) {
+  m.impl("panel_gemm", &panel_gemm);
+  m.impl("panel_gemm_epilogue", &panel_gemm_epilogue);
+}

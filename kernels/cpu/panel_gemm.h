@@ -35,7 +35,7 @@ inline int64_t next_group_jump(int64_t k, int64_t k_dim, int64_t elem) {
 // PP > 1 only at TT = 1 (a GEMV): one panel's two chains of FMAs would wait on the FMA latency.
 template <int TT, int PP, typename Out>
 void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
-              int64_t n_dim) {
+              int64_t n_dim, int64_t ld) {
   Vec16 acc[PP][TT][2];
   for (int u = 0; u < PP; ++u)
     for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
@@ -55,14 +55,14 @@ void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bia
       }
     }
   }
-  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim, ld);
 }
 
 // bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs (PP > 1 at TT = 1 only,
 // as for f32: a vdpbf16ps chain waits on its latency).
 template <int TT, int PP>
 void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_dim, const c10::BFloat16* bias,
-               c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim) {
+               c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim, int64_t ld) {
   Vec16 acc[PP][TT][2];
   for (int u = 0; u < PP; ++u)
     for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
@@ -102,32 +102,32 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_di
 #endif
     }
   }
-  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim, ld);
 }
 
 template <int TT, int PP, typename X>
 void tile(const X* x0, const X* panel, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
-          int64_t n_dim) {
+          int64_t n_dim, int64_t ld) {
   if constexpr (std::is_same_v<X, float>)
-    tile_f32<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    tile_f32<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
   else
-    tile_bf16<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    tile_bf16<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
 }
 
-// Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p.
+// Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p, into out's rows `ld` elements apart.
 template <typename X>
 void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t tt, int64_t p,
-              int64_t n_dim) {
+              int64_t n_dim, int64_t ld) {
   const X* x0 = x + t0 * k_dim;
   const X* panel = panels + p * k_dim * kPanel;
   const int64_t n0 = p * kPanel;
   switch (tt) {
 #define LLMC_TILE(n) \
-  case n: tile<n, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim); break;
+  case n: tile<n, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld); break;
     LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
     LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
 #undef LLMC_TILE
-    default: tile<1, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim);
+    default: tile<1, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
   }
 }
 
@@ -142,10 +142,10 @@ void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
     const X* panel = panels + p * k_dim * kPanel;
     const int64_t n0 = p * kPanel, groups = (end - p + kGemvPanels - 1) / kGemvPanels;
     switch ((end - p + groups - 1) / groups) {
-      case 4: tile<1, 4>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 4; break;
-      case 3: tile<1, 3>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 3; break;
-      case 2: tile<1, 2>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 2; break;
-      default: tile<1, 1>(x, panel, k_dim, bias, out, 0, n0, n_dim); p += 1;
+      case 4: tile<1, 4>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
+      case 3: tile<1, 3>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
+      case 2: tile<1, 2>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;
+      default: tile<1, 1>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 1;
     }
   }
 }
@@ -156,7 +156,7 @@ void panel_gemm_range(const X* x, const X* panels, int64_t tokens, int64_t k_dim
                       int64_t n_dim, int64_t begin, int64_t end) {
   if (tokens == 1) return run_gemv(x, panels, k_dim, bias, out, begin, end, n_dim);
   walk_tiles(begin, end, tokens, k_dim, sizeof(X), kTile, [&](int64_t p, int64_t t0, int64_t tt) {
-    run_tile(x, panels, k_dim, bias, out, t0, tt, p, n_dim);
+    run_tile(x, panels, k_dim, bias, out, t0, tt, p, n_dim, n_dim);
   });
 }
 

@@ -23,14 +23,18 @@ constexpr int64_t kPanel = 32;              // outputs per panel: two 16-lane ve
 constexpr int64_t kBlockBytes = 256 << 10;  // fp32/bf16 x of one token block (L2-resident)
 constexpr int64_t kAhead = 4096;            // bytes of software prefetch ahead in the weight stream
 
+// Tokens of a block whose x (K elements of `element_bytes` a token) fits kBlockBytes, whole tiles.
+inline int64_t token_block(int64_t k_dim, int64_t element_bytes, int64_t tile) {
+  return std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
+}
+
 // Runs fn(p, t0, tt) for panels begin .. end - 1 and every tile of tt <= `tile` tokens from t0, on
-// the calling thread: tokens go in blocks whose x (K elements of `element_bytes` a token) fits
-// kBlockBytes, and every panel meets a whole block before the next, so a panel is read from
-// memory once per block.
+// the calling thread: tokens go in blocks (token_block), and every panel meets a whole block before
+// the next, so a panel is read from memory once per block.
 template <typename Fn>
 void walk_tiles(int64_t begin, int64_t end, int64_t tokens, int64_t k_dim, int64_t element_bytes, int64_t tile,
                 Fn fn) {
-  const int64_t block = std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
+  const int64_t block = token_block(k_dim, element_bytes, tile);
   for (int64_t b0 = 0; b0 < tokens; b0 += block) {
     const int64_t b1 = std::min(tokens, b0 + block);
     for (int64_t p = begin; p < end; ++p)
@@ -38,9 +42,11 @@ void walk_tiles(int64_t begin, int64_t end, int64_t tokens, int64_t k_dim, int64
   }
 }
 
-// The tile's sums into out rows t0 .. t0 + TT - 1, columns n0 .. n0 + 31 (those below N), plus bias.
+// The tile's sums into out rows t0 .. t0 + TT - 1 (`ld` elements apart), columns n0 .. n0 + 31 (those
+// below N), plus bias.
 template <int TT, typename Out>
-void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim) {
+void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim,
+                int64_t ld) {
   Vec16 b[2] = {Vec16{}, Vec16{}};
   const int64_t cols = std::min(kPanel, n_dim - n0);
   if (bias) {
@@ -49,7 +55,7 @@ void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0
     b[0] = load16(tmp), b[1] = load16(tmp + 16);
   }
   for (int t = 0; t < TT; ++t) {
-    Out* row = out + (t0 + t) * n_dim + n0;
+    Out* row = out + (t0 + t) * ld + n0;
     if (cols == kPanel) {
       store16(row, acc[t][0] + b[0]);
       store16(row + 16, acc[t][1] + b[1]);
@@ -60,6 +66,12 @@ void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0
       std::memcpy(row, tmp, cols * sizeof(Out));
     }
   }
+}
+
+// store_tile into out [T, N].
+template <int TT, typename Out>
+void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim) {
+  store_tile<TT>(acc, bias, out, t0, n0, n_dim, n_dim);
 }
 
 }  // namespace llmc_panels

@@ -9,6 +9,7 @@
 #include "amx_epilogue.h"
 #include "amx_gemm.h"
 #include "amx_qgemm.h"
+#include "panel_epilogue.h"
 #include "qpanel_gemm.h"
 #include "row_picks.h"
 #include "step_plan_bound.h"
@@ -113,8 +114,10 @@ void linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, i
 
 // A float GEMM and its generated epilogue (instruction linear_epilogue): on AMX tiles split by
 // tokens as `linear`, the epilogue's window function on each 32 columns as the GEMM makes them
-// (amx_epilogue.h); otherwise `linear`, a barrier (the epilogue reads every thread's panels), and the
-// epilogue's kernel on the team's split of the rows. The same values either way, bit for bit.
+// (amx_epilogue.h); on the AVX-512 panel kernel with more than kClaimRows rows, the windows split,
+// each as its panels meet a few rows (panel_epilogue.h); otherwise (a decode step's GEMVs, whose
+// panels go kGemvPanels at a time, or AMX split by panels) `linear`, a barrier (the epilogue reads every thread's panels), and the
+// epilogue's kernel on the team's split of the rows. The same values every way, bit for bit.
 template <typename X>
 void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
                      int64_t last) {
@@ -123,16 +126,22 @@ void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, in
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k];
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const auto epilogue = [&](int64_t row0) {
+    return llmc_panels::Epilogue{reinterpret_cast<llmc_panels::WindowFn>(static_cast<intptr_t>(a[A::window_fn])),
+                                 b.ptrs[index], b.strides[index], a[A::source], a[A::width], a[A::reads], row0};
+  };
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<X, llmc_amx::Bf16>) {
-    if (split_by_tokens<X>(rows, team)) {
-      const llmc_amx::Epilogue e{reinterpret_cast<llmc_amx::WindowFn>(static_cast<intptr_t>(a[A::window_fn])),
-                                 b.ptrs[index], b.strides[index], a[A::source], a[A::width], a[A::reads], first};
-      llmc_amx::epilogue_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias, e);
-      return;
-    }
+    if (split_by_tokens<X>(rows, team))
+      return llmc_amx::epilogue_range(x_at(a[A::x]) + first * k, x_at(a[A::panels]), last - first, k, bias,
+                                      epilogue(first));
   }
 #endif
+  if (rows > kClaimRows && !llmc_amx::on_amx<X>(rows)) {
+    const auto [begin, end] = share(a[A::width] / llmc_panels::kPanel, tid, team);
+    return llmc_panels::panel_epilogue_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, epilogue(0), begin,
+                                             end);
+  }
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
     llmc_amx::linear_range(x_at(a[A::x]), x_at(a[A::panels]), rows, k, bias, x_at(a[A::out]), a[A::n], begin, end);
   });
