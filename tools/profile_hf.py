@@ -23,7 +23,7 @@ from llmc.runtime.sampling_params import SamplingParams
 
 from .bench_hf import load_hf_model
 from .hf_paths import HfPath, TokenClock, tune
-from .profile_steps import PROMPT_FOR_DECODE, best_of
+from .profile_steps import PREFILL_REPEATS, PROMPT_FOR_DECODE, best_of
 
 
 def decode_prompt(vocab: int, length: int = PROMPT_FOR_DECODE, seed: int = 0) -> list[int]:
@@ -57,7 +57,7 @@ def _decode_seconds(model, prompt: list[int], tokens: int, path: HfPath) -> floa
 
 
 def _prefill_seconds(model, ids: torch.Tensor, path: HfPath) -> float:
-    return best_of(lambda: path.forward(model, ids, logits_to_keep=1), 2)
+    return best_of(lambda: path.forward(model, ids, logits_to_keep=1), PREFILL_REPEATS)
 
 
 def hf_profile(artifact: Artifact, hf_model: str | None, decode_tokens: int, prompt_len: int,
