@@ -20,9 +20,9 @@ from llmc.runtime.artifact import load_artifact
 from llmc.runtime.host_times import HOST_PHASES
 from llmc.runtime.engine import Engine, EngineConfig
 from llmc.runtime.memory_plan import kv_bytes_per_token
+from llmc.tools.profile_hf import _own_dtype_line
 from llmc.tools.profile_launches import waits_line
-from llmc.tools.profile_steps import (StepProfile, _own_dtype_line, decode_bytes, prefill_flops,
-                                      profile_decode, profile_prefill)
+from llmc.tools.profile_steps import StepProfile, decode_bytes, prefill_flops, profile_decode, profile_prefill
 
 from test_bad_inputs import assert_process_error, run_llmc
 
@@ -76,6 +76,10 @@ def test_llmc_profile_reports_decode_and_prefill_against_measured_floors(tiny_fa
     own_dtype = {path: s for path, s in hf["prefill_tried"].items() if "autocast" not in path}
     assert hf["prefill_own_dtype_s"] == min(own_dtype.values()) and hf["prefill_own_dtype_path"] in own_dtype
     assert ("prefill without autocast" in proc.stdout) == ("autocast" in hf["prefill_path"])
+    # llmc's prefill timed right after each of transformers' timed prefills, the fastest in the ratios
+    assert hf["llmc_prefill_runs"] == 2 * len(hf["prefill_tried"]) and hf["llmc_prefill_s"] > 0
+    assert f"llmc's prefill in those ratios: {1000 * hf['llmc_prefill_s']:.0f} ms" in proc.stdout
+    assert f"(llmc takes {hf['llmc_prefill_s'] / hf['prefill_s']:.2f}x its time" in proc.stdout
     assert result["served_decode_s"] > 0 and "as served" in proc.stdout and "same boundaries" in proc.stdout
     served = result["served_decode_s"] / result["decode"]["seconds"]            # streamed, beside the step
     assert f"{1000 * result['served_decode_s']:.1f} ms/token = {served:.2f}x the step above" in proc.stdout

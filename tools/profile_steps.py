@@ -94,13 +94,16 @@ def _median(values: list[float]) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def best_of(fn: Callable[[], None], repeats: int) -> float:
+def best_of(fn: Callable[[], None], repeats: int, between: Callable[[], None] | None = None) -> float:
+    """The fastest of `repeats` timed calls of fn after an untimed one; `between` (untimed) after each."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        if between:
+            between()
     return min(times)
 
 
@@ -259,7 +262,8 @@ def _split(step: dict) -> str:
     return " | ".join(f"{name} {100 * t / step['seconds']:.0f}%" for name, t in step["by_category"].items())
 
 
-def format_profile(r: dict) -> str:
+def format_profile(r: dict, baseline: list[str] = ()) -> str:
+    """The profile's text; `baseline`: lines on the peer (profile_hf.baseline_lines) to end it."""
     d, p = r["decode"], r["prefill"]
     return "\n".join([
         f"{r['cpu']} | torch threads {r['threads']} | {r['dtype']} | {r['kernels']} kernels | {r['graphs']}"
@@ -288,31 +292,12 @@ def format_profile(r: dict) -> str:
         f"    {p['flops'] / 1e9:.1f} GFLOP -> {p['flops'] / p['seconds'] / 1e9:.1f} GFLOP/s = "
         f"{100 * p['flops'] / p['seconds'] / r['matmul_peak']:.0f}% of the matmul peak",
         *flop_lines(p["by_weight"], r["matmul_peak"]),
-        *_baseline_lines(r),
+        *baseline,
     ])
 
 
 def _phases(per_step: dict[str, float]) -> str:
     return " / ".join(f"{1000 * per_step[phase]:.2f}" for phase in HOST_PHASES)
-
-
-def _baseline_lines(r: dict) -> list[str]:
-    if "hf" not in r:
-        return []
-    hf, served, p = r["hf"], r["served_decode_s"], r["prefill"]
-    return [f"transformers, same run, same boundaries: decode {1000 * hf['decode_s']:.1f} ms/token "
-            f"(llmc as served {hf['decode_s'] / served:.2f}x as fast; its best of {len(hf['decode_tried'])} paths: "
-            f"{hf['decode_path']}), prefill {1000 * hf['prefill_s']:.0f} ms (llmc takes {p['seconds'] / hf['prefill_s']:.2f}x "
-            f"its time; its best of {len(hf['prefill_tried'])}: {hf['prefill_path']})", *_own_dtype_line(hf, p)]
-
-
-def _own_dtype_line(hf: dict, p: dict) -> list[str]:
-    """transformers' fastest prefill in the model's own arithmetic, where its fastest took autocast."""
-    if hf["prefill_own_dtype_path"] == hf["prefill_path"]:
-        return []
-    own = hf["prefill_own_dtype_s"]
-    return [f"    transformers' prefill without autocast (the model's dtype, as llmc computes): {1000 * own:.0f} ms "
-            f"(llmc takes {p['seconds'] / own:.2f}x its time; {hf['prefill_own_dtype_path']})"]
 
 
 def profile_cmd(
@@ -346,7 +331,7 @@ def profile_cmd(
         raise RequestError(f"baseline {baseline!r} is unknown; the only baseline is 'hf'")
     if min(decode_tokens, prompt_len, decode_context) < 1:
         raise RequestError("--decode-tokens, --decode-context and --prompt-len must be at least 1")
-    from .profile_hf import decode_prompt, hf_profile, served_decode
+    from .profile_hf import baseline_lines, decode_prompt, hf_profile, llmc_prefill, served_decode
 
     options = given_backend_options(kernels=kernels, step_plans=step_plans, cuda_graphs=False,   # timed: eager
                                     activations=activations)
@@ -379,8 +364,9 @@ def profile_cmd(
     prefill = profile_prefill(engine, prompt_len)
     result["prefill"] = {**prefill.__dict__, "flops": prefill_flops(art.graphs["prefill"], art, prompt_len)}
     if baseline == "hf":
-        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len, decode_context, compile=hf_compile)
-    typer.echo(format_profile(result))
+        result["hf"] = hf_profile(art, hf_model, decode_tokens, prompt_len, decode_context, compile=hf_compile,
+                                  beside=llmc_prefill(engine, prompt_len))
+    typer.echo(format_profile(result, baseline_lines(result)))
     if json_file:
         json_file.write_text(json.dumps(result, indent=2))
 
