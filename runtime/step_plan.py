@@ -44,8 +44,8 @@ columns 0, W, 2W, ... (W that unit's output width, whole panels of 32), where th
 column-local (codegen gave it a window form, NAME_cols), runs with it as one instruction,
 `linear_epilogue` (plan_generated.py's `epilogue_reads` decides): on AMX tiles the unit runs on each 32 columns as the
 GEMM makes them (kernels/cpu/amx_epilogue.h), on the AVX-512 panel kernel (fp32, and bf16 off AMX) on
-each 32 columns of a few rows as their panels meet them (panel_epilogue.h), and in a decode step of up
-to 4 rows the GEMM, a barrier and the unit; the same values every way.
+each 32 columns of a few rows as their panels meet them (panel_epilogue.h), otherwise (a decode step
+of up to 4 rows, AMX split by panels) the GEMM, a barrier and the unit; the same values every way.
 """
 
 from __future__ import annotations

@@ -116,8 +116,9 @@ void linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, i
 // tokens as `linear`, the epilogue's window function on each 32 columns as the GEMM makes them
 // (amx_epilogue.h); on the AVX-512 panel kernel with more than kClaimRows rows, the windows split,
 // each as its panels meet a few rows (panel_epilogue.h); otherwise (a decode step's GEMVs, whose
-// panels go kGemvPanels at a time, or AMX split by panels) `linear`, a barrier (the epilogue reads every thread's panels), and the
-// epilogue's kernel on the team's split of the rows. The same values every way, bit for bit.
+// panels go kGemvPanels at a time, or AMX split by panels) `linear`, a barrier (the epilogue reads
+// every thread's panels), and the epilogue's kernel on the team's split of the rows. The same values
+// every way, bit for bit.
 template <typename X>
 void linear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
                      int64_t last) {
