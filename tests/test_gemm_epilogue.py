@@ -74,6 +74,15 @@ def windows():
     return made
 
 
+def gate_up_operands(t: int, k: int, width: int, bias: bool, dtype: torch.dtype):
+    """Seeded x [t, k], the panels of a [2 x width, k] gate/up weight, and its bias (or None), in dtype."""
+    g = torch.Generator().manual_seed(t * k + width)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    w = torch.randn(2 * width, k, generator=g).to(dtype)
+    b = torch.randn(2 * width, generator=g).to(dtype) if bias else None
+    return x, to_panels(w), b
+
+
 def amx_or_skip() -> None:
     path, why = cpu_gemm_path()
     if path != "amx-bf16":
@@ -86,11 +95,7 @@ def amx_or_skip() -> None:
 def test_the_fused_gemm_equals_the_gemm_then_the_epilogue(windows, op, t, k, width, bias):
     amx_or_skip()
     row_fn, window_fn, unit, graph, _ = windows[op, width, BF16]
-    g = torch.Generator().manual_seed(t * k + width)
-    x = torch.randn(t, k, generator=g).to(BF16)
-    w = torch.randn(2 * width, k, generator=g).to(BF16)
-    b = torch.randn(2 * width, generator=g).to(BF16) if bias else None
-    panels = to_panels(w)
+    x, panels, b = gate_up_operands(t, k, width, bias, BF16)
     gate_up = torch.ops.llmc.amx_panel_gemm(x, panels, 2 * width, b)
     (want,) = generated_launch(row_fn, unit, graph)([gate_up], {})
     got = torch.full((t, width), float("nan"), dtype=BF16)
@@ -108,11 +113,7 @@ PANEL_SHAPES += [(30, 4096, 32)]
 @pytest.mark.parametrize("t,k,width", PANEL_SHAPES)
 def test_the_panel_kernel_fused_equals_the_gemm_then_the_epilogue(windows, op, t, k, width, bias, dtype):
     row_fn, window_fn, unit, graph, _ = windows[op, width, dtype]
-    g = torch.Generator().manual_seed(t * k + width)
-    x = torch.randn(t, k, generator=g).to(dtype)
-    w = torch.randn(2 * width, k, generator=g).to(dtype)
-    b = torch.randn(2 * width, generator=g).to(dtype) if bias else None
-    panels = to_panels(w)
+    x, panels, b = gate_up_operands(t, k, width, bias, dtype)
     # row by row: the panel kernel's values (a token's do not depend on its batch), where panel_gemm
     # would take AMX tiles for bf16
     gate_up = torch.cat([torch.ops.llmc.panel_gemm(row, panels, 2 * width, b) for row in x.split(1)])

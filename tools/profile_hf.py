@@ -67,8 +67,7 @@ def _decode_seconds(model, prompt: list[int], tokens: int, path: HfPath) -> floa
 def llmc_prefill(engine: Engine, tokens: int, seed: int = 1) -> Callable[[], float]:
     """A timer for hf_profile's `beside`: each call one untimed llmc prefill step over `tokens` random
     tokens (profile_prefill's prompt), from building its inputs to the logits; its seconds."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, engine.artifact.config.vocab_size, (tokens,), generator=g).tolist()
+    ids = decode_prompt(engine.artifact.config.vocab_size, tokens, seed)
 
     def run() -> float:
         seq = Sequence(1, ids, SamplingParams(max_tokens=1))
