@@ -4,8 +4,9 @@
 // queries are transposed once per item rather than each key tile once per tile, and the
 // softmax runs down the columns: 16 rows per vector, no horizontal reductions.
 //
-//   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k[n]: qt = Q transposed [d][R],
-//                                        k [keys][d] (rows as read from the cache), keys % 16 == 0
+//   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k(n) for n < keys: qt = Q transposed
+//                                        [d][R], k(n) key n's row of d (Strided: a copy; Blocked:
+//                                        the cache's blocks read in place)
 //   softmax<kPairs>(st, R, keys, ...)    st scaled, soft-capped (ScoreRule), masked (causal and
 //                                        the sliding window), turned into probabilities against
 //                                        each row's running reference, which trails its max by
@@ -14,7 +15,7 @@
 //   rescale(alpha, R, d, o)              o[r] *= alpha[r] where alpha[r] != 1 (rarely: the
 //                                        reference moves only on a tile with a much larger score)
 //   soft_cap(x, cap)                     cap * tanh(x / cap) per lane (cap > 0), -inf kept
-//   accumulate<A>(p, R, keys, v, d, o)   o[r] += sum_n p[n][r] v[n], v [keys][d], o [R][d]
+//   accumulate<A>(p, R, keys, v, d, o)   o[r] += sum_{n < keys} p[n][r] v(n), v(n) a row of d, o [R][d]
 // A register block is kRows x up to 64 columns (24 accumulators, 4 operands, a broadcast). The
 // GEMMs take A = F32 (fp32 FMAs) or, on CPUs with AVX512_BF16, A = Bf16Pairs (vdpbf16ps).
 #pragma once
@@ -68,19 +69,38 @@ struct Bf16Pairs {
 };
 #endif
 
-// out[m][c] (+)= sum_j a[m * a_row + j * a_step] * b[j * b_row + 16c ..]: MR broadcast rows
-// of `a` against NV vectors of each row of `b`, j < depth; `out` rows `out_row` apart.
-template <typename A, int MR, int NV, bool kAccumulate>
-inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
-                       int64_t b_row, int64_t depth, float* out, int64_t out_row) {
+// Where row i of a GEMM operand lies. Strided: `row` elements apart from `base`. Blocked: rows of the
+// paged cache read in place, 16 to a block (`row` elements apart) and the blocks at `blocks` [i / 16].
+template <typename E>
+struct Strided {
+  const E* base;
+  int64_t row;
+  const E* operator()(int64_t i) const { return base + i * row; }
+};
+
+template <typename E>
+struct Blocked {
+  const E* const* blocks;
+  int64_t row;
+  const E* operator()(int64_t i) const { return blocks[i >> 4] + (i & 15) * row; }
+};
+
+// out[m][c] (+)= sum_j a(m0 + m)[j * a_step] * b(j)[c0 + 16c ..]: MR broadcast rows of `a` against NV
+// vectors of each row of `b`, j < depth; `out` rows `out_row` apart.
+template <typename A, int MR, int NV, bool kAccumulate, typename ARows, typename BRows>
+inline void gemm_block(const ARows& a, int64_t m0, int64_t a_step, const BRows& b, int64_t c0, int64_t depth,
+                       float* out, int64_t out_row) {
+  const typename A::Elem* am[MR];
+  for (int m = 0; m < MR; ++m) am[m] = a(m0 + m);
   Vec16 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < NV; ++c) acc[m][c] = kAccumulate ? load16(out + m * out_row + 16 * c) : Vec16{};
   for (int64_t j = 0; j < depth; ++j) {
+    const typename A::Elem* bj = b(j) + c0;
     typename A::Operand x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = in_register(A::load(b + j * b_row + 16 * c));
+    for (int c = 0; c < NV; ++c) x[c] = in_register(A::load(bj + 16 * c));
     for (int m = 0; m < MR; ++m) {
-      const typename A::Operand w = A::broadcast(a[m * a_row + j * a_step]);
+      const typename A::Operand w = A::broadcast(am[m][j * a_step]);
       for (int c = 0; c < NV; ++c) acc[m][c] = A::step(acc[m][c], w, x[c]);
     }
   }
@@ -89,47 +109,43 @@ inline void gemm_block(const typename A::Elem* a, int64_t a_row, int64_t a_step,
 }
 
 // gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time.
-template <typename A, int MR, bool kAccumulate>
-inline void gemm_rows(const typename A::Elem* a, int64_t a_row, int64_t a_step, const typename A::Elem* b,
-                      int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row) {
+template <typename A, int MR, bool kAccumulate, typename ARows, typename BRows>
+inline void gemm_rows(const ARows& a, int64_t m0, int64_t a_step, const BRows& b, int64_t depth, int64_t cols,
+                      float* out, int64_t out_row) {
   int64_t c = 0;
   for (; c + 64 <= cols; c += 64)
-    gemm_block<A, MR, 4, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
+    gemm_block<A, MR, 4, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
   switch ((cols - c) / 16) {
-    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
-    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
-    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, a_row, a_step, b + c, b_row, depth, out + c, out_row);
+    case 3: return gemm_block<A, MR, 3, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
+    case 2: return gemm_block<A, MR, 2, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
+    case 1: return gemm_block<A, MR, 1, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
     default: return;
   }
 }
 
 // All `rows` rows of the product, kRows at a time.
-template <typename A, bool kAccumulate>
-inline void gemm(const typename A::Elem* a, int64_t a_row, int64_t a_step, int64_t rows, const typename A::Elem* b,
-                 int64_t b_row, int64_t depth, int64_t cols, float* out, int64_t out_row) {
+template <typename A, bool kAccumulate, typename ARows, typename BRows>
+inline void gemm(const ARows& a, int64_t a_step, int64_t rows, const BRows& b, int64_t depth, int64_t cols, float* out,
+                 int64_t out_row) {
   int64_t m = 0;
   for (; m + kRows <= rows; m += kRows)
-    gemm_rows<A, kRows, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
-  for (; m + 2 <= rows; m += 2)
-    gemm_rows<A, 2, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
-  if (m < rows)
-    gemm_rows<A, 1, kAccumulate>(a + m * a_row, a_row, a_step, b, b_row, depth, cols, out + m * out_row, out_row);
+    gemm_rows<A, kRows, kAccumulate>(a, m, a_step, b, depth, cols, out + m * out_row, out_row);
+  for (; m + 2 <= rows; m += 2) gemm_rows<A, 2, kAccumulate>(a, m, a_step, b, depth, cols, out + m * out_row, out_row);
+  if (m < rows) gemm_rows<A, 1, kAccumulate>(a, m, a_step, b, depth, cols, out + m * out_row, out_row);
 }
 
 // `depth` is d for F32 and d / 2 for Bf16Pairs (qt then [d/2][R] pairs of dimensions, k
-// [keys][d/2] pairs, i.e. bf16 rows as they are).
-template <typename A>
-void scores(const typename A::Elem* qt, int64_t rows, int64_t depth, const typename A::Elem* k, int64_t keys,
-            float* st) {
-  gemm<A, false>(k, depth, 1, keys, qt, rows, depth, rows, st, rows);
+// [keys][d/2] pairs, i.e. bf16 rows as they are). `k` gives key n's row (Strided or Blocked).
+template <typename A, typename KRows>
+void scores(const typename A::Elem* qt, int64_t rows, int64_t depth, const KRows& k, int64_t keys, float* st) {
+  gemm<A, false>(k, 1, keys, Strided<typename A::Elem>{qt, rows}, depth, rows, st, rows);
 }
 
 // `depth` is keys for F32 and keys / 2 for Bf16Pairs (p then [keys/2][R] pairs of keys, v
-// [keys/2][d] pairs of keys, as pair_rows makes them).
-template <typename A>
-void accumulate(const typename A::Elem* p, int64_t rows, int64_t depth, const typename A::Elem* v, int64_t d,
-                float* o) {
-  gemm<A, true>(p, 1, rows, rows, v, d, depth, d, o, d);
+// [keys/2][d] pairs of keys, as pair_rows makes them). `v` gives row j of the values.
+template <typename A, typename VRows>
+void accumulate(const typename A::Elem* p, int64_t rows, int64_t depth, const VRows& v, int64_t d, float* o) {
+  gemm<A, true>(Strided<typename A::Elem>{p, 1}, rows, rows, v, depth, d, o, d);
 }
 
 // out[i] = bf16(lo[i]) | bf16(hi[i]) << 16 for 16 lanes, rounded to nearest even (with AVX512_BF16
