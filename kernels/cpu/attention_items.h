@@ -30,6 +30,7 @@
 namespace llmc_cpu {
 
 constexpr int64_t kBlock = 16;  // tokens per cache block
+static_assert(kBlock == 16, "tiles::Blocked (attention_tiles.h) reads a cache block as 16 rows");
 
 struct Geometry {
   int64_t heads, kv_heads, head_dim, groups;
