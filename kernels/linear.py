@@ -18,7 +18,7 @@ class PackedLinear:
     """A weight [N, K] reordered once into oneDNN's blocked GEMM layout (what inductor's CPU
     "freezing" does), so each call skips the per-call reorder: faster than F.linear most at
     decode batch sizes (`python -m llmc.tools.bench_kernels` prints the ratio). f32 and bf16 only.
-    Meaning: F.linear(x, weight, bias), accumulated in fp32 as oneDNN does."""
+    Meaning: F.linear(x, weight, bias), accumulated in fp32 as oneDNN does. `packable` says where."""
 
     def __init__(self, weight: torch.Tensor):
         if not packable(weight):
@@ -34,17 +34,25 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU can reorder a `dtype` weight for oneDNN's GEMM: f32 wherever
+    oneDNN is built in, bf16 only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU
+    raises in the reorder)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packable(weight: torch.Tensor) -> bool:
-    """Whether this torch build can pack `weight` for the CPU GEMM (else use F.linear)."""
+    """Whether this torch build can pack `weight` for the CPU GEMM on this CPU (else use F.linear)."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and onednn_packs(weight.dtype))
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's GEMM on `w` reordered for this call (the reorder is a transient copy): the peer a
-    weight kept only in its plain layout would get; F.linear where this torch build has no oneDNN."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+    weight kept only in its plain layout would get; F.linear where oneDNN cannot pack w's dtype here."""
+    if not onednn_packs(w.dtype):
         return F.linear(x, w, bias)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from llmc.kernels.gemv import GemvWeight, gemv_cpu, prepare_linear_weight, prepare_qlinear_weight
-from llmc.kernels.linear import PackedLinear, onednn_linear
+from llmc.kernels.linear import PackedLinear, onednn_linear, onednn_packs
 from llmc.kernels.native import load_native_kernels
 from llmc.kernels.quant import quantize_int4, quantize_int8
 from llmc.tools.profile_steps import cpu_name
@@ -86,6 +86,9 @@ def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
             rows.append(_row(shape_name, fmt, path, s, ws[0].nbytes, bandwidth))
             del ws
         for fmt, fdtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+            if not onednn_packs(fdtype):
+                rows.append(f"{shape_name:<9}{fmt:<13}oneDNN packed: not on this CPU (bf16 needs AVX512-BW)")
+                continue
             w_f = w.to(fdtype)
             count = max(2, -(-COLD_BYTES // (w_f.numel() * w_f.element_size())))
             packed = [PackedLinear(w_f.clone()) for _ in range(count)]
@@ -114,6 +117,8 @@ def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
     layer = [SHAPES[s] for s in ("qkv", "q/o", "gate_up", "down")]
     weights = [(torch.randn(n, k) * 0.05).to(dtype) for n, k in layer]
     panels = [prepare_linear_weight(w) for w in weights]
+    if not onednn_packs(dtype):
+        return [f"oneDNN cannot pack {dtype} weights on this CPU (it needs AVX512-BW or AVX-NE-CONVERT)"]
     packed = [PackedLinear(w) for w in weights]
     rows = []
     for t in token_counts:
