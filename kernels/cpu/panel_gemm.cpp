@@ -13,10 +13,10 @@
 //
 // How: the threads split the panels, so each streams its own contiguous part of the weight (one
 // stream, front to back, which the hardware prefetcher follows). A tile of up to kTile tokens x 32
-// outputs lives in 2 kTile accumulator registers whose lanes are outputs: for each input k the
-// panel's two 16-lane vectors meet that input of every token, broadcast (f32: FMA; bf16: one
-// vdpbf16ps per pair of inputs where the CPU has AVX512_BF16, else widened), so no horizontal sums
-// are needed. Tokens are taken kTile at a time within blocks whose x fits in L2, and every panel
+// outputs lives in 2 kTile accumulator registers whose lanes are outputs (AVX2: 6 tokens x 16
+// outputs in 8-lane registers, two tiles a panel): for each input k the panel's two vectors meet
+// that input of every token, broadcast (f32: FMA; bf16: one vdpbf16ps per pair of inputs where the
+// CPU has AVX512_BF16, else widened), so no horizontal sums are needed. Tokens are taken kTile at a time within blocks whose x fits in L2, and every panel
 // of a thread meets a whole block before the next, so a panel is read from memory once per block
 // (batch-1 decode: exactly once, kGemvPanels panels at a time, so that 8 accumulator chains, not
 // 2, hide the FMA / vdpbf16ps latency; each output is still summed input by input).

@@ -1,7 +1,7 @@
 // The float panel GEMM's kernel (panel_gemm.cpp has the op and its contract): tiles of up to kTile
-// tokens x one panel of 32 outputs (one token: x up to kGemvPanels panels) in registers, and
-// panel_gemm_range, which runs a range of panels on the calling thread (the op splits the panels
-// among the intra-op threads, a step plan among its team).
+// tokens x kTileCols outputs (a panel of 32 with AVX-512, half of one with AVX2; one token: x up to
+// kGemvPanels whole panels) in registers, and panel_gemm_range, which runs a range of panels on the
+// calling thread (the op splits the panels among the intra-op threads, a step plan among its team).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -19,8 +19,15 @@
 
 namespace llmc_panels {
 
-constexpr int kTile = 12;                // tokens per tile: 24 accumulators + 2 weight vectors in 32 registers
-constexpr int kGemvPanels = 4;           // panels a batch-1 GEMV runs at once (8 accumulator chains)
+// Tokens per tile: 2 kTile accumulators + 2 weight vectors + a broadcast x in 32 AVX-512 registers,
+// or in AVX2's 16; panels a batch-1 GEMV runs at once: 8 accumulator chains (Vec16 is two AVX2 ones).
+#if defined(__AVX512F__)
+constexpr int kTile = 12;
+constexpr int kGemvPanels = 4;
+#else
+constexpr int kTile = 6;
+constexpr int kGemvPanels = 2;
+#endif
 
 // Bytes a GEMV's prefetch at input k of its PP panels [K, 32] adds to kAhead: once kAhead reaches
 // past a panel's end, the stream goes on in the next group's panel (PP panels on), not in the
@@ -31,48 +38,60 @@ inline int64_t next_group_jump(int64_t k, int64_t k_dim, int64_t elem) {
   return PP > 1 && k * kPanel * elem + kAhead >= panel_bytes ? (PP - 1) * panel_bytes : 0;
 }
 
-// f32: TT tokens (rows of x from x0, stride K) times PP consecutive panels [K, 32] from `panel`.
-// PP > 1 only at TT = 1 (a GEMV): one panel's two chains of FMAs would wait on the FMA latency.
-template <int TT, int PP, typename Out>
-void tile_f32(const float* x0, const float* panel, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
-              int64_t n_dim, int64_t ld) {
-  Vec16 acc[PP][TT][2];
+// f32: TT tokens (rows of x from x0, stride K) times PP consecutive panels [K, 32] from `panel`, their
+// columns c0 .. c0 + 2 lanes(V) - 1 (out's columns n0 + c0 on). PP > 1 only at TT = 1 (a GEMV, whole
+// panels): one panel's two chains of FMAs would wait on the FMA latency.
+template <typename V, int TT, int PP, typename Out>
+void tile_f32(const float* x0, const float* panel, int64_t c0, int64_t k_dim, const Out* bias, Out* out, int64_t t0,
+              int64_t n0, int64_t n_dim, int64_t ld) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  V acc[PP][TT][2];
   for (int u = 0; u < PP; ++u)
-    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
+    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = V{};
   for (int64_t k = 0; k < k_dim; ++k) {
     const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(float));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
-      const float* w = panel + (u * k_dim + k) * kPanel;
+      const float* w = panel + (u * k_dim + k) * kPanel + c0;
       __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
-      const Vec16 w0 = load16(w), w1 = load16(w + 16);
+      if constexpr (kLanes == 16) __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
+      const V w0 = load_vec<V>(w), w1 = load_vec<V>(w + kLanes);
 #pragma GCC unroll 12
       for (int t = 0; t < TT; ++t) {
-        const Vec16 xv = llmc_cpu::splat(x0[t * k_dim + k]);
+        const V xv = splat_vec<V>(x0[t * k_dim + k]);
         acc[u][t][0] += w0 * xv;
         acc[u][t][1] += w1 * xv;
       }
     }
   }
-  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim, ld);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + c0 + u * kPanel, n_dim, ld);
 }
 
-// bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs (PP > 1 at TT = 1 only,
-// as for f32: a vdpbf16ps chain waits on its latency).
-template <int TT, int PP>
-void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_dim, const c10::BFloat16* bias,
-               c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim, int64_t ld) {
-  Vec16 acc[PP][TT][2];
+// A bf16 pair's two values as fp32: the input 2j (low half) and 2j + 1 (high half).
+inline void split_pair(uint32_t pair, float& even, float& odd) {
+  const uint32_t lo = pair << 16, hi = pair & 0xFFFF0000u;
+  std::memcpy(&even, &lo, sizeof(even));
+  std::memcpy(&odd, &hi, sizeof(odd));
+}
+
+// bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs, columns as tile_f32's (PP
+// > 1 at TT = 1 only, as for f32: a vdpbf16ps chain waits on its latency). With AVX512_BF16 a tile
+// covers whole panels (V is Vec16, c0 0); without it the pairs are widened to fp32 FMAs.
+template <typename V, int TT, int PP>
+void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, int64_t k_dim,
+               const c10::BFloat16* bias, c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim, int64_t ld) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(V))));
+  V acc[PP][TT][2];
   for (int u = 0; u < PP; ++u)
-    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = Vec16{};
+    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = V{};
   for (int64_t k = 0; k < k_dim; k += 2) {
     const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(c10::BFloat16));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
-      const c10::BFloat16* w = panel + (u * k_dim + k) * kPanel;      // 32 rows x (k, k + 1)
+      const c10::BFloat16* w = panel + (u * k_dim + k) * kPanel + 2 * c0;     // rows from c0 x (k, k + 1)
       __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
+      if constexpr (kLanes == 16) __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
 #if defined(__AVX512BF16__)
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
@@ -86,48 +105,59 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t k_di
         a[1] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(a[1]), w1, xv));
       }
 #else
-      Vec16 even[2], odd[2];                           // inputs k and k + 1 of rows 0-15 and 16-31
+      V even[2], odd[2];                               // inputs k and k + 1 of each vector's rows
       for (int h = 0; h < 2; ++h) {
-        llmc_cpu::Uint16 bits;
-        std::memcpy(&bits, w + 32 * h, sizeof(bits));
-        const llmc_cpu::Uint16 lo = bits << 16, hi = bits & 0xFFFF0000u;
+        Bits bits;
+        std::memcpy(&bits, w + 2 * kLanes * h, sizeof(bits));
+        const Bits lo = bits << 16, hi = bits & 0xFFFF0000u;
         std::memcpy(&even[h], &lo, sizeof(lo));
         std::memcpy(&odd[h], &hi, sizeof(hi));
       }
       for (int t = 0; t < TT; ++t) {
-        const Vec16 xe = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k]));
-        const Vec16 xo = llmc_cpu::splat(static_cast<float>(x0[t * k_dim + k + 1]));
+        uint32_t pair;
+        std::memcpy(&pair, x0 + t * k_dim + k, sizeof(pair));
+        float e, o;
+        split_pair(pair, e, o);
+        const V xe = splat_vec<V>(e), xo = splat_vec<V>(o);
         for (int h = 0; h < 2; ++h) acc[u][t][h] += even[h] * xe + odd[h] * xo;
       }
 #endif
     }
   }
-  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + u * kPanel, n_dim, ld);
+  for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + c0 + u * kPanel, n_dim, ld);
 }
 
-template <int TT, int PP, typename X>
-void tile(const X* x0, const X* panel, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
+// V: TileVec for a prompt's tiles (columns c0 on), Vec16 for a GEMV's whole panels (c0 0).
+template <typename V, int TT, int PP, typename X>
+void tile(const X* x0, const X* panel, int64_t c0, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
           int64_t n_dim, int64_t ld) {
-  if constexpr (std::is_same_v<X, float>)
-    tile_f32<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
-  else
-    tile_bf16<TT, PP>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
+  if constexpr (std::is_same_v<X, float>) {
+    tile_f32<V, TT, PP>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+  } else {
+#if defined(__AVX512BF16__)
+    static_assert(sizeof(V) == sizeof(Vec16), "vdpbf16ps tiles cover whole panels");
+#endif
+    tile_bf16<V, TT, PP>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+  }
 }
 
-// Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p, into out's rows `ld` elements apart.
+// Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p, into out's rows `ld` elements apart: a tile
+// per kTileCols columns below N.
 template <typename X>
 void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t tt, int64_t p,
               int64_t n_dim, int64_t ld) {
   const X* x0 = x + t0 * k_dim;
   const X* panel = panels + p * k_dim * kPanel;
   const int64_t n0 = p * kPanel;
-  switch (tt) {
+  for (int64_t c0 = 0; c0 < kPanel && n0 + c0 < n_dim; c0 += kTileCols) {
+    switch (tt) {
 #define LLMC_TILE(n) \
-  case n: tile<n, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld); break;
-    LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
-    LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
+  case n: tile<TileVec, n, 1>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld); break;
+      LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
+      LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
 #undef LLMC_TILE
-    default: tile<1, 1>(x0, panel, k_dim, bias, out, t0, n0, n_dim, ld);
+      default: tile<TileVec, 1, 1>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+    }
   }
 }
 
@@ -142,10 +172,10 @@ void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
     const X* panel = panels + p * k_dim * kPanel;
     const int64_t n0 = p * kPanel, groups = (end - p + kGemvPanels - 1) / kGemvPanels;
     switch ((end - p + groups - 1) / groups) {
-      case 4: tile<1, 4>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
-      case 3: tile<1, 3>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
-      case 2: tile<1, 2>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;
-      default: tile<1, 1>(x, panel, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 1;
+      case 4: tile<Vec16, 1, 4>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
+      case 3: tile<Vec16, 1, 3>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
+      case 2: tile<Vec16, 1, 2>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;
+      default: tile<Vec16, 1, 1>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 1;
     }
   }
 }

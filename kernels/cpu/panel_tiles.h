@@ -3,13 +3,19 @@
 // finished tile.
 //
 // A panel holds 32 output rows; a tile is up to TT tokens x those 32 outputs, in 2 TT fp32
-// accumulator vectors (lanes are outputs). store_tile adds the bias (fp32) and rounds each sum
-// once to the output dtype; a last panel past N stores only the columns below N.
+// accumulator vectors (lanes are outputs), or x half of them in TileVec's 8-lane vectors where the
+// build has no AVX-512. store_tile adds the bias (fp32) and rounds each sum once to the output
+// dtype; a last panel past N stores only the columns below N.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "vec16.h"
 
@@ -20,6 +26,38 @@ using llmc_cpu::store16;
 using llmc_cpu::Vec16;
 
 constexpr int64_t kPanel = 32;              // outputs per panel: two 16-lane vectors
+
+// A float tile's accumulator vector: one AVX-512 register (16 lanes, a tile covers a whole panel),
+// else 8 lanes, an AVX2 register (a tile covers half a panel: two tiles a panel). A Vec16 there
+// is two registers, and a 12-token tile's 24 Vec16 accumulators spilled out of AVX2's 16.
+#if defined(__AVX512F__)
+using TileVec = Vec16;
+#else
+typedef float Vec8 __attribute__((vector_size(32)));
+using TileVec = Vec8;
+#endif
+constexpr int64_t kTileCols = 2 * sizeof(TileVec) / sizeof(float);   // outputs of a tile: 32 or 16
+
+template <typename V>
+inline V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// x in every lane of a V (llmc_cpu::splat for Vec16: one broadcast, no add).
+template <typename V>
+inline V splat_vec(float x) {
+  if constexpr (sizeof(V) == sizeof(Vec16)) {
+    return llmc_cpu::splat(x);
+  } else {
+#if defined(__AVX__) && !defined(__AVX512F__)
+    return (V)_mm256_set1_ps(x);
+#else
+    return V{} + x;
+#endif
+  }
+}
 constexpr int64_t kBlockBytes = 256 << 10;  // fp32/bf16 x of one token block (L2-resident)
 constexpr int64_t kAhead = 4096;            // bytes of software prefetch ahead in the weight stream
 
@@ -65,6 +103,22 @@ void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0
       store16(tmp + 16, acc[t][1] + b[1]);
       std::memcpy(row, tmp, cols * sizeof(Out));
     }
+  }
+}
+
+// The same for a half-panel tile of 8-lane vectors (builds without AVX-512): columns n0 .. n0 + 15.
+template <int TT, typename Out, typename V, typename = std::enable_if_t<sizeof(V) == 32>>
+void store_tile(const V (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim,
+                int64_t ld) {
+  constexpr int64_t kCols = 16;
+  const int64_t cols = std::min(kCols, n_dim - n0);
+  float b[kCols] = {};
+  for (int64_t c = 0; bias && c < cols; ++c) b[c] = static_cast<float>(bias[n0 + c]);
+  for (int t = 0; t < TT; ++t) {
+    float sums[kCols];
+    std::memcpy(sums, acc[t], sizeof(sums));
+    Out* row = out + (t0 + t) * ld + n0;
+    for (int64_t c = 0; c < cols; ++c) row[c] = static_cast<Out>(sums[c] + b[c]);
   }
 }
 
