@@ -76,7 +76,7 @@ def describe_attention_path(head_dim: int, cache_dtype: torch.dtype = torch.bflo
 
 def cpu_qgemm_path() -> tuple[str, str]:
     """(path, why) of int8-activation GEMMs of AMX_INT8_MIN_TOKENS or more tokens: ("amx-int8", "")
-    or the fallback ("avx512-vnni", or "portable" without VNNI) and the reason AMX is not taken.
+    or the fallback ("avx512-vnni", "avx2", or "portable" without either) and the reason AMX is not taken.
     Needs the native kernels loaded."""
     path, why = torch.ops.llmc.cpu_qgemm_path()
     return path, why

@@ -200,16 +200,17 @@ ACTIVATION_CHOICES = ("auto", "int8", "bf16", "float")
 def choose_activations(activations: str) -> str:
     """What a quantized GEMM's activations are with the native kernels loaded: 'int8', 'bf16' (int8,
     but a prompt's GEMMs on bf16: kernels/cpu/amx_dequant_gemm.h) or 'float'. auto: bf16 where the CPU
-    has AMX-BF16 (usable) and AVX512-VNNI, int8 where it has VNNI only, else float (said at INFO);
-    bf16 where AMX-BF16 is not usable is int8 (said at INFO, with why); int8 without VNNI runs the
-    portable integer dot products (slower than float: said at INFO)."""
+    has AMX-BF16 (usable) and AVX512-VNNI, int8 where it has integer dot products (AVX512-VNNI, or
+    AVX2's vpmaddubsw), else float (said at INFO); bf16 where AMX-BF16 is not usable is int8 (said
+    at INFO, with why); int8 without them runs the portable integer dot products (slower than float:
+    said at INFO)."""
     log, isa = logging.getLogger("llmc"), torch.ops.llmc.qdot_isa()
-    if activations == "float" or (activations == "auto" and isa != "avx512-vnni"):
+    if activations == "float" or (activations == "auto" and isa == "portable"):
         if activations == "auto":
-            log.info("this CPU has no AVX512-VNNI: quantized GEMMs keep float activations")
+            log.info("this CPU has no AVX512-VNNI or AVX2: quantized GEMMs keep float activations")
         return "float"
-    if isa != "avx512-vnni":
-        log.info("int8 activations without AVX512-VNNI run portable integer dot products")
+    if isa == "portable":
+        log.info("int8 activations without AVX512-VNNI or AVX2 run portable integer dot products")
     if activations in ("auto", "bf16"):
         path, why = torch.ops.llmc.cpu_prompt_qgemm_path()
         if path == "amx-bf16":

@@ -1,7 +1,8 @@
 """Quantized GEMMs with int8 activations (kernels/cpu/qdot_gemm.cpp, kernels/quant.py's
 qlinear_int8act_ref): the kernel against the ref at odd shapes (T=1, odd T, N not a multiple of 32,
-int8 per channel and in groups, int4 in groups of 32 and 128, bias, bf16 x) through AVX512-VNNI
-(skipped, with the reason, on a CPU without it) and through the portable integer dots (every CPU);
+int8 per channel and in groups, int4 in groups of 32 and 128, bias, bf16 x) through the build's
+integer dots, AVX512-VNNI or AVX2 (skipped, with the reason, on a CPU with neither) and through the
+portable integer dots (every CPU);
 the ref against qlinear_ref within the bound activation rounding allows (a planted bug fails it);
 the quads layout round trip; a tiny int8 / int4 model through the step plan with int8 activations
 against float activations, and the executor option's checks.
@@ -49,8 +50,8 @@ def quantized(n: int, k: int, bits: int, group: int | None, seed: int = 0):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7])
 @pytest.mark.parametrize("n,k,bits,group", SHAPES)
 def test_kernel_matches_the_int8_activation_ref(n, k, bits, group, tokens, vnni):
-    if vnni and torch.ops.llmc.qdot_isa() != "avx512-vnni":
-        pytest.skip("this CPU (its -march=native build) has no AVX512-VNNI; the portable path is tested")
+    if vnni and torch.ops.llmc.qdot_isa() == "portable":
+        pytest.skip("this CPU (its -march=native build) has no AVX512-VNNI or AVX2; the portable path is tested")
     codes, scales, mins, g = quantized(n, k, bits, group)
     w = prepare_qlinear_weight(codes, scales, mins, bits=bits, group_size=g, activations="int8")
     x = torch.randn(tokens, k, generator=torch.Generator().manual_seed(1)) * 3

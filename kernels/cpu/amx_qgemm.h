@@ -50,9 +50,9 @@ inline bool use_amx(int64_t tokens) {
   return tokens >= kMinTokens && llmc_amx::int8_support().usable && !llmc_amx::env_is("LLMC_CPU_AMX", "off");
 }
 
-// ("amx-int8", "") or the fallback's name ("avx512-vnni" or "portable") and why it is taken.
+// ("amx-int8", "") or the fallback's name ("avx512-vnni", "avx2" or "portable") and why it is taken.
 inline std::pair<std::string, std::string> qgemm_path() {
-  const std::string fallback = llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable";
+  const std::string fallback = llmc_qdot::kDotIsa;
   if (!llmc_amx::int8_support().usable) return {fallback, llmc_amx::int8_support().why};
   if (llmc_amx::env_is("LLMC_CPU_AMX", "off")) return {fallback, "LLMC_CPU_AMX=off"};
   return {"amx-int8", ""};

@@ -16,7 +16,7 @@
 #include <cstring>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,10 @@ inline float row_scale(const int8_t* row, int64_t d) {
 inline Vec16 load16_codes(const int8_t* p) {
 #ifdef __AVX512F__
   return (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return join8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)),
+               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))));
 #else
   Byte16 raw;
   std::memcpy(&raw, p, sizeof(raw));

@@ -165,7 +165,7 @@ std::tuple<std::string, std::string> cpu_qgemm_path() {
   return {path, why};
 }
 
-std::string qdot_isa() { return llmc_qdot::kHaveVnni ? "avx512-vnni" : "portable"; }
+std::string qdot_isa() { return llmc_qdot::kDotIsa; }
 
 }  // namespace
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -29,13 +29,29 @@ using llmc_panels::kAhead;
 using llmc_panels::kPanel;
 
 constexpr int64_t kBlock = 32;   // activation inputs per scale (llama.cpp's Q8_0 block)
-constexpr int kTile = 4;         // tokens per tile: 8 int32 + 8 fp32 accumulators + 4 weight vectors
+// Tokens per tile: 8 int32 + 8 fp32 accumulators + 4 weight vectors in AVX-512's 32 registers; a
+// Vec16 is two of AVX2's 16, so 2 tokens there.
+constexpr int kTile = llmc_cpu::kAvx512 ? 4 : 2;
 constexpr int kOffset = 128;     // int8 weight codes are stored as code + 128 (vpdpbusd's unsigned side)
 
-#ifdef __AVX512VNNI__
+// The build's integer dot products (`vnni` selects them, else the portable ones): AVX512-VNNI's
+// vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd (int8 weights signed there, so no pair of products
+// saturates the int16 sums: |w| <= 128 times a signed activation, llama.cpp's sign trick).
+#if defined(__AVX512VNNI__)
 constexpr bool kHaveVnni = true;
+constexpr const char* kDotIsa = "avx512-vnni";
+#elif defined(__AVX2__)
+constexpr bool kHaveVnni = true;
+constexpr const char* kDotIsa = "avx2";
 #else
 constexpr bool kHaveVnni = false;
+constexpr const char* kDotIsa = "portable";
+#endif
+// Whether the `vnni` dots of int8 weights are signed (AVX2) rather than offset by + 128 (vpdpbusd).
+#if !defined(__AVX512VNNI__) && defined(__AVX2__)
+constexpr bool kSignedDots = true;
+#else
+constexpr bool kSignedDots = false;
 #endif
 
 // The quantized activations of a call: codes [T, K], per block of 32 its scale and its codes' sum.
@@ -118,12 +134,46 @@ inline Int16 dot4_portable(Int16 acc, const uint8_t* w, int32_t x4) {
   return acc;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+// One step of block_dots on AVX2 (4 inputs of int8, 8 of int4, x 32 outputs: 128 code bytes at c)
+// into dots [TT][4 vectors of 8 outputs]: vpmaddubsw sums two u8 x s8 products in int16, vpmaddwd
+// the two int16 sums in int32. int8 codes (+ 128) become signed w: |w| (u8) times x with w's sign.
+template <int TT, int Bits>
+__attribute__((always_inline)) inline void avx2_step(const uint8_t* c, const int8_t* const (&x)[TT], int s,
+                                                     __m256i (&dots)[TT][4]) {
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+  for (int q = 0; q < 4; ++q) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * q));
+    if constexpr (Bits == 8) {
+      const __m256i w = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128)), w_abs = _mm256_abs_epi8(w);
+      for (int t = 0; t < TT; ++t) {
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad_at(x[t] + 4 * s)), w);
+        dots[t][q] = _mm256_add_epi32(dots[t][q], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
+      }
+    } else {
+      const __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      for (int t = 0; t < TT; ++t) {
+        const __m256i x0 = _mm256_set1_epi32(quad_at(x[t] + 8 * s)), x1 = _mm256_set1_epi32(quad_at(x[t] + 8 * s + 4));
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+        dots[t][q] = _mm256_add_epi32(dots[t][q], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+}
+#endif
+
 // One block's integer dot products: TT tokens (codes x[t], from the block's first input) times the
-// block's codes c (32 inputs x 32 outputs), into dots[t][half] (int8: still with the + 128 offset).
+// block's codes c (32 inputs x 32 outputs), into dots[t][half] (int8: still with the + 128 offset,
+// except kSignedDots' `vnni` dots).
 template <int TT, int Bits, bool Vnni>
 __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const int8_t* const (&x)[TT],
                                                       Int16 (&dots)[TT][2]) {
   for (int t = 0; t < TT; ++t) dots[t][0] = dots[t][1] = Int16{};
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  __m256i dots2[TT][4];
+  for (int t = 0; t < TT; ++t)
+    for (int q = 0; q < 4; ++q) dots2[t][q] = _mm256_setzero_si256();
+#endif
   constexpr int kSteps = Bits == 8 ? 8 : 4;              // quads (int8) or octets (int4) of inputs
   for (int s = 0; s < kSteps; ++s, c += 4 * kPanel) {
     __builtin_prefetch(c + kAhead), __builtin_prefetch(c + 64 + kAhead);
@@ -144,6 +194,11 @@ __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const in
         }
       continue;
     }
+#elif defined(__AVX2__)
+    if constexpr (Vnni) {
+      avx2_step<TT, Bits>(c, x, s, dots2);
+      continue;
+    }
 #endif
     for (int h = 0; h < 2; ++h)
       for (int i = 0; i < 64; ++i) {
@@ -156,19 +211,13 @@ __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const in
         for (int h = 0; h < 2; ++h)
           dots[t][h] = dot4_portable(dots[t][h], w[h][n], quad_at(x[t] + s * (Bits == 8 ? 4 : 8) + 4 * n));
   }
-}
-
-// 16 f16 values widened to fp32 (exact): one vcvtph2ps. Sixteen scalar conversions through memory
-// were most of a batch-1 int4 GEMV's instructions (4 vectors of them a block of 512 code bytes).
-inline Vec16 load16_half(const c10::Half* p) {
-#ifdef __AVX512F__
-  return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  float tmp[16];
-  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
-  return llmc_cpu::load16(tmp);
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  if constexpr (Vnni)
+    for (int t = 0; t < TT; ++t) std::memcpy(dots[t], dots2[t], sizeof(dots2[t]));   // 32 outputs in order
 #endif
 }
+
+using llmc_cpu::load16_half;
 
 // TT tokens from t0 times panel p: per block, the int32 dots (int8: less 128 x the block's code
 // sum) in fp32 times the block's scale; per group those partial sums times the group's scales,
@@ -180,6 +229,7 @@ void qdot_tile(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, const
   const uint8_t* codes = w.codes + p * blocks * block_bytes;
   const c10::Half* scales = w.scales + p * w.groups * kPanel;
   const c10::Half* mins = Bits == 4 ? w.mins + p * w.groups * kPanel : nullptr;
+  constexpr bool kOffsetDots = Bits == 8 && !(Vnni && kSignedDots);
   Vec16 acc[TT][2], part[TT][2];
   for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
   const int8_t* xrow[TT];
@@ -194,7 +244,7 @@ void qdot_tile(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, const
         const float d = x.scales[(t0 + t) * blocks + b];
         const int32_t sum = x.sums[(t0 + t) * blocks + b];
         for (int h = 0; h < 2; ++h)
-          part[t][h] += __builtin_convertvector(Bits == 8 ? dots[t][h] - kOffset * sum : dots[t][h], Vec16) *
+          part[t][h] += __builtin_convertvector(kOffsetDots ? dots[t][h] - kOffset * sum : dots[t][h], Vec16) *
                         llmc_cpu::splat(d);
         if constexpr (Bits == 4) msum[t] += d * static_cast<float>(sum);
       }

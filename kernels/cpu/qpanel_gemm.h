@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,18 +25,11 @@ using llmc_panels::kAhead;
 using llmc_panels::kPanel;
 using llmc_panels::load16;
 
-constexpr int kTile = 4;   // tokens per tile: 8 accumulators + 8 partial sums + 4 weight vectors
+// Tokens per tile: 8 accumulators + 8 partial sums + 4 weight vectors in AVX-512's 32 registers; a
+// Vec16 is two of AVX2's 16, so 2 tokens there.
+constexpr int kTile = llmc_cpu::kAvx512 ? 4 : 2;
 
-// 16 f16 values widened to fp32.
-inline Vec16 load16_half(const c10::Half* p) {
-#ifdef __AVX512F__
-  return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#else
-  float tmp[16];
-  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
-  return llmc_cpu::load16(tmp);
-#endif
-}
+using llmc_cpu::load16_half;
 
 // 16 bytes of int4 pairs -> the low nibbles' codes and the high nibbles' codes, as fp32.
 inline void load16_nibbles(const uint8_t* p, Vec16& lo, Vec16& hi) {
@@ -44,6 +37,12 @@ inline void load16_nibbles(const uint8_t* p, Vec16& lo, Vec16& hi) {
   const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = (Vec16)_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
   hi = (Vec16)_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+#elif defined(__AVX2__)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(15);
+  const __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+  const auto widen = [](__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); };
+  lo = llmc_cpu::join8(widen(low), widen(_mm_srli_si128(low, 8)));
+  hi = llmc_cpu::join8(widen(high), widen(_mm_srli_si128(high, 8)));
 #else
   float l[16], h[16];
   for (int i = 0; i < 16; ++i) l[i] = static_cast<float>(p[i] & 15), h[i] = static_cast<float>(p[i] >> 4);

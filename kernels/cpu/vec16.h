@@ -3,6 +3,7 @@
 //
 //   Vec16          16 floats
 //   load16(p)      16 elements of float or bfloat16 at p, widened to fp32
+//   load16_half(p) 16 f16 values at p widened to fp32 (exact)
 //   store16(p, v)  16 floats to float or bfloat16 (round to nearest even; AVX512_BF16: fp32 subnormals
 //                  flushed to 0) at p
 //   hsum / hmax    horizontal sum / max
@@ -12,15 +13,22 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace llmc_cpu {
+
+#if defined(__AVX512F__)
+constexpr bool kAvx512 = true;    // a Vec16 is one register (else two AVX2 ones, or four NEON ones)
+#else
+constexpr bool kAvx512 = false;
+#endif
 
 typedef float Vec16 __attribute__((vector_size(64)));
 typedef int32_t Int16 __attribute__((vector_size(64)));
@@ -54,6 +62,35 @@ inline Vec16 load16(const c10::BFloat16* p) {
   Vec16 v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+#endif
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two AVX2 vectors as one Vec16: lanes 0-7, then 8-15. (GCC turns a byte vector's
+// __builtin_convertvector to a 16-lane float vector into 16 scalar conversions on AVX2.)
+inline Vec16 join8(__m256 lo, __m256 hi) {
+  const __m256 halves[2] = {lo, hi};
+  Vec16 v;
+  std::memcpy(&v, halves, sizeof(v));
+  return v;
+}
+#endif
+
+// One vcvtph2ps (AVX-512), two (F16C); sixteen scalar conversions through memory were most of a
+// batch-1 int4 GEMV's instructions (4 vectors of them a block of 512 code bytes).
+inline Vec16 load16_half(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return (Vec16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  Vec16 v;
+  std::memcpy(&v, halves, sizeof(v));   // not join8: F16C without AVX2 exists
+  return v;
+#else
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
 #endif
 }
 
