@@ -251,8 +251,8 @@ inline Vec16 mul_sub(Vec16 a, float b, Vec16 c) {
 // 2^t per lane for t <= kLag (the softmax's log2 score - reference), relative error ~2e-7;
 // exp_nonpositive's arithmetic without its multiply by log2 e.
 inline Vec16 pow2(Vec16 t) {
-#ifdef __AVX512F__
-  return (Vec16)pow2_of((__m512)t);
+#if defined(__AVX512F__) || defined(__AVX2__)
+  return pow2_lanes(t);
 #else
   return exp16(t * 0.6931471805599453f);
 #endif
