@@ -25,8 +25,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
-#if defined(__AVX512F__) || defined(__AVX512BF16__)
+#if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -117,10 +118,43 @@ inline void gemm_block(const ARows& a, int64_t m0, int64_t a_step, const BRows& 
     for (int c = 0; c < NV; ++c) store16(out + m * out_row + 16 * c, acc[m][c]);
 }
 
-// gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// gemm_block's F32 product for AVX2's 16 registers: MR rows x 16 columns in 2 MR 8-lane accumulators
+// (gemm_block's Vec16 accumulators, two registers each, spilled at every block shape).
+template <int MR, bool kAccumulate, typename ARows, typename BRows>
+inline void gemm_block8(const ARows& a, int64_t m0, int64_t a_step, const BRows& b, int64_t c0, int64_t depth,
+                        float* out, int64_t out_row) {
+  const float* am[MR];
+  for (int m = 0; m < MR; ++m) am[m] = a(m0 + m);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 2; ++c)
+      acc[m][c] = kAccumulate ? _mm256_loadu_ps(out + m * out_row + 8 * c) : _mm256_setzero_ps();
+  for (int64_t j = 0; j < depth; ++j) {
+    const float* bj = b(j) + c0;
+    const __m256 x0 = _mm256_loadu_ps(bj), x1 = _mm256_loadu_ps(bj + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 w = _mm256_broadcast_ss(am[m] + j * a_step);
+      acc[m][0] = _mm256_fmadd_ps(w, x0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w, x1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(out + m * out_row + 8 * c, acc[m][c]);
+}
+#endif
+
+// gemm_block over all `cols` (a multiple of 16) of b and out, 64 at a time (AVX2's F32: 16 at a time
+// in gemm_block8).
 template <typename A, int MR, bool kAccumulate, typename ARows, typename BRows>
 inline void gemm_rows(const ARows& a, int64_t m0, int64_t a_step, const BRows& b, int64_t depth, int64_t cols,
                       float* out, int64_t out_row) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, F32>) {
+    for (int64_t c = 0; c < cols; c += 16) gemm_block8<MR, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
+    return;
+  }
+#endif
   int64_t c = 0;
   for (; c + 64 <= cols; c += 64)
     gemm_block<A, MR, 4, kAccumulate>(a, m0, a_step, b, c, depth, out + c, out_row);
