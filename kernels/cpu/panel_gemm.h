@@ -20,13 +20,15 @@
 namespace llmc_panels {
 
 // Tokens per tile: 2 kTile accumulators + 2 weight vectors + a broadcast x in 32 AVX-512 registers,
-// or in AVX2's 16; panels a batch-1 GEMV runs at once: 8 accumulator chains (Vec16 is two AVX2 ones).
+// or in AVX2's 16. Panels a batch-1 GEMV runs at once: 8 accumulator chains with AVX-512; with AVX2
+// 12 (a Vec16 is two registers), its weights read as memory operands (llmc profile's fp32 decode on
+// a Zen 3: 2 panels 20.8-20.9 ms a token, 3 panels 19.3-20.0, 4 panels 19.9-20.3).
 #if defined(__AVX512F__)
 constexpr int kTile = 12;
 constexpr int kGemvPanels = 4;
 #else
 constexpr int kTile = 6;
-constexpr int kGemvPanels = 2;
+constexpr int kGemvPanels = 3;
 #endif
 
 // Bytes a GEMV's prefetch at input k of its PP panels [K, 32] adds to kAhead: once kAhead reaches
