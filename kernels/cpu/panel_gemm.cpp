@@ -16,10 +16,11 @@
 // outputs lives in 2 kTile accumulator registers whose lanes are outputs (AVX2: 6 tokens x 16
 // outputs in 8-lane registers, two tiles a panel): for each input k the panel's two vectors meet
 // that input of every token, broadcast (f32: FMA; bf16: one vdpbf16ps per pair of inputs where the
-// CPU has AVX512_BF16, else widened), so no horizontal sums are needed. Tokens are taken kTile at a time within blocks whose x fits in L2, and every panel
-// of a thread meets a whole block before the next, so a panel is read from memory once per block
-// (batch-1 decode: exactly once, kGemvPanels panels at a time, so that 8 accumulator chains, not
-// 2, hide the FMA / vdpbf16ps latency; each output is still summed input by input).
+// CPU has AVX512_BF16, else widened), so no horizontal sums are needed. Tokens are taken kTile at a
+// time within blocks whose x fits in L2, and every panel of a thread meets a whole block before the
+// next, so a panel is read from memory once per block (batch-1 decode: exactly once, kGemvPanels
+// panels at a time, so that 8 accumulator chains (AVX2: 12), not 2, hide the FMA / vdpbf16ps
+// latency; each output is still summed input by input).
 //
 // panel_gemm_epilogue: the same GEMM with a generated column-local kernel as its epilogue, the
 // GEMM's result never written (panel_epilogue.h states its contract): out [T, W] in x's dtype, N =
