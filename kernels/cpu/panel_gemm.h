@@ -69,13 +69,6 @@ void tile_f32(const float* x0, const float* panel, int64_t c0, int64_t k_dim, co
   for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + c0 + u * kPanel, n_dim, ld);
 }
 
-// A bf16 pair's two values as fp32: the input 2j (low half) and 2j + 1 (high half).
-inline void split_pair(uint32_t pair, float& even, float& odd) {
-  const uint32_t lo = pair << 16, hi = pair & 0xFFFF0000u;
-  std::memcpy(&even, &lo, sizeof(even));
-  std::memcpy(&odd, &hi, sizeof(odd));
-}
-
 // bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs, columns as tile_f32's (PP
 // > 1 at TT = 1 only, as for f32: a vdpbf16ps chain waits on its latency). With AVX512_BF16 a tile
 // covers whole panels (V is Vec16, c0 0); without it the pairs are widened to fp32 FMAs.
@@ -118,9 +111,10 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, 
       for (int t = 0; t < TT; ++t) {
         uint32_t pair;
         std::memcpy(&pair, x0 + t * k_dim + k, sizeof(pair));
-        float e, o;
-        split_pair(pair, e, o);
-        const V xe = splat_vec<V>(e), xo = splat_vec<V>(o);
+        const Bits pairs = Bits{} + pair, lo = pairs << 16, hi = pairs & 0xFFFF0000u;   // one broadcast
+        V xe, xo;
+        std::memcpy(&xe, &lo, sizeof(xe));
+        std::memcpy(&xo, &hi, sizeof(xo));
         for (int h = 0; h < 2; ++h) acc[u][t][h] += even[h] * xe + odd[h] * xo;
       }
 #endif
