@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from llmc.kernels.attention import (kv_write_ref, paged_attention_cpu, paged_attention_ref,
                                     paged_decode_attention_cpu, paged_decode_attention_ref)
-from llmc.kernels.linear import PackedLinear, packable
+from llmc.kernels.linear import PackedLinear, onednn_packs
 from llmc.kernels.native import clear_stale_lock, load_native_kernels
 from llmc.kernels.rope import RopeTables
 from llmc.kernels.rope_kv_write import rope_kv_write_cpu, rope_kv_write_ref
@@ -146,7 +146,7 @@ def test_rope_kv_write_refuses_a_slot_outside_the_cache():
 @pytest.mark.parametrize("tokens", [1, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, tokens, bias):
-    if not packable(torch.zeros(1, 1, dtype=dtype)):
+    if not onednn_packs(dtype):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU (bf16 needs AVX512-BW or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(tokens)
     x, w = torch.randn(tokens, 576, generator=g).to(dtype), torch.randn(960, 576, generator=g).to(dtype)

@@ -42,18 +42,12 @@ constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLag = 8.f;    // log2 units a row's softmax reference may trail its max (ScoreRule's softmax)
 
 // A loaded vector held in a register: without this GCC folds the load into each of the MR
-// FMAs that use it, and the GEMMs become bound by loads rather than FMAs. A 64-byte vector is one
-// register with AVX-512 and two ymm halves with AVX2, each held; elsewhere no hint is given.
+// FMAs that use it, and the GEMMs become bound by loads rather than FMAs. Only AVX-512 holds a
+// 64-byte vector in one register; elsewhere no hint is given (AVX2's F32 GEMM is gemm_block8).
 template <typename V>
 inline V in_register(V v) {
 #if defined(__AVX512F__)
   asm("" : "+v"(v));
-#elif defined(__AVX__)
-  typedef float Half8 __attribute__((vector_size(32)));
-  Half8 half[sizeof(V) / 32];
-  std::memcpy(half, &v, sizeof(v));
-  for (auto& h : half) asm("" : "+x"(h));
-  std::memcpy(&v, half, sizeof(v));
 #endif
   return v;
 }
