@@ -10,7 +10,9 @@ as quads instead (layout "quads": kernels/cpu/qdot_gemm.cpp, integer dot product
 the CPU has it); its meaning is kernels/quant.py's qlinear_int8act_ref. With `activations="bf16"`
 the quads' GEMMs of a prompt (PROMPT_MIN_TOKENS or more tokens, where AMX-BF16 is usable) multiply x
 rounded to bf16 by the weight dequantized to bf16 instead (kernels/cpu/amx_dequant_gemm.h; meaning
-qlinear_bf16_ref), fewer tokens stay int8. The layout is decided once, so one copy stays resident.
+qlinear_bf16_ref), fewer tokens stay int8; with `activations="f32"` those of F32_PROMPT_MIN_TOKENS or
+more tokens multiply x by the weight dequantized to fp32 (kernels/cpu/f32_dequant_gemm.h; meaning
+qlinear_ref). The layout is decided once, so one copy stays resident.
 bias [N] in x's dtype or None; returns [T, N] in x's dtype: products accumulated in fp32, bias added
 in fp32, rounded once. `gemv_ref` is the meaning (and the fallback).
 
@@ -30,14 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_bf16_linear_ref, qdot_linear_ref,
-                     qpanel_linear_ref, quad_panels, quad_rows, quantized_panels, quantized_rows, to_panels)
+from .panels import (column_panels, panel_linear_ref, panel_rows, panels_fit, qdot_bf16_linear_ref, qdot_f32_linear_ref,
+                     qdot_linear_ref, qpanel_linear_ref, quad_panels, quad_rows, quantized_panels, quantized_rows,
+                     to_panels)
 from .quant import ACT_BLOCK
 
 FLOAT_FORMATS = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# what a quantized weight's GEMM multiplies: x as given, int8 per block, or int8 but bf16 for a prompt
-ACTIVATIONS = ("float", "int8", "bf16")
+# what a quantized weight's GEMM multiplies: x as given, int8 per block, or int8 but bf16 (fp32) for a prompt
+ACTIVATIONS = ("float", "int8", "bf16", "f32")
 PROMPT_MIN_TOKENS = 32              # llmc_amx_dq::kMinTokens
+F32_PROMPT_MIN_TOKENS = 16          # llmc_f32_dq::kMinTokens
+PROMPT_CODES = {"int8": 0, "bf16": 1, "f32": 2}     # qdot_gemm's `prompts`, and the step plan's qlinear's
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,7 +58,7 @@ class GemvWeight:
     mins: torch.Tensor | None = None
     group_size: int = 0                # quantized only
     layout: str = "panels"             # or "quads" (a quantized weight for int8 activations)
-    prompts: str = "int8"              # quads: "bf16" where a prompt's GEMMs take bf16 on AMX
+    prompts: str = "int8"              # quads: "bf16" where a prompt's GEMMs take bf16 on AMX, or "f32"
     bits: int = field(init=False)      # 8 or 4; 0 for float weights
     out_features: int = field(init=False)
     in_features: int = field(init=False)
@@ -76,9 +81,12 @@ class GemvWeight:
 
 def gemv_ref(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The meaning: F.linear for a float weight, qlinear_ref (fp32 dequantization) for a quantized one;
-    quads qlinear_int8act_ref, or for a prompt with bf16 prompts where AMX-BF16 is usable qlinear_bf16_ref."""
+    quads qlinear_int8act_ref, or for a prompt with bf16 prompts where AMX-BF16 is usable qlinear_bf16_ref,
+    with f32 prompts qlinear_ref."""
     if w.layout == "quads" and w.prompts == "bf16" and x.shape[0] >= PROMPT_MIN_TOKENS and bf16_prompts_run():
         return qdot_bf16_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
+    if w.layout == "quads" and w.prompts == "f32" and x.shape[0] >= F32_PROMPT_MIN_TOKENS:
+        return qdot_f32_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     if w.layout == "quads":
         return qdot_linear_ref(x, w.weight, w.scales, w.mins, w.rows, bias, bits=w.bits)
     if w.bits:
@@ -113,7 +121,7 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
     """A quantized weight (kernels/quant.py's layout) as panels for the native kernels (new tensors,
     to be kept instead of the artifact's), or None where they do not take it. activations "int8":
     as quads for the int8-activation kernel (the caller checks `int8_activations_fit` first); "bf16":
-    the same quads, a prompt's GEMMs in bf16 on AMX where usable."""
+    the same quads, a prompt's GEMMs in bf16 on AMX where usable; "f32": a prompt's GEMMs in fp32."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations {activations!r} is not one of {ACTIVATIONS}")
     step = 16 if bits == 8 else 32
@@ -122,7 +130,7 @@ def prepare_qlinear_weight(codes: torch.Tensor, scales: torch.Tensor, mins: torc
     if bits == 4 and (mins is None or mins.dtype != torch.float16):
         return None
     fmt = "int8" if bits == 8 else "int4"
-    if activations in ("int8", "bf16"):
+    if activations != "float":
         return GemvWeight(fmt, quad_panels(codes, bits), codes.shape[0], column_panels(scales),
                           None if mins is None else column_panels(mins), group_size, "quads", activations)
     panels, scale_panels, min_panels = quantized_panels(codes, scales, mins, bits)
@@ -163,5 +171,5 @@ def run_gemv(x: torch.Tensor, w: GemvWeight, bias: torch.Tensor | None = None) -
         return torch.ops.llmc.panel_gemm(x.contiguous(), w.weight, w.rows, bias)
     if w.layout == "quads":
         return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size, True,
-                                        w.prompts == "bf16")
+                                        PROMPT_CODES[w.prompts])
     return torch.ops.llmc.qpanel_gemm(x, w.weight, w.scales, w.mins, w.rows, bias, w.bits, w.group_size)

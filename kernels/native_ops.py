@@ -28,8 +28,8 @@ from llmc.compiler.ops.rope import norm_rounding, qkv_columns
 
 from .amx import describe_qgemm_path
 from .attention import native_attention_fits, paged_attention_cpu, run_paged_decode_attention
-from .gemv import (PROMPT_MIN_TOKENS, GemvWeight, gemv_fits, gemv_ref, int8_activations_fit, prepare_linear_weight,
-                   prepare_qlinear_weight, quantized_weight_rows, run_gemv)
+from .gemv import (F32_PROMPT_MIN_TOKENS, PROMPT_MIN_TOKENS, GemvWeight, gemv_fits, gemv_ref, int8_activations_fit,
+                   prepare_linear_weight, prepare_qlinear_weight, quantized_weight_rows, run_gemv)
 from .native import NativeBuildError, load_native_kernels
 from .panels import from_panels, panel_rows
 from .quant import dequantize_weight
@@ -157,9 +157,9 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
     and the tied table's lookup read the scales and mins, their entries become that GemvWeight too
     (those ops read them from it). A weight that another op reads too, or one the kernels do not
     take, stays a plain tensor (its GEMM runs the ref). The reference table takes plain tensors only.
-    activations "int8" (or "bf16": the same, a prompt's GEMMs in bf16 on AMX): the quantized weights
-    whose groups are whole blocks of 32 inputs become quads for the int8-activation kernel; any other
-    keeps float activations, said once at INFO.
+    activations "int8" (or "bf16" / "f32": the same, a prompt's GEMMs in bf16 on AMX / in fp32): the
+    quantized weights whose groups are whole blocks of 32 inputs become quads for the int8-activation
+    kernel; any other keeps float activations, said once at INFO.
     """
     graphs = list(graphs)
     reads, prepared, kept_float = _weight_reads(graphs), dict(weights), []
@@ -174,7 +174,7 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
             continue                       # scales or mins computed, not stored: not a layout to prepare
         else:
             k = weights[name].shape[1] * (2 if bits == 4 else 1)
-            quads = activations in ("int8", "bf16")
+            quads = activations != "float"
             fits = quads and int8_activations_fit(k, group)
             if quads and not fits:
                 kept_float.append(f"{name} (groups of {group})")
@@ -194,16 +194,17 @@ def prepare_weights(graphs: Iterable[Graph], weights: dict[str, torch.Tensor],
     return prepared
 
 
-ACTIVATION_CHOICES = ("auto", "int8", "bf16", "float")
+ACTIVATION_CHOICES = ("auto", "int8", "bf16", "f32", "float")
 
 
 def choose_activations(activations: str) -> str:
     """What a quantized GEMM's activations are with the native kernels loaded: 'int8', 'bf16' (int8,
-    but a prompt's GEMMs on bf16: kernels/cpu/amx_dequant_gemm.h) or 'float'. auto: bf16 where the CPU
-    has AMX-BF16 (usable) and AVX512-VNNI, int8 where it has integer dot products (AVX512-VNNI, or
-    AVX2's vpmaddubsw), else float (said at INFO); bf16 where AMX-BF16 is not usable is int8 (said
-    at INFO, with why); int8 without them runs the portable integer dot products (slower than float:
-    said at INFO)."""
+    but a prompt's GEMMs on bf16: kernels/cpu/amx_dequant_gemm.h), 'f32' (int8, but a prompt's GEMMs
+    in fp32: kernels/cpu/f32_dequant_gemm.h) or 'float'. auto: bf16 where the CPU has AMX-BF16 (usable)
+    and AVX512-VNNI; int8 where it has AVX512-VNNI; f32 where its integer dot products are AVX2's
+    (vpmaddubsw: int8 decode, but a batch's GEMMs slower than fp32's); else float (said at INFO);
+    bf16 where AMX-BF16 is not usable is int8 (said at INFO, with why); int8 or f32 without integer
+    dot products runs the portable ones below the prompt's token count (slower than float: said at INFO)."""
     log, isa = logging.getLogger("llmc"), torch.ops.llmc.qdot_isa()
     if activations == "float" or (activations == "auto" and isa == "portable"):
         if activations == "auto":
@@ -217,12 +218,13 @@ def choose_activations(activations: str) -> str:
             return "bf16"
         if activations == "bf16":
             log.info("a prompt's quantized GEMMs keep int8 activations: %s", why)
-    return "int8"
+    return "f32" if activations == "f32" or (activations == "auto" and isa == "avx2") else "int8"
 
 
 def described_kernels(weights: dict[str, Any], activations: str) -> str:
     """'native', or with quantized GEMMs 'native, int8 activations (amx-int8 from 32 tokens, avx512-vnni
-    below)', 'native, bf16 prompts (amx-bf16 from 32 tokens), int8 activations below (avx512-vnni)' or
+    below)', 'native, bf16 prompts (amx-bf16 from 32 tokens), int8 activations below (avx512-vnni)', the
+    same with 'f32 prompts (fp32 from 16 tokens)' or
     '..., float activations' (and how many keep float activations where int8 was asked for)."""
     quantized = {id(w): w for w in weights.values() if isinstance(w, GemvWeight) and w.bits}.values()
     if not quantized:
@@ -230,8 +232,9 @@ def described_kernels(weights: dict[str, Any], activations: str) -> str:
     if activations == "float":
         return "native, float activations"
     kept = sum(w.layout != "quads" for w in quantized)
-    said = (f"bf16 prompts (amx-bf16 from {PROMPT_MIN_TOKENS} tokens), int8 activations below "
-            f"({torch.ops.llmc.qdot_isa()})" if activations == "bf16"
+    prompts = {"bf16": f"bf16 prompts (amx-bf16 from {PROMPT_MIN_TOKENS} tokens)",
+               "f32": f"f32 prompts (fp32 from {F32_PROMPT_MIN_TOKENS} tokens)"}
+    said = (f"{prompts[activations]}, int8 activations below ({torch.ops.llmc.qdot_isa()})" if activations in prompts
             else f"int8 activations ({describe_qgemm_path()})")
     return f"native, {said}" + (f", {kept} GEMMs float activations" if kept else "")
 

@@ -142,6 +142,14 @@ def qdot_bf16_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Ten
                             None if mins is None else panel_rows(mins, rows), bias, bits=bits)
 
 
+def qdot_f32_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                        n: int, bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
+    """The meaning of a prompt's quads GEMM with f32 prompts: qlinear_ref on the weight the quads hold."""
+    rows = torch.arange(n)
+    return qlinear_ref(x, quad_rows(quads, rows, bits), panel_rows(scales, rows),
+                       None if mins is None else panel_rows(mins, rows), bias, bits=bits)
+
+
 def qdot_linear_ref(x: torch.Tensor, quads: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int,
                     bias: torch.Tensor | None = None, *, bits: int) -> torch.Tensor:
     """The meaning of the int8-activation kernel: qlinear_int8act_ref on the weight the quads hold."""

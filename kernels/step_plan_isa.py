@@ -178,7 +178,8 @@ STEP_PLAN_INSTRUCTIONS = [
                                         "per block of 32: kernels/cpu/qdot_gemm.cpp)",
                                  prompts="quads: 1 from 32 rows x rounded to bf16 times the weight dequantized "
                                          "to bf16, on AMX-BF16 where usable (kernels/cpu/amx_dequant_gemm.h); "
-                                         "0 int8 at every row count")),
+                                         "2 from 16 rows x times the weight dequantized to fp32 "
+                                         "(kernels/cpu/f32_dequant_gemm.h); 0 int8 at every row count")),
     Instruction("paged_attention", _args("out q cache block_tables seq_lens query_start_loc layer:int heads:int "
                                          "kv_heads:int head_dim:int window:int softcap:float", **_ATTN_DOCS),
                 f="scale",

@@ -14,7 +14,7 @@ import torch
 from llmc.compiler.dtypes import to_torch
 from llmc.compiler.ir import Node
 from llmc.compiler.ops import operands_of
-from llmc.kernels.gemv import GemvWeight
+from llmc.kernels.gemv import PROMPT_CODES, GemvWeight
 from llmc.kernels.panels import PANEL
 from llmc.kernels.step_plan_isa import Encoded, encode
 
@@ -91,7 +91,7 @@ def _lower_qlinear(lo, node: Node) -> Encoded:
     return encode("qlinear", out=out, picks=lo.picks_for(node), x=x_id, codes=codes_id, scales=scales, mins=mins,
                   bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
                   num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
-                  layout=int(w.layout == "quads"), prompts=int(w.prompts == "bf16"))
+                  layout=int(w.layout == "quads"), prompts=PROMPT_CODES[w.prompts])
 
 
 GEMM_LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,

@@ -6,7 +6,7 @@ token counts below, at and across its 16-token tiles, across its token blocks an
 panels, int8 per channel and in groups, int4 in groups of 32 and 128, N within and across a panel,
 bias, bf16 x. Each product of two bf16 values is exact in fp32, so the kernel differs from the ref
 only by fp32's rounding of its K-term sums: tests/tolerances.py's fp32 bound over K terms (bf16 x:
-one bf16 rounding of the output). The op as the executors call it (qdot_gemm with bf16_prompts)
+one bf16 rounding of the output). The op as the executors call it (qdot_gemm with prompts 1)
 takes it from PROMPT_MIN_TOKENS tokens where AMX-BF16 is usable and equals the int8-activation
 kernel below that and wherever LLMC_CPU_AMX=off forces it; on every CPU. A tiny int8 / int4 model's
 prefill through the step plan with bf16 prompts: near float activations (closer than int8's
@@ -67,8 +67,8 @@ def amx_bf16(x, w, n, bias, bits) -> torch.Tensor:
     return torch.ops.llmc.amx_bf16_qgemm(x, w.weight, w.scales, w.mins, n, bias, bits, w.group_size)
 
 
-def chosen(x, w, n, bias, bits, bf16_prompts=True) -> torch.Tensor:
-    return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, n, bias, bits, w.group_size, True, bf16_prompts)
+def chosen(x, w, n, bias, bits, prompts=1) -> torch.Tensor:
+    return torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, n, bias, bits, w.group_size, True, prompts)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -108,7 +108,7 @@ def test_the_op_takes_bf16_for_a_prompt_where_amx_is_usable(tokens, forced, monk
         if bf16:
             assert torch.equal(got, amx_bf16(x, w, n, bias, bits))
             continue
-        assert torch.equal(got, chosen(x, w, n, bias, bits, bf16_prompts=False))
+        assert torch.equal(got, chosen(x, w, n, bias, bits, prompts=0))
         codes, scales, mins, g = weight
         exact = qlinear_int8act_ref(x.double(), codes, scales, mins, bias.double(), bits=bits)
         torch.testing.assert_close(got.double(), exact, **tolerance(torch.float32, k // 32 + k // g,
@@ -116,16 +116,21 @@ def test_the_op_takes_bf16_for_a_prompt_where_amx_is_usable(tokens, forced, monk
 
 
 def test_auto_activations_take_bf16_prompts_where_amx_bf16_is_usable(monkeypatch, caplog):
+    """bf16 prompts where AMX-BF16 is usable, else f32 prompts where the integer dots are AVX2's, int8
+    where they are AVX512-VNNI's, float without either."""
     monkeypatch.delenv(AMX_OVERRIDE, raising=False)
-    vnni = torch.ops.llmc.qdot_isa() != "portable"
-    want = "float" if not vnni else "bf16" if prompt_path()[0] == "amx-bf16" else "int8"
+    isa = torch.ops.llmc.qdot_isa()
+    vnni = isa != "portable"
+    without_amx = {"avx2": "f32", "portable": "float"}.get(isa, "int8")
+    want = "bf16" if vnni and prompt_path()[0] == "amx-bf16" else without_amx
     assert choose_activations("auto") == want
     monkeypatch.setenv(AMX_OVERRIDE, "off")
     with caplog.at_level(logging.INFO, logger="llmc"):
         assert choose_activations("bf16") == "int8"
     why = prompt_path()[1]                                   # LLMC_CPU_AMX=off, or the CPU's lack first
     assert f"a prompt's quantized GEMMs keep int8 activations: {why}" in caplog.text
-    assert choose_activations("auto") == ("int8" if vnni else "float")
+    assert choose_activations("auto") == without_amx
+    assert choose_activations("f32") == "f32" and choose_activations("int8") == "int8"
 
 
 @pytest.mark.parametrize("recipe", ["int8", "int4-g32"])

@@ -205,8 +205,9 @@ KERNELS_OPTION = typer.Option(None, help="CPU kernels of the torch backend: nati
 ACTIVATIONS_OPTION = typer.Option(None, help="the native kernels' quantized GEMMs: int8 (activations "
                                  "quantized per block of 32, integer dot products), bf16 (int8, but a prompt's "
                                  "GEMMs of 32+ tokens multiply x and the weight dequantized in bf16 on AMX), "
-                                 "float, or auto (default: bf16 where the CPU has AMX-BF16, int8 where it has "
-                                 "AVX512-VNNI)")
+                                 "f32 (int8, but those of 16+ tokens multiply x and the weight dequantized to "
+                                 "fp32), float, or auto (default: bf16 where the CPU has AMX-BF16, int8 where it "
+                                 "has AVX512-VNNI, f32 where its integer dot products are AVX2's)")
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
 STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "

@@ -9,7 +9,7 @@ decode and bench tok/s also as ratios to recipe none's (unquantized) in the same
 (none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
 round from the float values even where a GGUF's own blocks fit (`--requantize`). `--activations`
 sets the quantized GEMMs' activations (by default bf16 prompts where the CPU has AMX-BF16, int8 where it
-has AVX512-VNNI); the table
+has AVX512-VNNI, f32 prompts where its integer dot products are AVX2's); the table
 says per recipe what the kernels were.
 """
 
@@ -97,8 +97,8 @@ def bench_quant_cmd(
     output_len: str = typer.Option("16:192", help="the workload's output length: N or a uniform range LO:HI"),
     work_dir: Path = typer.Option(Path("artifacts/bench-quant"), help="where the recipes' artifacts are kept"),
     json_file: Optional[Path] = typer.Option(None, "--json", help="write the results to this JSON file"),
-    activations: str = typer.Option("auto", help="quantized GEMMs' activations: int8, float or auto (int8 where "
-                                    "the CPU has AVX512-VNNI)"),
+    activations: str = typer.Option("auto", help="quantized GEMMs' activations: int8, bf16, f32, float or auto "
+                                    "(`llmc bench --activations` says what each is)"),
 ) -> None:
     """Per quantization recipe: batch-1 decode speed and bytes against the bandwidth floor, and bench throughput."""
     names = [r.strip() for r in recipes.split(",") if r.strip()]

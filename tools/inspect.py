@@ -182,4 +182,4 @@ def quality_line(q: dict) -> str:
     return (f"quality    perplexity {q['perplexity']:.4f} vs {q['reference_perplexity']:.4f} for {q['against']} "
             f"({q['delta_perplexity_percent']:+.3f}%), mean KL {q['mean_kl']:.5f}, top-1 agreement "
             f"{100 * q['top1_agreement']:.2f}% over {q['tokens']} tokens of {q['text']}"
-            + (f", {q['activations']} activations" if q.get("activations") in ("int8", "bf16") else ""))
+            + (f", {q['activations']} activations" if q.get("activations") in ("int8", "bf16", "f32") else ""))

@@ -14,7 +14,9 @@ serves them instead (the native kernels, x quantized to int8 per block of 32): a
 is the int8 activations' own cost, against the unquantized artifact the whole cost. `--activations
 bf16` measures what a prompt's GEMMs cost where the CPU has AMX-BF16 and serves them so by default
 (x and the dequantized weight rounded to bf16; each window is a prompt); where it has no AMX-BF16
-it runs int8 and the report says so.
+it runs int8 and the report says so. `--activations f32` measures a prompt's GEMMs as a CPU whose
+integer dot products are AVX2's serves them (x times the weight dequantized to fp32: qlinear's own
+meaning, so against ART itself it scores about 0).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Quality:
     delta_perplexity_percent: float
     mean_kl: float
     top1_agreement: float
-    activations: str = "float"      # the measured model's quantized GEMMs: float (the refs), int8 or bf16 (native)
+    activations: str = "float"      # the measured model's quantized GEMMs: float (the refs), int8, bf16 or f32
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,8 +87,9 @@ class WindowScorer:
                  activations: str = "float"):
         """activations 'int8': the native kernels' quantized GEMMs with x quantized per block of 32
         (kernels/quant.py's qlinear_int8act_ref); 'bf16': a prompt's in bf16 on AMX (qlinear_bf16_ref),
-        or int8 where AMX-BF16 is not usable. `self.activations` says which ran."""
-        native = activations in ("int8", "bf16")
+        or int8 where AMX-BF16 is not usable; 'f32': a prompt's in fp32 (qlinear_ref). `self.activations`
+        says which ran."""
+        native = activations in ("int8", "bf16", "f32")
         impls, _ = choose_op_impls("native" if native else kernels)
         self.activations = choose_activations(activations) if native else "float"
         if native:
@@ -173,15 +176,16 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a line"),
     activations: str = typer.Option("float", help="ARTIFACT's quantized GEMMs: float (the torch refs), int8 "
                                     "(the native kernels, x quantized per block of 32) or bf16 (a prompt's x and "
-                                    "weights in bf16 on AMX, as a CPU with AMX-BF16 serves prompts); the "
-                                    "reference always runs float"),
+                                    "weights in bf16 on AMX, as a CPU with AMX-BF16 serves prompts) or f32 (a "
+                                    "prompt's x times the weight dequantized to fp32, as an AVX2 CPU serves "
+                                    "prompts); the reference always runs float"),
 ) -> None:
     """Perplexity, mean KL and top-1 agreement of ARTIFACT against a reference, on Python's help text."""
     from .inspect import quality_line
 
     if tokens < 2 or window < 1:
         raise RequestError(f"--tokens {tokens} and --window {window} must be at least 2 and 1")
-    if activations not in ("float", "int8", "bf16"):
-        raise RequestError(f"--activations {activations!r} is unknown; choose float, int8 or bf16")
+    if activations not in ("float", "int8", "bf16", "f32"):
+        raise RequestError(f"--activations {activations!r} is unknown; choose float, int8, bf16 or f32")
     quality = evaluate_artifacts(artifact, against, tokens, window, activations)
     typer.echo(json.dumps(quality.to_dict(), indent=2) if as_json else quality_line(quality.to_dict()))

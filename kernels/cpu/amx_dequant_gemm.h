@@ -35,11 +35,11 @@
 
 #include "amx_gemm.h"
 #include "qdot_gemm.h"
+#include "quad_weights.h"
 
 namespace llmc_amx_dq {
 
 using llmc_amx::Bf16;
-using llmc_cpu::Int16;
 using llmc_cpu::Uint16;
 using llmc_cpu::Vec16;
 using llmc_panels::kPanel;
@@ -51,7 +51,6 @@ using llmc_qdot::QuadPanels;
 // 0.46-0.57x at 128.
 constexpr int64_t kMinTokens = 32;
 constexpr int64_t kChunkBytes = 512 << 10;     // bf16 panels dequantized at a time (stay in a core's L2)
-constexpr int64_t kQuadRow = kPanel * 4;       // bytes of a quad (int8) or octet (int4) row of a panel
 
 // Whether a quads GEMM of `tokens` rows asked for bf16 prompts (`bf16_prompts`) runs here now: from
 // kMinTokens where AMX-BF16 is usable and LLMC_CPU_AMX is not off (read at each call).
@@ -68,10 +67,11 @@ inline std::pair<std::string, std::string> prompt_path() {
 // Elements of scratch gemm_range needs for K inputs: a chunk, at least one panel.
 inline int64_t scratch_elems(int64_t k_dim) { return std::max(kChunkBytes / int64_t{sizeof(Bf16)}, k_dim * kPanel); }
 
-// Rows first .. last - 1 of x [T, K] (K a multiple of 16) rounded to bf16 into xb [T, K].
-template <typename X>
-void round_rows(const X* x, Bf16* xb, int64_t k_dim, int64_t first, int64_t last) {
-  for (int64_t i = first * k_dim; i < last * k_dim; i += 16) llmc_cpu::store16(xb + i, llmc_cpu::load16(x + i));
+// Rows first .. last - 1 of x [T, K] (K a multiple of 16) as T_ into to [T, K]: rounded to bf16, or
+// widened to fp32 (exact).
+template <typename X, typename T_>
+void round_rows(const X* x, T_* to, int64_t k_dim, int64_t first, int64_t last) {
+  for (int64_t i = first * k_dim; i < last * k_dim; i += 16) llmc_cpu::store16(to + i, llmc_cpu::load16(x + i));
 }
 
 // Two inputs' 16 lanes rounded to bf16 (nearest even, as torch's .to(bfloat16) for finite values) and
@@ -85,43 +85,15 @@ inline Uint16 bf16_pairs(Vec16 a, Vec16 b) {
   return ua | (ub << 16);
 }
 
-// The weights of 4 inputs (bytes r = 0 .. 3 of each lane of `quads`; int4: the nibbles `high` or not)
-// of 16 outputs, as pair rows `to` (inputs r 0, 1) and `to` + 32 pairs (r 2, 3).
-template <int Bits>
-void dequantize_quad(Uint16 quads, bool high, Vec16 scale, Vec16 min, Bf16* to) {
-  Vec16 w[4];
-  for (int r = 0; r < 4; ++r) {
-    Uint16 code = (quads >> (8 * r)) & 0xFFu;
-    if constexpr (Bits == 4) code = high ? code >> 4 : code & 15u;
-    if constexpr (Bits == 8)
-      w[r] = __builtin_convertvector((Int16)code - 128, Vec16) * scale;
-    else
-      w[r] = __builtin_convertvector((Int16)code, Vec16) * scale + min;
-  }
-  const Uint16 rows[2] = {bf16_pairs(w[0], w[1]), bf16_pairs(w[2], w[3])};
-  std::memcpy(to, &rows[0], sizeof(rows[0]));
-  std::memcpy(to + 2 * kPanel, &rows[1], sizeof(rows[1]));
-}
-
-// Panel p of `w` as bf16 pairs [K/2, 32, 2] in `out`.
+// Panel p of `w` as bf16 pairs [K/2, 32, 2] in `out`: inputs k, k + 1 of output j at pair row k / 2.
 template <int Bits>
 void dequantize_panel(const QuadPanels& w, int64_t p, Bf16* out) {
-  constexpr int64_t kInputs = Bits == 8 ? 4 : 8;             // inputs of a row of the panel's codes
-  const uint8_t* codes = w.codes + p * (w.k_dim / kInputs) * kQuadRow;
-  const c10::Half* scales = w.scales + p * w.groups * kPanel;
-  const c10::Half* mins = Bits == 4 ? w.mins + p * w.groups * kPanel : nullptr;
-  for (int64_t g = 0; g < w.groups; ++g)
-    for (int h = 0; h < 2; ++h) {
-      const Vec16 scale = llmc_qdot::load16_half(scales + g * kPanel + 16 * h);
-      const Vec16 min = Bits == 4 ? llmc_qdot::load16_half(mins + g * kPanel + 16 * h) : Vec16{};
-      for (int64_t i = g * w.group / kInputs; i < (g + 1) * w.group / kInputs; ++i) {
-        Uint16 quads;
-        std::memcpy(&quads, codes + i * kQuadRow + 64 * h, sizeof(quads));
-        Bf16* to = out + (i * kInputs / 2) * 2 * kPanel + 32 * h;   // pair row of input i x kInputs
-        dequantize_quad<Bits>(quads, false, scale, min, to);
-        if constexpr (Bits == 4) dequantize_quad<Bits>(quads, true, scale, min, to + 4 * kPanel);
-      }
-    }
+  llmc_quads::for_quad_weights<Bits, Vec16>(w, p, [&](int64_t k, int64_t c0, Vec16 w0, Vec16 w1, Vec16 w2, Vec16 w3) {
+    const Uint16 rows[2] = {bf16_pairs(w0, w1), bf16_pairs(w2, w3)};
+    Bf16* to = out + k * kPanel + 2 * c0;                    // pair row k / 2, outputs c0 on
+    std::memcpy(to, &rows[0], sizeof(rows[0]));
+    std::memcpy(to + 2 * kPanel, &rows[1], sizeof(rows[1]));
+  });
 }
 
 #if defined(__x86_64__)

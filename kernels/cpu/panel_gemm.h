@@ -123,13 +123,15 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, 
   for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + c0 + u * kPanel, n_dim, ld);
 }
 
-// V: TileVec for a prompt's tiles (columns c0 on), Vec16 for a GEMV's whole panels (c0 0).
-template <typename V, int TT, int PP, typename X>
-void tile(const X* x0, const X* panel, int64_t c0, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t n0,
+// V: TileVec for a prompt's tiles (columns c0 on), Vec16 for a GEMV's whole panels (c0 0). Out: x's
+// dtype, or bf16 for fp32 x and panels (f32_dequant_gemm.h's, for a bf16 step).
+template <typename V, int TT, int PP, typename X, typename Out>
+void tile(const X* x0, const X* panel, int64_t c0, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
           int64_t n_dim, int64_t ld) {
   if constexpr (std::is_same_v<X, float>) {
     tile_f32<V, TT, PP>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
   } else {
+    static_assert(std::is_same_v<X, Out>, "bf16 tiles write bf16");
 #if defined(__AVX512BF16__)
     static_assert(sizeof(V) == sizeof(Vec16), "vdpbf16ps tiles cover whole panels");
 #endif
@@ -139,8 +141,8 @@ void tile(const X* x0, const X* panel, int64_t c0, int64_t k_dim, const X* bias,
 
 // Tokens t0 .. t0 + tt - 1 (tt <= kTile) times panel p, into out's rows `ld` elements apart: a tile
 // per kTileCols columns below N.
-template <typename X>
-void run_tile(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out, int64_t t0, int64_t tt, int64_t p,
+template <typename X, typename Out>
+void run_tile(const X* x, const X* panels, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t tt, int64_t p,
               int64_t n_dim, int64_t ld) {
   const X* x0 = x + t0 * k_dim;
   const X* panel = panels + p * k_dim * kPanel;

@@ -12,8 +12,10 @@
 //   vnni    the CPU's integer dot products: AMX-INT8 tiles from llmc_amx_int8::kMinTokens tokens where
 //           usable (amx_qgemm.h), else AVX512-VNNI where this build has it; false: the portable
 //           integer dots (the same numbers on every path)
-//   bf16_prompts  (with vnni) from llmc_amx_dq::kMinTokens tokens where AMX-BF16 is usable, x rounded
-//           to bf16 times the weight dequantized to bf16 instead (amx_dequant_gemm.h's contract)
+//   prompts (with vnni) 0: int8 activations at every token count; 1 (bf16 prompts): from
+//           llmc_amx_dq::kMinTokens tokens where AMX-BF16 is usable, x rounded to bf16 times the weight
+//           dequantized to bf16 instead (amx_dequant_gemm.h's contract); 2 (f32 prompts): from
+//           llmc_f32_dq::kMinTokens tokens x times the weight dequantized to fp32 (f32_dequant_gemm.h's)
 //   -> out  [T, N] in x's dtype: per block the exact int32 dot of the codes, times d in fp32,
 //           summed over the group's blocks, times the group's scale; int4 adds min x the group's
 //           sum of d x (the block's code sum); rounded once.
@@ -34,6 +36,7 @@
 
 #include "amx_dequant_gemm.h"
 #include "amx_qgemm.h"
+#include "f32_dequant_gemm.h"
 #include "qweight_checks.h"
 
 namespace {
@@ -41,8 +44,9 @@ namespace {
 using llmc_panels::kPanel;
 using llmc_qdot::kBlock;
 
-// kChosen: qdot_range's choice (AMX-INT8 or VNNI); kPrompts: bf16 where use_bf16, else kChosen's
-enum class Path { kPortable, kChosen, kAmx, kPrompts, kAmxBf16 };
+// kChosen: qdot_range's choice (AMX-INT8 or VNNI); kPrompts: bf16 where use_bf16, else kChosen's;
+// kF32Prompts: fp32 where use_f32, else kChosen's
+enum class Path { kPortable, kChosen, kAmx, kPrompts, kAmxBf16, kF32Prompts };
 
 template <int Bits, typename Out>
 void run_typed(const llmc_qdot::QActs& q, const llmc_qdot::QuadPanels& w, int64_t tokens, int64_t num_panels,
@@ -78,6 +82,22 @@ void run_bf16(const at::Tensor& x, const llmc_qdot::QuadPanels& w, int64_t num_p
     llmc_amx_dq::gemm_range<Bits>(xbp, w, tokens, b, o, n_dim, begin, end, panels);
   });
 #endif
+}
+
+// x as fp32, then each thread's panels dequantized to fp32 and multiplied (f32_dequant_gemm.h).
+template <int Bits, typename Out>
+void run_f32(const at::Tensor& x, const llmc_qdot::QuadPanels& w, int64_t num_panels, int64_t n_dim,
+             const at::Tensor& bias, at::Tensor& out) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const float* xp = xf.const_data_ptr<float>();
+  const Out* b = bias.defined() ? bias.const_data_ptr<Out>() : nullptr;
+  Out* o = out.data_ptr<Out>();
+  const int64_t floats = llmc_f32_dq::scratch_floats(x.size(1));
+  at::Tensor scratch = at::empty({at::get_num_threads() * floats}, xf.options());
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    float* panels = scratch.data_ptr<float>() + at::get_thread_num() * floats;
+    llmc_f32_dq::gemm_range<Bits>(xp, w, x.size(0), b, o, n_dim, begin, end, panels);
+  });
 }
 
 template <typename X>
@@ -119,7 +139,13 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor
     call(x, w, panels, n_dim, bias, out);
     return out;
   }
-  if (path == Path::kPrompts) path = Path::kChosen;
+  if (path == Path::kF32Prompts && llmc_f32_dq::use_f32(tokens, true)) {
+    const auto call = bits == 8 ? (f32 ? run_f32<8, float> : run_f32<8, c10::BFloat16>)
+                                : (f32 ? run_f32<4, float> : run_f32<4, c10::BFloat16>);
+    call(x, w, panels, n_dim, bias, out);
+    return out;
+  }
+  if (path == Path::kPrompts || path == Path::kF32Prompts) path = Path::kChosen;
   at::Tensor scratch = at::empty({tokens * llmc_qdot::qacts_bytes_per_row(k_dim)}, x.options().dtype(at::kByte));
   const llmc_qdot::QActs q = llmc_qdot::qacts_in(static_cast<char*>(scratch.data_ptr()), tokens, k_dim);
   f32 ? quantize<float>(x, q) : quantize<c10::BFloat16>(x, q);
@@ -136,8 +162,10 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor
 
 at::Tensor qdot_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, int64_t n_dim, const std::optional<at::Tensor>& bias,
-                     int64_t bits, int64_t group, bool vnni, bool bf16_prompts) {
-  const Path path = !vnni ? Path::kPortable : bf16_prompts ? Path::kPrompts : Path::kChosen;
+                     int64_t bits, int64_t group, bool vnni, int64_t prompts) {
+  TORCH_CHECK(prompts >= 0 && prompts <= 2, "prompts must be 0 (int8), 1 (bf16) or 2 (f32), not ", prompts);
+  const Path path = !vnni ? Path::kPortable : prompts == 1 ? Path::kPrompts : prompts == 2 ? Path::kF32Prompts
+                                                                                           : Path::kChosen;
   return run(x, codes, scales, mins, n_dim, bias, bits, group, path);
 }
 
@@ -171,7 +199,7 @@ std::string qdot_isa() { return llmc_qdot::kDotIsa; }
 
 TORCH_LIBRARY_FRAGMENT(llmc, m) {
   m.def("qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
-        "int group_size, bool vnni, bool bf16_prompts=False) -> Tensor");
+        "int group_size, bool vnni, int prompts=0) -> Tensor");
   m.def("amx_qdot_gemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "
         "int group_size) -> Tensor");
   m.def("amx_bf16_qgemm(Tensor x, Tensor codes, Tensor scales, Tensor? mins, int n, Tensor? bias, int bits, "

@@ -95,8 +95,14 @@ void StepPlan::note(const Instr& in) {
   if (in.op == kQlinear) {
     namespace A = arg::qlinear;
     widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
-    if (a[A::layout] == 1 && a[A::prompts] == 1)
-      dequantized_ = std::max(dequantized_, llmc_amx_dq::scratch_elems(a[A::k]));
+    if (a[A::layout] == 1 && a[A::prompts] == 1) {   // bf16 elements, two a float
+      dequantized_ = std::max(dequantized_, (llmc_amx_dq::scratch_elems(a[A::k]) + 1) / 2);
+      dequantized_from_ = std::min(dequantized_from_, llmc_amx_dq::kMinTokens);
+    }
+    if (a[A::layout] == 1 && a[A::prompts] == 2) {
+      dequantized_ = std::max(dequantized_, llmc_f32_dq::scratch_floats(a[A::k]));
+      dequantized_from_ = std::min(dequantized_from_, llmc_f32_dq::kMinTokens);
+    }
   }
   if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) {   // the step's work items: made once, every layer
     const AttentionArgs x = attention_args(in);
@@ -138,7 +144,7 @@ Bound& StepPlan::reuse(std::vector<at::Tensor> inputs, int64_t rows, int64_t seq
   const int64_t widened = widened_per_row_ * std::max(rows, seqs);    // the team's x scratch
   b.widened_alone = widened <= kAloneFloats ? widened : 0;             // and each thread's own, in a small step
   b.widened.resize(widened + b.widened_alone * team);
-  b.dequantized_per_thread = std::max(rows, seqs) >= llmc_amx_dq::kMinTokens ? dequantized_ : 0;
+  b.dequantized_per_thread = std::max(rows, seqs) >= dequantized_from_ ? dequantized_ : 0;
   b.dequantized.resize(std::max(b.dequantized.size(), static_cast<size_t>(b.dequantized_per_thread * team)));
   if (picks_) b.picks.resize(team * std::max(rows, seqs));
   const size_t counters = code_.size() * team;

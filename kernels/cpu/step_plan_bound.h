@@ -113,8 +113,9 @@ struct Bound {
                                               // x quantized (the team writes it)
   int64_t widened_alone = 0;                  // > 0: a small step, each thread's own x scratch of this
                                               // many floats, after the team's (x_scratch)
-  mutable std::vector<c10::BFloat16> dequantized;   // each thread's bf16 panels of a prompt's quantized
-  int64_t dequantized_per_thread = 0;               // GEMM (amx_dequant_gemm.h), this many elements each
+  mutable std::vector<float> dequantized;   // each thread's panels of a prompt's quantized GEMM: bf16
+  int64_t dequantized_per_thread = 0;       // (amx_dequant_gemm.h) or fp32 (f32_dequant_gemm.h), this many
+                                            // floats' room each
   std::unique_ptr<std::atomic<int64_t>[]> next;   // per instruction: the next attention item to take
   std::unique_ptr<ShareClaims[]> claims;       // per instruction, claim_team of them: a GEMV's panels
   int claim_team = 0;                         // (panel_claims.h; the GEMMs' shares of the others unused)

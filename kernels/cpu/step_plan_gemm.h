@@ -9,6 +9,7 @@
 #include "amx_epilogue.h"
 #include "amx_gemm.h"
 #include "amx_qgemm.h"
+#include "f32_dequant_gemm.h"
 #include "panel_epilogue.h"
 #include "qpanel_gemm.h"
 #include "row_picks.h"
@@ -161,26 +162,25 @@ inline llmc_qdot::QuadPanels quad_panels(const Instr& in, const Bound& b) {
           mins, a[A::k], a[A::group], a[A::k] / a[A::group]};
 }
 
-// x [rows, k] as bf16: itself, or an fp32 x rounded into the run's scratch (the rows split, then a
-// barrier; in a small step each thread all of them for itself).
-template <typename X>
-const llmc_amx::Bf16* bf16_rows(const X* x, int64_t k, const Bound& b, int tid, int64_t rows, int64_t first,
-                                int64_t last) {
-  if constexpr (std::is_same_v<X, llmc_amx::Bf16>) {
+// x [rows, k] as T (bf16 or fp32): itself, or x rounded (widened) into the run's scratch (the rows
+// split, then a barrier; in a small step each thread all of them for itself).
+template <typename T, typename X>
+const T* rows_as(const X* x, int64_t k, const Bound& b, int tid, int64_t rows, int64_t first, int64_t last) {
+  if constexpr (std::is_same_v<X, T>) {
     return x;
   } else {
-    auto* xb = reinterpret_cast<llmc_amx::Bf16*>(x_scratch(b, tid));
+    auto* to = reinterpret_cast<T*>(x_scratch(b, tid));
     if (b.widened_alone) {
-      llmc_amx_dq::round_rows(x, xb, k, 0, rows);
+      llmc_amx_dq::round_rows(x, to, k, 0, rows);
     } else {
-      llmc_amx_dq::round_rows(x, xb, k, first, last);
+      llmc_amx_dq::round_rows(x, to, k, first, last);
       b.barrier->wait();
     }
-    return xb;
+    return to;
   }
 }
 
-// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x as bf16 (bf16_rows), then
+// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x as bf16 (rows_as), then
 // the panels split, each thread dequantizing only its own into its part of the plan's scratch
 // (Bound::dequantized).
 template <typename X>
@@ -189,11 +189,11 @@ void qdot_bf16_linear(const Instr& in, int64_t index, const Bound& b, int tid, i
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const llmc_amx::Bf16* xb = bf16_rows(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
+  const llmc_amx::Bf16* xb = rows_as<llmc_amx::Bf16>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
   const llmc_qdot::QuadPanels w = quad_panels(in, b);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
   const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
-  auto* panels = b.dequantized.data() + tid * b.dequantized_per_thread;
+  auto* panels = reinterpret_cast<llmc_amx::Bf16*>(b.dequantized.data() + tid * b.dequantized_per_thread);
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
     if (a[A::bits] == 8)
@@ -206,9 +206,33 @@ void qdot_bf16_linear(const Instr& in, int64_t index, const Bound& b, int tid, i
   picks.merge();
 }
 
+// A prompt's quantized GEMM over quads in fp32 (f32_dequant_gemm.h): x as fp32 (rows_as), then the
+// panels split, each thread dequantizing only its own into its part of the plan's scratch.
+template <typename X>
+void qdot_f32_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
+                     int64_t last) {
+  namespace A = arg::qlinear;
+  const auto& a = in.a;
+  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+  const float* xf = rows_as<float>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
+  const llmc_qdot::QuadPanels w = quad_panels(in, b);
+  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
+  float* panels = b.dequantized.data() + tid * b.dequantized_per_thread;
+  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+    if (a[A::bits] == 8)
+      llmc_f32_dq::gemm_range<8>(xf, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+    else
+      llmc_f32_dq::gemm_range<4>(xf, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+    picks.panels(begin, end);
+  });
+  picks.merge();
+}
+
 // A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
 // split, so one token's are shared too, then a barrier; in a small step each thread all of them for
-// itself), then the panels split (for_panels). A prompt's with `prompts` 1 on AMX-BF16: qdot_bf16_linear.
+// itself), then the panels split (for_panels). A prompt's with `prompts` 1 on AMX-BF16: qdot_bf16_linear;
+// with `prompts` 2: qdot_f32_linear.
 template <typename X>
 void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
                  int64_t last) {
@@ -216,6 +240,8 @@ void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int te
   const auto& a = in.a;
   if (llmc_amx_dq::use_bf16(rows, a[A::prompts] == 1))
     return qdot_bf16_linear<X>(in, index, b, tid, team, rows, first, last);
+  if (llmc_f32_dq::use_f32(rows, a[A::prompts] == 2))
+    return qdot_f32_linear<X>(in, index, b, tid, team, rows, first, last);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k];
   const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(x_scratch(b, tid)), rows, k);

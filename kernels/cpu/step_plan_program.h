@@ -129,7 +129,9 @@ class StepPlan : public torch::CustomClassHolder {
   std::vector<int64_t> attention_meta_;     // attention's kind and the tables, lengths (and query starts) it reads
   int64_t max_head_dim_ = 16;
   int64_t widened_per_row_ = 0;             // floats of fp32 scratch a quantized GEMM needs per row
-  int64_t dequantized_ = 0;                 // bf16 scratch per thread a prompt's quads GEMM on bf16 needs
+  int64_t dequantized_ = 0;                 // floats of scratch per thread a prompt's quads GEMM on bf16 or
+                                            // fp32 needs (Bound::dequantized)
+  int64_t dequantized_from_ = INT64_MAX;    // from this many rows on (the least of those GEMMs' kMinTokens)
   int64_t num_outputs_ = 0;
   bool picks_ = false;                      // a GEMM picks (Bound::picks needs room)
   std::string group_;                       // the collectives' process group (set_group)
