@@ -205,6 +205,20 @@ STEP_PLAN_INSTRUCTIONS = [
                 doc="linear, then a column-local generated kernel over its result: on AMX tiles split by "
                     "tokens the kernel runs on each 32 columns as the GEMM makes them (out never written); "
                     "otherwise the GEMM, a barrier, the kernel"),
+    Instruction("qlinear_epilogue", _args("out picks:optional x codes scales mins:optional bias:optional k:int n:int "
+                                          "num_panels:int bits:int group:int layout:int prompts:int fn:address "
+                                          "window_fn:address source:int reads:int width:int num_inputs:int "
+                                          "values:values",
+                                          picks="-1 (its args before fn are qlinear's, in qlinear's places)",
+                                          fn="the epilogue's generated kernel (as `generated`)",
+                                          window_fn="its window form (compiler/codegen/cpp.py's NAME_cols)",
+                                          source="which of values is out, the GEMM's result the epilogue reads",
+                                          reads="out's column groups of `width` it reads, at 0, width, ...",
+                                          width="the epilogue's output width, a multiple of 32 (a panel)",
+                                          values="the epilogue's inputs, then its outputs"),
+                doc="qlinear, then a column-local generated kernel over its result: with f32 prompts on a step "
+                    "of 16 or more rows each window's panels are dequantized once and the kernel runs on its 32 "
+                    "columns as they are made (out never written); otherwise qlinear, a barrier, the kernel"),
     Instruction("qembedding", _args("out codes scales mins:optional ids layout:int vocab:int width:int bits:int "
                                     "group:int",
                                     layout="0: codes, scales, mins as the artifact stores them [V, ...]; "

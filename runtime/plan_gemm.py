@@ -76,7 +76,9 @@ def _lower_linear(lo, node: Node) -> Encoded:
     return encode("linear", **linear_args(lo, node), picks=lo.picks_for(node))
 
 
-def _lower_qlinear(lo, node: Node) -> Encoded:
+def qlinear_args(lo, node: Node) -> dict:
+    """The args of instruction `qlinear` for `node` but its picks (and of `qlinear_epilogue` before its
+    epilogue's)."""
     named = operands_of(node)
     x, bias, w = named.x, named.get("bias"), lo.weight(named.codes)   # its scales and mins are in the panels
     if not (isinstance(w, GemvWeight) and w.bits):
@@ -88,10 +90,14 @@ def _lower_qlinear(lo, node: Node) -> Encoded:
         raise NotPlannable(f"{node.name} (qlinear) multiplies {lo.width(x, node)} inputs by codes of {w.in_features}")
     out, x_id = lo.result(node), lo.activation(x, node)
     codes_id, scales, mins = lo.panels(w)
-    return encode("qlinear", out=out, picks=lo.picks_for(node), x=x_id, codes=codes_id, scales=scales, mins=mins,
-                  bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
-                  num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
-                  layout=int(w.layout == "quads"), prompts=PROMPT_CODES[w.prompts])
+    return dict(out=out, x=x_id, codes=codes_id, scales=scales, mins=mins,
+                bias=lo.constant(b.contiguous()) if bias else -1, k=w.in_features, n=w.out_features,
+                num_panels=w.weight.shape[0], bits=w.bits, group=w.group_size,
+                layout=int(w.layout == "quads"), prompts=PROMPT_CODES[w.prompts])
+
+
+def _lower_qlinear(lo, node: Node) -> Encoded:
+    return encode("qlinear", **qlinear_args(lo, node), picks=lo.picks_for(node))
 
 
 GEMM_LOWERINGS = {"embedding": _lower_embedding, "qembedding": _lower_qembedding, "linear": _lower_linear,

@@ -1,7 +1,7 @@
 """The step plan's lowerings of generated kernels (runtime/step_plan.py states their ABI): a
 generated unit alone as instruction `generated` (`lower_generated`), or, where `epilogue_reads`
-finds a column-local unit that alone reads a float linear's result at whole panels, that GEMM and
-the unit as one instruction, `linear_epilogue` (`lower_epilogue`). Each takes the plan's
+finds a column-local unit that alone reads a linear's (or a qlinear's) result at whole panels, that
+GEMM and the unit as one instruction, `linear_epilogue` (`qlinear_epilogue`) (`lower_epilogue`). Each takes the plan's
 `_Lowering` (`lo`) and returns the encoded instruction, or raises `NotPlannable`.
 """
 
@@ -16,7 +16,7 @@ from llmc.compiler.ir import Node, Value
 from llmc.kernels.panels import PANEL
 from llmc.kernels.step_plan_isa import Encoded, encode
 
-from .plan_gemm import NotPlannable, linear_args
+from .plan_gemm import NotPlannable, linear_args, qlinear_args
 
 
 def lower_generated(lo, fn_address: int, inputs: list[Value], outputs: list[Value],
@@ -42,10 +42,10 @@ def _generated_values(lo, inputs: list[Value], outputs: list[Value], keepalive: 
 
 def epilogue_reads(lo, gemm: KernelUnit, unit: KernelUnit, window: tuple | None) -> int:
     """How many column groups of its own width a column-local generated `unit` (its window function
-    and ColumnReads in `window`) reads of the result of `gemm`, a float linear before it, when the
+    and ColumnReads in `window`) reads of the result of `gemm`, a linear or qlinear before it, when the
     step plan can run it as that GEMM's epilogue; 0 when not: the result must be read by `unit`
     alone, at columns 0, W, 2W, ... of a GEMM W, 2W, ... wide, W a multiple of the panel width."""
-    if window is None or len(gemm.nodes) != 1 or gemm.nodes[0].op != "linear":
+    if window is None or len(gemm.nodes) != 1 or gemm.nodes[0].op not in ("linear", "qlinear"):
         return 0
     _, reads = window
     result = gemm.nodes[0].value()
@@ -60,13 +60,14 @@ def epilogue_reads(lo, gemm: KernelUnit, unit: KernelUnit, window: tuple | None)
 
 def lower_epilogue(lo, gemm: Node, unit: KernelUnit, fn_address: int, window: tuple, reads: int,
                    keepalive: Any) -> Encoded:
-    """`gemm` (a float linear) and the generated `unit` after it as instruction `linear_epilogue`
-    (the unit's outputs made before the GEMM's dying values are released: the GEMM still reads
-    its x while the epilogue writes)."""
-    args = linear_args(lo, gemm)
+    """`gemm` (a linear, or a qlinear) and the generated `unit` after it as instruction `linear_epilogue`
+    (`qlinear_epilogue`; the unit's outputs made before the GEMM's dying values are released: the GEMM
+    still reads its x while the epilogue writes)."""
+    quantized = gemm.op == "qlinear"
+    args = dict(qlinear_args(lo, gemm), picks=-1) if quantized else linear_args(lo, gemm)
     ids = _generated_values(lo, list(unit.inputs), list(unit.outputs), keepalive)
     window_fn, columns = window
-    return encode("linear_epilogue", **args, fn=fn_address, window_fn=window_fn,
+    return encode("qlinear_epilogue" if quantized else "linear_epilogue", **args, fn=fn_address, window_fn=window_fn,
                   source=list(unit.inputs).index(gemm.value()), reads=reads, width=columns.width,
                   num_inputs=len(unit.inputs), values=ids)
 

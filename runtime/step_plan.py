@@ -45,7 +45,10 @@ column-local (codegen gave it a window form, NAME_cols), runs with it as one ins
 `linear_epilogue` (plan_generated.py's `epilogue_reads` decides): on AMX tiles the unit runs on each 32 columns as the
 GEMM makes them (kernels/cpu/amx_epilogue.h), on the AVX-512 panel kernel (fp32, and bf16 off AMX) on
 each 32 columns of a few rows as their panels meet them (panel_epilogue.h), otherwise (a decode step
-of up to 4 rows, AMX split by panels) the GEMM, a barrier and the unit; the same values every way.
+of up to 4 rows, AMX split by panels) the GEMM, a barrier and the unit; the same values every way. A
+quantized one likewise, `qlinear_epilogue`: with f32 prompts from 16 rows each window's panels are
+dequantized once and met a few rows at a time (kernels/cpu/f32_dequant_gemm.h), otherwise the GEMM, a
+barrier and the unit.
 """
 
 from __future__ import annotations
@@ -370,7 +373,8 @@ def lower_step_plan(graph: Graph, weights: dict[str, Any], block_size: int,
         if i in fused:
             continue
         reads = epilogue_reads(lo, unit, units[i + 1][0], windows[i + 1]) if i + 1 < len(units) else 0
-        if reads and lowerings.get("linear") is LOWERINGS["linear"]:   # the GEMM and its epilogue: one call
+        gemm_op = unit.nodes[0].op
+        if reads and lowerings.get(gemm_op) is LOWERINGS[gemm_op]:     # the GEMM and its epilogue: one call
             fused.add(i + 1)
             epilogue, fn = units[i + 1]
             label = "+".join(n.op for n in (*unit.nodes, *epilogue.nodes))

@@ -38,10 +38,11 @@ def operands(n: int, k: int, bits: int, group: int | None, tokens: int, dtype=to
     return test_amx_qgemm.operands(n, k, bits, group, tokens, dtype, activations="f32")
 
 
-def executor(art, activations: str) -> TorchExecutor:
+def executor(art, activations: str, step_plans: bool = True) -> TorchExecutor:
     """test_int8_activations' executor with room for 17 sequences (a block each) and 3 longer prompts."""
     kv = KVCacheSpec.from_graph_type(art.graphs["decode"].node_map()["kv_cache"].type, 32, 16)
-    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels="native", activations=activations))
+    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels="native", activations=activations,
+                                                                    step_plans=step_plans))
 
 
 def f32_prompts(x, w, n, bias, bits, prompts=2) -> torch.Tensor:
@@ -117,3 +118,25 @@ def test_tiny_model_steps_with_f32_prompts(tiny_quantized, recipe):
     seqs, blocks = sequences([4, 10])
     small = build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks)
     assert torch.equal(f32.run("prefill", small), int8.run("prefill", small))
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
+def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, recipe):
+    """The plan runs each layer's gate_up qlinear with the SiLU x up after it as one qlinear_epilogue
+    (with f32 prompts from 16 rows: each window's gate and up panels dequantized, the product made a
+    few rows at a time); op by op the GEMM writes its result and silu_mul reads it. The same logits bit
+    for bit: a prefill of 52 tokens, decode steps of 17 sequences (fused) and of 3 (GEMM, barrier, SiLU)."""
+    from llmc.runtime.model_runner import build_step_inputs
+    from llmc.runtime.scheduler import Chunk
+    from test_step_plan import decode_steps, sequences
+
+    art = tiny_quantized(recipe)
+    plan, ops = executor(art, "f32"), executor(art, "f32", step_plans=False)
+    labels = {entry: [launch.label for launch in program._launches] for entry, program in plan.programs.items()}
+    assert all(names.count("qlinear+silu_mul") == 2 for names in labels.values()), labels   # 2 layers' gate_up
+    seqs, blocks = sequences([5, 17, 30])
+    step = build_step_inputs([Chunk(s, 0, s.num_tokens) for s in seqs], blocks)
+    assert torch.equal(plan.run("prefill", step), ops.run("prefill", step))
+    for lens in ([3 + i // 2 for i in range(17)], [3, 9, 20]):
+        for got, want in zip(*decode_steps([plan, ops], lens, steps=2, num_blocks=32)):
+            assert torch.equal(got, want)

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "panel_epilogue.h"
 #include "panel_gemm.h"
 #include "quad_weights.h"
 
@@ -44,6 +45,9 @@ inline bool use_f32(int64_t tokens, bool f32_prompts) { return f32_prompts && to
 inline int64_t scratch_floats(int64_t k_dim) {
   return std::max(kChunkBytes / int64_t{sizeof(float)}, k_dim * kPanel);
 }
+
+// Floats of scratch epilogue_range needs: a window's `reads` panels.
+inline int64_t epilogue_scratch_floats(int64_t k_dim, int64_t reads) { return reads * k_dim * kPanel; }
 
 // Panel p of `w` as fp32 [K, 32] in `out`.
 template <int Bits>
@@ -75,6 +79,26 @@ void gemm_range(const float* x, const QuadPanels& w, int64_t tokens, const Out* 
                               llmc_panels::run_tile(x, panels, w.k_dim, chunk_bias, out + n0, t0, tt, p, n_dim - n0,
                                                     n_dim);
                             });
+  }
+}
+
+// The GEMM of gemm_range over all N columns with a generated epilogue (panel_epilogue.h's contract,
+// x fp32 and the weight dequantized): windows begin .. end - 1 of every token, on the calling thread,
+// each window's `reads` panels dequantized into `panels` (epilogue_scratch_floats) once, then met by
+// every token's tiles a stage of rows at a time (x streams past the panels, which stay in L2).
+template <int Bits, typename Out>
+void epilogue_range(const float* x, const QuadPanels& w, int64_t tokens, const Out* bias,
+                    const llmc_panels::Epilogue& e, int64_t begin, int64_t end, float* panels) {
+  if (tokens == 0 || begin >= end) return;
+  llmc_panels::EpilogueStage<Out> stage(e, tokens);
+  const int64_t windows = e.width / kPanel, panel = w.k_dim * kPanel;
+  for (int64_t win = begin; win < end; ++win) {
+    for (int64_t g = 0; g < e.reads; ++g) dequantize_panel<Bits>(w, g * windows + win, panels + g * panel);
+    const auto panels_of = [&](int64_t g) {         // panel g W / 32 + win at panels + g panels
+      return llmc_panels::moved(panels + g * panel, -(g * windows + win) * panel);
+    };
+    for (int64_t r0 = 0; r0 < tokens; r0 += stage.rows())
+      stage.run(x, panels_of, w.k_dim, bias, win, r0, std::min(tokens, r0 + stage.rows()));
   }
 }
 

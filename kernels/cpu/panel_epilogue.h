@@ -69,31 +69,54 @@ inline int64_t stage_size(int64_t rows, int64_t stride, const Epilogue& e) {
   return rows * stride + (e.reads - 1) * e.width + kPanel;
 }
 
+// A thread's stage for one GEMM call's epilogue (Out: the GEMM result's dtype, which the window
+// function reads), and the window function's values with the stage as the GEMM's result.
+template <typename Out>
+class EpilogueStage {
+ public:
+  EpilogueStage(const Epilogue& e, int64_t tokens)
+      : e_(e), stride_(stage_slots(e.width, e.reads) * kPanel), rows_(std::min(tokens, kStageRows)),
+        stage_(new Out[stage_size(rows_, stride_, e)]), ptrs_(e.ptrs), strides_(e.strides) {   // written before read
+    strides_[e.source] = stride_;
+  }
+
+  int64_t rows() const { return rows_; }
+
+  // Window w of rows r0 .. r1 - 1 (at most rows()): each column group g's tiles, its panel g W / 32 + w
+  // read from panels_of(g) (a base that panel index holds), into the stage, then the window function.
+  template <typename X, typename PanelsOf>
+  void run(const X* x, PanelsOf panels_of, int64_t k_dim, const Out* bias, int64_t w, int64_t r0, int64_t r1) {
+    const int64_t windows = e_.width / kPanel;
+    Out* out = moved(stage_.get(), -r0 * stride_ - w * kPanel);     // row t, column g W + 32 w + c
+    for (int64_t g = 0; g < e_.reads; ++g)
+      for (int64_t t0 = r0; t0 < r1; t0 += kTile) {
+        const int64_t tt = std::min<int64_t>(kTile, r1 - t0);
+        run_tile(x, panels_of(g), k_dim, bias, out, t0, tt, g * windows + w, e_.reads * e_.width, stride_);
+      }
+    ptrs_[e_.source] = reinterpret_cast<char*>(moved(out, -e_.row0 * stride_));
+    e_.fn(ptrs_.data(), strides_.data(), e_.row0 + r0, e_.row0 + r1, w * kPanel, (w + 1) * kPanel);
+  }
+
+ private:
+  const Epilogue& e_;
+  int64_t stride_, rows_;
+  std::unique_ptr<Out[]> stage_;
+  std::vector<char*> ptrs_;
+  std::vector<int64_t> strides_;
+};
+
 // See the contract: windows begin .. end - 1 of every token, on the calling thread.
 template <typename X>
 void panel_epilogue_range(const X* x, const X* panels, int64_t tokens, int64_t k_dim, const X* bias,
                           const Epilogue& e, int64_t begin, int64_t end) {
   if (tokens == 0 || begin >= end) return;
-  const int64_t windows = e.width / kPanel, stride = stage_slots(e.width, e.reads) * kPanel;
-  const int64_t block = token_block(k_dim, sizeof(X), kTile), rows = std::min(tokens, kStageRows);
-  const std::unique_ptr<X[]> stage(new X[stage_size(rows, stride, e)]);   // written before read
-  std::vector<char*> ptrs = e.ptrs;
-  std::vector<int64_t> strides = e.strides;
-  strides[e.source] = stride;
+  EpilogueStage<X> stage(e, tokens);
+  const int64_t block = token_block(k_dim, sizeof(X), kTile);
   for (int64_t b0 = 0; b0 < tokens; b0 += block) {
     const int64_t b1 = std::min(tokens, b0 + block);
     for (int64_t w = begin; w < end; ++w)
-      for (int64_t r0 = b0; r0 < b1; r0 += rows) {
-        const int64_t r1 = std::min(b1, r0 + rows);
-        X* out = moved(stage.get(), -r0 * stride - w * kPanel);     // row t, column g W + 32 w + c
-        for (int64_t g = 0; g < e.reads; ++g)
-          for (int64_t t0 = r0; t0 < r1; t0 += kTile) {
-            const int64_t tt = std::min<int64_t>(kTile, r1 - t0);
-            run_tile(x, panels, k_dim, bias, out, t0, tt, g * windows + w, e.reads * e.width, stride);
-          }
-        ptrs[e.source] = reinterpret_cast<char*>(moved(out, -e.row0 * stride));
-        e.fn(ptrs.data(), strides.data(), e.row0 + r0, e.row0 + r1, w * kPanel, (w + 1) * kPanel);
-      }
+      for (int64_t r0 = b0; r0 < b1; r0 += stage.rows())
+        stage.run(x, [&](int64_t) { return panels; }, k_dim, bias, w, r0, std::min(b1, r0 + stage.rows()));
   }
 }
 

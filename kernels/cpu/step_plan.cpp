@@ -21,7 +21,8 @@
 // arg only by its name (arg::linear::bias), so a layout the description lacks does not compile.
 // `generated` calls a generated kernel's C function (runtime/step_plan.py states its ABI) on the
 // team's split of its first output's rows; `linear_epilogue` is a float GEMM with a column-local
-// generated kernel as its epilogue (step_plan.h, amx_epilogue.h). `all_reduce` and `all_gather` (tensor parallelism,
+// generated kernel as its epilogue (step_plan.h, amx_epilogue.h), `qlinear_epilogue` a quantized one
+// (f32_dequant_gemm.h). `all_reduce` and `all_gather` (tensor parallelism,
 // plan_collectives.h) run on the team's first thread, on the group set_group named, while the others
 // wait at the barrier; one that fails stops the team after it and is raised once the region ends.
 //
@@ -92,7 +93,7 @@ std::vector<at::Tensor> StepPlan::bind(Bound& b) {
 void StepPlan::note(const Instr& in) {
   const auto& a = in.a;
   if (in.op == kRopeKvWrite) max_head_dim_ = std::max(max_head_dim_, a[arg::rope_kv_write::head_dim]);
-  if (in.op == kQlinear) {
+  if (in.op == kQlinear || in.op == kQlinearEpilogue) {   // qlinear_epilogue's args: qlinear's, then more
     namespace A = arg::qlinear;
     widened_per_row_ = std::max(widened_per_row_, a[A::k] + a[A::k] / a[A::group]);
     if (a[A::layout] == 1 && a[A::prompts] == 1) {   // bf16 elements, two a float
@@ -101,6 +102,9 @@ void StepPlan::note(const Instr& in) {
     }
     if (a[A::layout] == 1 && a[A::prompts] == 2) {
       dequantized_ = std::max(dequantized_, llmc_f32_dq::scratch_floats(a[A::k]));
+      if (in.op == kQlinearEpilogue)
+        dequantized_ = std::max(dequantized_, llmc_f32_dq::epilogue_scratch_floats(
+                                                  a[A::k], in.a[arg::qlinear_epilogue::reads]));
       dequantized_from_ = std::min(dequantized_from_, llmc_f32_dq::kMinTokens);
     }
   }
@@ -114,7 +118,7 @@ void StepPlan::note(const Instr& in) {
     attention_meta_ = meta;
   }
   if (in.op == kGenerated) check_generated(in);
-  if (in.op == kLinearEpilogue) check_linear_epilogue(in);
+  if (in.op == kLinearEpilogue || in.op == kQlinearEpilogue) check_linear_epilogue(in);
   if (in.op == kAllReduce || in.op == kAllGather) check_collective(in);
   if (in.op == kQembedding) check_qembedding(in);
   if (in.op == kLinear || in.op == kQlinear) check_picks(in);
@@ -122,6 +126,7 @@ void StepPlan::note(const Instr& in) {
   const int64_t panels = in.op == kLinear           ? a[arg::linear::num_panels]
                          : in.op == kLinearEpilogue ? a[arg::linear_epilogue::num_panels]
                          : in.op == kQlinear        ? a[arg::qlinear::num_panels]
+                         : in.op == kQlinearEpilogue ? a[arg::qlinear_epilogue::num_panels]
                                                     : 0;
   if (panels > 0) claimed_.push_back({index, panels});
   if (in.op == kPagedDecodeAttention || in.op == kPagedAttention) attention_at_.push_back(index);

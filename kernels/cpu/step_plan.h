@@ -174,6 +174,9 @@ void run_instruction(const Instr& in, int64_t index, const Bound& b, int tid, in
     case kQlinear:
       qlinear<X>(in, index, b, tid, team, rows, first, last);
       break;
+    case kQlinearEpilogue:
+      qlinear_epilogue<X>(in, index, b, tid, team, rows, first, last);
+      break;
     case kRopeKvWrite:
       rope_kv_write<X, C>(in, b, first, last, row);
       break;

@@ -66,8 +66,28 @@ inline GeneratedArgs generated_args(const Instr& in) {
     namespace A = arg::linear_epilogue;
     return {in.a.data() + A::values, in.a[A::num_inputs], static_cast<int64_t>(in.a.size()) - A::values};
   }
+  if (in.op == kQlinearEpilogue) {
+    namespace A = arg::qlinear_epilogue;
+    return {in.a.data() + A::values, in.a[A::num_inputs], static_cast<int64_t>(in.a.size()) - A::values};
+  }
   namespace A = arg::generated;
   return {in.a.data() + A::values, in.a[A::num_inputs], static_cast<int64_t>(in.a.size()) - A::values};
+}
+
+// A GEMM with a generated epilogue (linear_epilogue, qlinear_epilogue): the GEMM's result and width,
+// the epilogue's kernel, its window form, which of its values is the result, its width and reads.
+struct EpilogueArgs {
+  int64_t out, n, fn, window_fn, source, width, reads;
+};
+
+inline EpilogueArgs epilogue_args(const Instr& in) {
+  const auto& a = in.a;
+  if (in.op == kQlinearEpilogue) {
+    namespace A = arg::qlinear_epilogue;
+    return {a[A::out], a[A::n], a[A::fn], a[A::window_fn], a[A::source], a[A::width], a[A::reads]};
+  }
+  namespace A = arg::linear_epilogue;
+  return {a[A::out], a[A::n], a[A::fn], a[A::window_fn], a[A::source], a[A::width], a[A::reads]};
 }
 
 // The value an instruction's rows are split by: its (first) result.
@@ -79,6 +99,7 @@ inline int64_t result_of(const Instr& in) {
     case kLinear: return a[arg::linear::out];
     case kLinearEpilogue: return a[arg::linear_epilogue::out];
     case kQlinear: return a[arg::qlinear::out];
+    case kQlinearEpilogue: return a[arg::qlinear_epilogue::out];
     case kRopeKvWrite: return a[arg::rope_kv_write::q_out];
     case kIndexSelect: return a[arg::index_select::out];
     case kAllReduce: return a[arg::all_reduce::out];

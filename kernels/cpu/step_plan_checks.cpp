@@ -52,7 +52,7 @@ void StepPlan::check_picks(const Instr& in) {
 // of its first output.
 void StepPlan::check_generated(const Instr& in) const {
   const GeneratedArgs g = generated_args(in);
-  const int64_t fn = in.op == kGenerated ? in.a[arg::generated::fn] : in.a[arg::linear_epilogue::fn];
+  const int64_t fn = in.op == kGenerated ? in.a[arg::generated::fn] : epilogue_args(in).fn;
   TORCH_CHECK(fn != 0, "a generated kernel's fn is a null address");
   TORCH_CHECK(g.num_inputs >= 0 && g.num_inputs < g.count, "a generated kernel of ", g.count,
               " values cannot take ", g.num_inputs, " of them as inputs and write at least one");
@@ -67,19 +67,19 @@ void StepPlan::check_generated(const Instr& in) const {
   }
 }
 
-// A GEMM's epilogue (linear_epilogue): a window function, the GEMM's result among its inputs, and
+// A GEMM's epilogue (linear_epilogue, qlinear_epilogue): a window function, the GEMM's result among its inputs, and
 // N = reads x W with W whole panels; then its values as a generated kernel's.
 void StepPlan::check_linear_epilogue(const Instr& in) const {
-  namespace A = arg::linear_epilogue;
-  const auto& a = in.a;
+  const EpilogueArgs e = epilogue_args(in);
   const GeneratedArgs g = generated_args(in);
-  TORCH_CHECK(a[A::window_fn] != 0, "a GEMM epilogue's window_fn is a null address");
-  TORCH_CHECK(a[A::source] >= 0 && a[A::source] < g.num_inputs && g.values[a[A::source]] == a[A::out],
-              "a GEMM epilogue's source ", a[A::source], " is not the input that is the GEMM's result");
-  TORCH_CHECK(a[A::width] > 0 && a[A::width] % llmc_panels::kPanel == 0 && a[A::reads] >= 1 &&
-                  a[A::reads] * a[A::width] == a[A::n],
-              "a GEMM epilogue of width ", a[A::width], " reading ", a[A::reads], " column groups does not fit a ",
-              a[A::n], "-wide GEMM in whole panels");
+  TORCH_CHECK(e.window_fn != 0, "a GEMM epilogue's window_fn is a null address");
+  TORCH_CHECK(e.source >= 0 && e.source < g.num_inputs && g.values[e.source] == e.out,
+              "a GEMM epilogue's source ", e.source, " is not the input that is the GEMM's result");
+  TORCH_CHECK(e.width > 0 && e.width % llmc_panels::kPanel == 0 && e.reads >= 1 && e.reads * e.width == e.n,
+              "a GEMM epilogue of width ", e.width, " reading ", e.reads, " column groups does not fit a ", e.n,
+              "-wide GEMM in whole panels");
+  TORCH_CHECK(in.op != kQlinearEpilogue || in.a[arg::qlinear_epilogue::picks] == -1,
+              "a quantized GEMM with an epilogue picks nothing (its result is the epilogue's)");
   check_generated(in);
 }
 
@@ -137,7 +137,7 @@ void StepPlan::check(const Instr& in, int64_t index, Bound& b) const {
     const at::Tensor& cache = *b.tensor_at[x.cache];
     check_cache(cache, x.layer, x.kv_heads, x.head_dim);
     if (b.qsl.empty()) plan_attention(in, b, cache);
-  } else if (in.op == kGenerated || in.op == kLinearEpilogue) {
+  } else if (in.op == kGenerated || in.op == kLinearEpilogue || in.op == kQlinearEpilogue) {
     bind_generated(in, index, b);
   }
 }

@@ -299,4 +299,45 @@ void qlinear(const Instr& in, int64_t index, const Bound& b, int tid, int team, 
   picks.merge();
 }
 
+// qlinear_epilogue's args up to prompts are qlinear's, in qlinear's places, so qlinear and quad_panels
+// read it as they read a qlinear.
+#define LLMC_SAME_ARG(name) static_assert(arg::qlinear_epilogue::name == arg::qlinear::name, "qlinear's " #name);
+LLMC_SAME_ARG(out) LLMC_SAME_ARG(picks) LLMC_SAME_ARG(x) LLMC_SAME_ARG(codes) LLMC_SAME_ARG(scales)
+LLMC_SAME_ARG(mins) LLMC_SAME_ARG(bias) LLMC_SAME_ARG(k) LLMC_SAME_ARG(n) LLMC_SAME_ARG(num_panels)
+LLMC_SAME_ARG(bits) LLMC_SAME_ARG(group) LLMC_SAME_ARG(layout) LLMC_SAME_ARG(prompts)
+#undef LLMC_SAME_ARG
+
+// A quantized GEMM and its generated epilogue (instruction qlinear_epilogue): with f32 prompts from
+// llmc_f32_dq::kMinTokens rows (more than kClaimRows), x as fp32 (rows_as), the windows split, each
+// window's panels dequantized by the thread that takes it and met a stage of rows at a time
+// (f32_dequant_gemm.h's epilogue_range: the result never goes to memory); otherwise `qlinear`, a
+// barrier (the epilogue reads every thread's panels), and the epilogue's kernel on the team's split of
+// the rows. The same values either way, bit for bit, as linear_epilogue's.
+template <typename X>
+void qlinear_epilogue(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows,
+                      int64_t first, int64_t last) {
+  namespace A = arg::qlinear_epilogue;
+  const auto& a = in.a;
+  if (a[A::layout] == 1 && llmc_f32_dq::use_f32(rows, a[A::prompts] == 2) && rows > kClaimRows) {
+    const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
+    const float* xf = rows_as<float>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
+    const llmc_qdot::QuadPanels w = quad_panels(in, b);
+    X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
+    const llmc_panels::Epilogue e{reinterpret_cast<llmc_panels::WindowFn>(static_cast<intptr_t>(a[A::window_fn])),
+                                  b.ptrs[index], b.strides[index], a[A::source], a[A::width], a[A::reads], 0};
+    const auto [begin, end] = share(a[A::width] / llmc_panels::kPanel, tid, team);
+    float* panels = b.dequantized.data() + tid * b.dequantized_per_thread;
+    if (a[A::bits] == 8)
+      llmc_f32_dq::epilogue_range<8>(xf, w, rows, bias, e, begin, end, panels);
+    else
+      llmc_f32_dq::epilogue_range<4>(xf, w, rows, bias, e, begin, end, panels);
+    return;
+  }
+  qlinear<X>(in, index, b, tid, team, rows, first, last);
+  b.barrier->wait();
+  if (first < last)
+    reinterpret_cast<GeneratedFn>(static_cast<intptr_t>(a[A::fn]))(b.ptrs[index].data(), b.strides[index].data(),
+                                                                   first, last);
+}
+
 }  // namespace llmc_plan
