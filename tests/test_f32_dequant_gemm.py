@@ -10,7 +10,8 @@ the output), a bound int8 activations' rounding misses by far, so it also shows 
 F32_PROMPT_MIN_TOKENS the int8-activation kernel's numbers bit for bit. A tiny int8 / int4 model's
 prefill and decode steps through the step plan with f32 prompts against float activations (whose
 meaning is the same qlinear: only fp32 rounding apart), a step below 16 tokens as int8's, and the
-executor's kernel line. On every CPU."""
+executor's kernel line; the gate_up GEMM fused with its SiLU (qlinear_epilogue) against op by op, bit
+for bit, in an fp32 and a bf16 model. On every CPU."""
 
 from __future__ import annotations
 
@@ -120,17 +121,40 @@ def test_tiny_model_steps_with_f32_prompts(tiny_quantized, recipe):
     assert torch.equal(f32.run("prefill", small), int8.run("prefill", small))
 
 
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    """recipe -> tiny_quantized's Llama compiled in bfloat16 with that weight recipe."""
+    from llmc.compiler.driver import CompileConfig, compile_model
+    from llmc.compiler.quant_recipe import QuantRecipe
+    from llmc.runtime.artifact import load_artifact
+    from tiny_models import build_hf_model, write_hf_folder
+
+    built = {}
+
+    def get(recipe: str):
+        if recipe not in built:
+            root = tmp_path_factory.mktemp(f"bf16-{recipe}")
+            folder = write_hf_folder(build_hf_model("llama_hd32"), root / "hf")
+            config = CompileConfig(dtype="bfloat16", quant=QuantRecipe.parse(recipe))
+            built[recipe] = load_artifact(compile_model(folder, root / "art", config))
+        return built[recipe]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
-def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, recipe):
+def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, tiny_bf16, recipe, dtype):
     """The plan runs each layer's gate_up qlinear with the SiLU x up after it as one qlinear_epilogue
     (with f32 prompts from 16 rows: each window's gate and up panels dequantized, the product made a
-    few rows at a time); op by op the GEMM writes its result and silu_mul reads it. The same logits bit
-    for bit: a prefill of 52 tokens, decode steps of 17 sequences (fused) and of 3 (GEMM, barrier, SiLU)."""
+    few rows at a time; a bf16 model's x widened, the GEMM's result rounded to bf16 before the SiLU
+    reads it); op by op the GEMM writes its result and silu_mul reads it. The same logits bit for bit:
+    a prefill of 52 tokens, decode steps of 17 sequences (fused) and of 3 (GEMM, barrier, SiLU)."""
     from llmc.runtime.model_runner import build_step_inputs
     from llmc.runtime.scheduler import Chunk
     from test_step_plan import decode_steps, sequences
 
-    art = tiny_quantized(recipe)
+    art = (tiny_bf16 if dtype == "bfloat16" else tiny_quantized)(recipe)
     plan, ops = executor(art, "f32"), executor(art, "f32", step_plans=False)
     labels = {entry: [launch.label for launch in program._launches] for entry, program in plan.programs.items()}
     assert all(names.count("qlinear+silu_mul") == 2 for names in labels.values()), labels   # 2 layers' gate_up
