@@ -1,7 +1,8 @@
 // A prompt's quantized GEMM in fp32 where the CPU's integer dot products are AVX2's: x (fp32) times the
 // weight its quads hold, dequantized to fp32 once per call, in the float panel GEMM's tiles (the step
 // plan's qlinear over quads with `prompts` 2, and qdot_gemm.cpp's op with prompts 2, from kMinTokens
-// tokens; below that the int8-activation GEMM runs).
+// tokens; below that the int8-activation GEMM runs); epilogue_range the same with a generated epilogue
+// (the plan's qlinear_epilogue).
 //
 // Contract (the meaning of kernels/quant.py's qlinear_ref on the weight the quads hold):
 //   x        [T, K] fp32 (a bf16 x widened, exact)
