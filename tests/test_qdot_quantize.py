@@ -2,9 +2,10 @@
 32 inputs d = max|x| / 127, codes round(x / d) ties to even, and the codes' sum) against
 kernels/quant.py's quantize_activations, bit for bit: the codes, the fp32 scales and the sums.
 
-The header has two builds of it, AVX-512 (vcvtps2dq's rounding) and portable (std::nearbyint); both are
-built here as plain shared libraries (the same header, -march=native and -march=native -mno-avx512f)
-and checked on every x86 CPU, over ranges of blocks that cut a token in two (a step plan's team
+The header has three builds of it, AVX-512 and AVX2 (vcvtps2dq's rounding) and portable (std::nearbyint);
+each is built here as a plain shared library (the same header, -march=native, then without AVX-512,
+then without AVX2 too: on a CPU without AVX-512 the first two are the same build) and checked on every
+x86 CPU, over ranges of blocks that cut a token in two (a step plan's team
 splits one token's blocks at batch 1), for fp32 and bf16 x, with a block of zeros (d = 0: codes 0) and
 blocks whose x / d lands on halves (ties)."""
 
@@ -37,7 +38,7 @@ extern "C" void quantize_bf16(const c10::BFloat16* x, char* s, int64_t rows, int
 }
 """
 
-BUILDS = {"avx512": [], "portable": ["-mno-avx512f"]}
+BUILDS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2"]}
 
 
 @pytest.fixture(scope="module")

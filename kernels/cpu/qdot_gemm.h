@@ -73,6 +73,27 @@ inline QActs qacts_in(char* scratch, int64_t rows, int64_t k_dim) {
   return {reinterpret_cast<int8_t*>(sums + blocks), scales, sums, k_dim};
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 inputs from p as fp32 (a bf16 is the top half of an fp32).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
 // Blocks first .. last - 1 of x [T, K] (block i: token i / (K/32), its inputs 32 (i % (K/32)) on):
 // d = max|x| / 127 and codes round(x * (1/d)) (nearest, ties to even; all 0 where d is 0), and the
 // codes' sum. A range of blocks, not of tokens, so a team splits one token's blocks too (batch 1).
@@ -90,6 +111,23 @@ void quantize_blocks(const X* x, const QActs& q, int64_t first, int64_t last) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(c1));
     q.sums[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#elif defined(__AVX2__)
+    __m256 part[4], amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      part[j] = load8(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), part[j]));
+    }
+    const float d = hmax8(amax) / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {   // vcvtps2dq: to nearest, ties to even, as std::nearbyint
+      c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(part[j], _mm256_set1_ps(inv)));
+      sum = _mm256_add_epi32(sum, c[j]);
+    }
+    // packs interleave 128-bit lanes: 32-bit groups 0 4 1 5 2 6 3 7 hold codes 0-3, 16-19, 4-7, ... in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), ordered);
+    q.sums[i] = hsum8(sum);
 #else
     float amax = 0.f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::fmax(amax, std::fabs(static_cast<float>(v[j])));
