@@ -1,8 +1,8 @@
 """The step plan's lowerings of generated kernels (runtime/step_plan.py states their ABI): a
 generated unit alone as instruction `generated` (`lower_generated`), or, where `epilogue_reads`
 finds a column-local unit that alone reads a linear's (or a qlinear's) result at whole panels, that
-GEMM and the unit as one instruction, `linear_epilogue` (`qlinear_epilogue`) (`lower_epilogue`). Each takes the plan's
-`_Lowering` (`lo`) and returns the encoded instruction, or raises `NotPlannable`.
+GEMM and the unit as one instruction, `linear_epilogue` (or `qlinear_epilogue`: `lower_epilogue`).
+Each takes the plan's `_Lowering` (`lo`) and returns the encoded instruction, or raises `NotPlannable`.
 """
 
 from __future__ import annotations
