@@ -147,6 +147,14 @@ def _args(spec: str, **docs: str) -> tuple[Arg, ...]:
 
 _ATTN_DOCS = {"window": "0 off; > 0: keys p - window < j <= p only",
               "softcap": "0 off; > 0: scores softcap * tanh(score / softcap)"}
+# a GEMM's generated epilogue: the args linear_epilogue and qlinear_epilogue end with, and their docs
+_EPILOGUE_ARGS = "fn:address window_fn:address source:int reads:int width:int num_inputs:int values:values"
+_EPILOGUE_DOCS = {"fn": "the epilogue's generated kernel (as `generated`)",
+                  "window_fn": "its window form (compiler/codegen/cpp.py's NAME_cols)",
+                  "source": "which of values is out, the GEMM's result the epilogue reads",
+                  "reads": "out's column groups of `width` it reads, at 0, width, ...",
+                  "width": "the epilogue's output width, a multiple of 32 (a panel)",
+                  "values": "the epilogue's inputs, then its outputs"}
 _PICKS_DOC = ("-1: none; an index output [rows]: each row of out's greedy pick (its first largest value, as "
               "torch.argmax), taken as the panels are made")
 STEP_PLAN_INSTRUCTIONS = [
@@ -193,29 +201,15 @@ STEP_PLAN_INSTRUCTIONS = [
     Instruction("generated", _args("fn:address num_inputs:int values:values",
                                    fn="a generated kernel's C function (its ABI: runtime/step_plan.py)",
                                    values="the unit's inputs, then its outputs")),
-    Instruction("linear_epilogue", _args("out x panels bias:optional k:int n:int num_panels:int fn:address "
-                                         "window_fn:address source:int reads:int width:int num_inputs:int "
-                                         "values:values",
-                                         fn="the epilogue's generated kernel (as `generated`)",
-                                         window_fn="its window form (compiler/codegen/cpp.py's NAME_cols)",
-                                         source="which of values is out, the GEMM's result the epilogue reads",
-                                         reads="out's column groups of `width` it reads, at 0, width, ...",
-                                         width="the epilogue's output width, a multiple of 32 (a panel)",
-                                         values="the epilogue's inputs, then its outputs"),
+    Instruction("linear_epilogue", _args("out x panels bias:optional k:int n:int num_panels:int " + _EPILOGUE_ARGS,
+                                         **_EPILOGUE_DOCS),
                 doc="linear, then a column-local generated kernel over its result: on AMX tiles split by "
                     "tokens the kernel runs on each 32 columns as the GEMM makes them (out never written); "
                     "otherwise the GEMM, a barrier, the kernel"),
     Instruction("qlinear_epilogue", _args("out picks:optional x codes scales mins:optional bias:optional k:int n:int "
-                                          "num_panels:int bits:int group:int layout:int prompts:int fn:address "
-                                          "window_fn:address source:int reads:int width:int num_inputs:int "
-                                          "values:values",
+                                          "num_panels:int bits:int group:int layout:int prompts:int " + _EPILOGUE_ARGS,
                                           picks="-1 (its args before fn are qlinear's, in qlinear's places)",
-                                          fn="the epilogue's generated kernel (as `generated`)",
-                                          window_fn="its window form (compiler/codegen/cpp.py's NAME_cols)",
-                                          source="which of values is out, the GEMM's result the epilogue reads",
-                                          reads="out's column groups of `width` it reads, at 0, width, ...",
-                                          width="the epilogue's output width, a multiple of 32 (a panel)",
-                                          values="the epilogue's inputs, then its outputs"),
+                                          **_EPILOGUE_DOCS),
                 doc="qlinear, then a column-local generated kernel over its result: with f32 prompts on a step "
                     "of 16 or more rows each window's panels are dequantized once and the kernel runs on its 32 "
                     "columns as they are made (out never written); otherwise qlinear, a barrier, the kernel"),
