@@ -180,50 +180,41 @@ const T* rows_as(const X* x, int64_t k, const Bound& b, int tid, int64_t rows, i
   }
 }
 
-// A prompt's quantized GEMM over quads on AMX-BF16 (amx_dequant_gemm.h): x as bf16 (rows_as), then
-// the panels split, each thread dequantizing only its own into its part of the plan's scratch
-// (Bound::dequantized).
-template <typename X>
-void qdot_bf16_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
-                      int64_t last) {
-  namespace A = arg::qlinear;
-  const auto& a = in.a;
-  const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const llmc_amx::Bf16* xb = rows_as<llmc_amx::Bf16>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
-  const llmc_qdot::QuadPanels w = quad_panels(in, b);
-  X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
-  const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
-  auto* panels = reinterpret_cast<llmc_amx::Bf16*>(b.dequantized.data() + tid * b.dequantized_per_thread);
-  for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
+// Columns of panels begin .. end - 1 of a prompt's quads GEMM with the weight dequantized: x bf16 on
+// AMX-BF16 (amx_dequant_gemm.h), or x fp32 in the float tiles (f32_dequant_gemm.h).
+template <int Bits, typename Out>
+void dequant_range(const llmc_amx::Bf16* x, const llmc_qdot::QuadPanels& w, int64_t rows, const Out* bias, Out* out,
+                   int64_t n, int64_t begin, int64_t end, llmc_amx::Bf16* panels) {
 #if defined(__x86_64__)
-    if (a[A::bits] == 8)
-      llmc_amx_dq::gemm_range<8>(xb, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
-    else
-      llmc_amx_dq::gemm_range<4>(xb, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+  llmc_amx_dq::gemm_range<Bits>(x, w, rows, bias, out, n, begin, end, panels);
 #endif
-    picks.panels(begin, end);
-  });
-  picks.merge();
 }
 
-// A prompt's quantized GEMM over quads in fp32 (f32_dequant_gemm.h): x as fp32 (rows_as), then the
-// panels split, each thread dequantizing only its own into its part of the plan's scratch.
-template <typename X>
-void qdot_f32_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
-                     int64_t last) {
+template <int Bits, typename Out>
+void dequant_range(const float* x, const llmc_qdot::QuadPanels& w, int64_t rows, const Out* bias, Out* out,
+                   int64_t n, int64_t begin, int64_t end, float* panels) {
+  llmc_f32_dq::gemm_range<Bits>(x, w, rows, bias, out, n, begin, end, panels);
+}
+
+// A prompt's quantized GEMM over quads with the weight dequantized to T: bf16 on AMX-BF16 (`prompts`
+// 1), fp32 (`prompts` 2). x as T (rows_as), then the panels split, each thread dequantizing only its
+// own into its part of the plan's scratch (Bound::dequantized).
+template <typename X, typename T>
+void qdot_dequant_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows,
+                         int64_t first, int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
-  const float* xf = rows_as<float>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
+  const T* xt = rows_as<T>(x_at(a[A::x]), a[A::k], b, tid, rows, first, last);
   const llmc_qdot::QuadPanels w = quad_panels(in, b);
   X* bias = a[A::bias] < 0 ? nullptr : x_at(a[A::bias]);
   const GemmPicks<X> picks(b, a[A::picks], tid, team, rows, a[A::n], x_at(a[A::out]));
-  float* panels = b.dequantized.data() + tid * b.dequantized_per_thread;
+  auto* panels = reinterpret_cast<T*>(b.dequantized.data() + tid * b.dequantized_per_thread);
   for_panels(b, index, tid, team, rows, a[A::num_panels], [&](int64_t begin, int64_t end) {
     if (a[A::bits] == 8)
-      llmc_f32_dq::gemm_range<8>(xf, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+      dequant_range<8>(xt, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
     else
-      llmc_f32_dq::gemm_range<4>(xf, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
+      dequant_range<4>(xt, w, rows, bias, x_at(a[A::out]), a[A::n], begin, end, panels);
     picks.panels(begin, end);
   });
   picks.merge();
@@ -231,17 +222,17 @@ void qdot_f32_linear(const Instr& in, int64_t index, const Bound& b, int tid, in
 
 // A quantized GEMM over quads (int8 activations): x quantized per block of 32 (the step's blocks
 // split, so one token's are shared too, then a barrier; in a small step each thread all of them for
-// itself), then the panels split (for_panels). A prompt's with `prompts` 1 on AMX-BF16: qdot_bf16_linear;
-// with `prompts` 2: qdot_f32_linear.
+// itself), then the panels split (for_panels). A prompt's with `prompts` 1 on AMX-BF16, or with
+// `prompts` 2: qdot_dequant_linear.
 template <typename X>
 void qdot_linear(const Instr& in, int64_t index, const Bound& b, int tid, int team, int64_t rows, int64_t first,
                  int64_t last) {
   namespace A = arg::qlinear;
   const auto& a = in.a;
   if (llmc_amx_dq::use_bf16(rows, a[A::prompts] == 1))
-    return qdot_bf16_linear<X>(in, index, b, tid, team, rows, first, last);
+    return qdot_dequant_linear<X, llmc_amx::Bf16>(in, index, b, tid, team, rows, first, last);
   if (llmc_f32_dq::use_f32(rows, a[A::prompts] == 2))
-    return qdot_f32_linear<X>(in, index, b, tid, team, rows, first, last);
+    return qdot_dequant_linear<X, float>(in, index, b, tid, team, rows, first, last);
   const auto x_at = [&](int64_t value) { return reinterpret_cast<X*>(b.at[value]); };
   const int64_t k = a[A::k];
   const llmc_qdot::QActs q = llmc_qdot::qacts_in(reinterpret_cast<char*>(x_scratch(b, tid)), rows, k);
