@@ -20,15 +20,13 @@ import torch
 
 from llmc.kernels.gemv import F32_PROMPT_MIN_TOKENS, gemv_ref
 from llmc.kernels.quant import qlinear_ref
-from llmc.runtime.executor import KVCacheSpec
 from llmc.runtime.step_plan import StepPlanProgram
-from llmc.runtime.torch_executor import TorchExecutor, TorchOptions
 import test_amx_qgemm
 import test_int8_activations
 from tolerances import tolerance
 
 pytestmark = pytest.mark.usefixtures("native_kernels_built")
-tiny_quantized = test_int8_activations.tiny_quantized        # the fixture: a tiny Llama compiled per recipe
+tiny_quantized = test_int8_activations.tiny_quantized   # the fixture: a tiny Llama per recipe (and dtype)
 
 # (N, K, bits, group): group None is int8's one scale per output channel
 SHAPES = [(45, 96, 8, None), (40, 192, 8, 64), (70, 256, 4, 32), (33, 256, 4, 128)]
@@ -39,11 +37,9 @@ def operands(n: int, k: int, bits: int, group: int | None, tokens: int, dtype=to
     return test_amx_qgemm.operands(n, k, bits, group, tokens, dtype, activations="f32")
 
 
-def executor(art, activations: str, step_plans: bool = True) -> TorchExecutor:
+def executor(art, activations: str, step_plans: bool = True):
     """test_int8_activations' executor with room for 17 sequences (a block each) and 3 longer prompts."""
-    kv = KVCacheSpec.from_graph_type(art.graphs["decode"].node_map()["kv_cache"].type, 32, 16)
-    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels="native", activations=activations,
-                                                                    step_plans=step_plans))
+    return test_int8_activations.executor(art, activations, num_blocks=32, step_plans=step_plans)
 
 
 def f32_prompts(x, w, n, bias, bits, prompts=2) -> torch.Tensor:
@@ -121,30 +117,9 @@ def test_tiny_model_steps_with_f32_prompts(tiny_quantized, recipe):
     assert torch.equal(f32.run("prefill", small), int8.run("prefill", small))
 
 
-@pytest.fixture(scope="module")
-def tiny_bf16(tmp_path_factory):
-    """recipe -> tiny_quantized's Llama compiled in bfloat16 with that weight recipe."""
-    from llmc.compiler.driver import CompileConfig, compile_model
-    from llmc.compiler.quant_recipe import QuantRecipe
-    from llmc.runtime.artifact import load_artifact
-    from tiny_models import build_hf_model, write_hf_folder
-
-    built = {}
-
-    def get(recipe: str):
-        if recipe not in built:
-            root = tmp_path_factory.mktemp(f"bf16-{recipe}")
-            folder = write_hf_folder(build_hf_model("llama_hd32"), root / "hf")
-            config = CompileConfig(dtype="bfloat16", quant=QuantRecipe.parse(recipe))
-            built[recipe] = load_artifact(compile_model(folder, root / "art", config))
-        return built[recipe]
-
-    return get
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
-def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, tiny_bf16, recipe, dtype):
+def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, recipe, dtype):
     """The plan runs each layer's gate_up qlinear with the SiLU x up after it as one qlinear_epilogue
     (with f32 prompts from 16 rows: each window's gate and up panels dequantized, the product made a
     few rows at a time; a bf16 model's x widened, the GEMM's result rounded to bf16 before the SiLU
@@ -154,7 +129,7 @@ def test_gate_up_with_its_silu_in_the_plan_bit_for_bit(tiny_quantized, tiny_bf16
     from llmc.runtime.scheduler import Chunk
     from test_step_plan import decode_steps, sequences
 
-    art = (tiny_bf16 if dtype == "bfloat16" else tiny_quantized)(recipe)
+    art = tiny_quantized(recipe, dtype)
     plan, ops = executor(art, "f32"), executor(art, "f32", step_plans=False)
     labels = {entry: [launch.label for launch in program._launches] for entry, program in plan.programs.items()}
     assert all(names.count("qlinear+silu_mul") == 2 for names in labels.values()), labels   # 2 layers' gate_up

@@ -109,23 +109,26 @@ def test_a_ref_without_the_min_term_fails_the_bound():
 
 @pytest.fixture(scope="module")
 def tiny_quantized(tmp_path_factory):
-    """recipe -> a tiny Llama (head_dim 32, widths the plan takes) compiled with that weight recipe."""
+    """(recipe, dtype) -> a tiny Llama (head_dim 32, widths the plan takes) compiled in that dtype
+    (float32 unless given) with that weight recipe."""
     built = {}
 
-    def get(recipe: str):
-        if recipe not in built:
-            root = tmp_path_factory.mktemp(recipe)
+    def get(recipe: str, dtype: str = "float32"):
+        if (recipe, dtype) not in built:
+            root = tmp_path_factory.mktemp(f"{dtype}-{recipe}")
             folder = write_hf_folder(build_hf_model("llama_hd32"), root / "hf")
-            built[recipe] = load_artifact(compile_model(folder, root / "art",
-                                                        CompileConfig(quant=QuantRecipe.parse(recipe))))
-        return built[recipe]
+            config = CompileConfig(dtype=dtype, quant=QuantRecipe.parse(recipe))
+            built[recipe, dtype] = load_artifact(compile_model(folder, root / "art", config))
+        return built[recipe, dtype]
 
     return get
 
 
-def executor(art, activations: str) -> TorchExecutor:
-    kv = KVCacheSpec.from_graph_type(art.graphs["decode"].node_map()["kv_cache"].type, 16, 16)
-    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels="native", activations=activations))
+def executor(art, activations: str, num_blocks: int = 16, step_plans: bool = True) -> TorchExecutor:
+    """A native executor over `art` with a cache of `num_blocks` blocks of 16 tokens."""
+    kv = KVCacheSpec.from_graph_type(art.graphs["decode"].node_map()["kv_cache"].type, num_blocks, 16)
+    return TorchExecutor(art, torch.device("cpu"), kv, TorchOptions(kernels="native", activations=activations,
+                                                                    step_plans=step_plans))
 
 
 @pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
