@@ -12,7 +12,7 @@
 //     (transpose_sum: 15 shuffle-add steps), not 16 horizontal sums.
 //   * The online softmax steps over tiles of kTile keys (four blocks): one max, one rescale of
 //     the accumulators per tile; the weighted sum of V keeps each row's output in registers
-//     (strips of NV x 16 dimensions for R <= 8 rows).
+//     (strips of NV vectors of dimensions for R <= 8 rows, sized to the ISA's registers).
 //   * A block's KV heads lie next to each other, so an item reads K and V in runs of
 //     KVH x 16 rows.
 //   * With a window (Inputs::window) the item starts at the block holding its window's first
@@ -72,33 +72,40 @@ inline float softmax_tile(float* s, int64_t keys, float& max, float& sum) {
 }
 
 // o[r][c0 ..] = o[r][c0 ..] * alpha[r] + sum_n p[r][n] v[n][c0 ..] for R rows and NV vectors
-// of dimensions from c0, the accumulators in registers; p rows kTile apart.
+// (Lanes) of dimensions from c0, the accumulators in registers; p rows kTile apart.
 template <typename C, int R, int NV>
 inline void accumulate_strip(const float* p, const float* alpha, const TileRows<C>& v, int64_t keys, int64_t c0,
                              float* o, int64_t d) {
-  Vec16 acc[R][NV];
+  Lanes acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = load16(o + r * d + c0 + 16 * c) * alpha[r];
+    for (int c = 0; c < NV; ++c) acc[r][c] = values(o + r * d + c0 + kLanes * c) * alpha[r];
   for (int64_t n = 0; n < keys; ++n) {
-    Vec16 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = tiles::in_register(value16(v(n) + c0 + 16 * c));
+    Lanes x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = tiles::in_register(values(v(n) + c0 + kLanes * c));
     for (int r = 0; r < R; ++r) {
-      const Vec16 pr = splat(p[r * kTile + n]);
+      const Lanes pr = splat_lanes(p[r * kTile + n]);
       for (int c = 0; c < NV; ++c) acc[r][c] += pr * x[c];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NV; ++c) store16(o + r * d + c0 + 16 * c, acc[r][c]);
+    for (int c = 0; c < NV; ++c) store_lanes(o + r * d + c0 + kLanes * c, acc[r][c]);
 }
 
-// accumulate_strip over all d dimensions of R rows, strips of up to 24 / R vectors.
+// Vectors of a strip of R rows: its R x NV accumulators, NV values and a broadcast in the registers
+// (32 with AVX-512; AVX2's 16, less one to spare), 4 at most (the rest of d is 3 or fewer).
+template <int R>
+constexpr int strip_vectors() {
+  return kLanes == 16 ? (R <= 6 ? 4 : 3) : std::clamp(14 / (R + 1), 1, 4);
+}
+
+// accumulate_strip over all d dimensions of R rows, strips of strip_vectors<R>() vectors.
 template <typename C, int R>
 inline void accumulate_rows(const float* p, const float* alpha, const TileRows<C>& v, int64_t keys, float* o,
                             int64_t d) {
-  constexpr int kWide = R <= 6 ? 4 : 3;
+  constexpr int kWide = strip_vectors<R>();
   int64_t c0 = 0;
-  for (; c0 + 16 * kWide <= d; c0 += 16 * kWide) accumulate_strip<C, R, kWide>(p, alpha, v, keys, c0, o, d);
-  switch ((d - c0) / 16) {
+  for (; c0 + kLanes * kWide <= d; c0 += kLanes * kWide) accumulate_strip<C, R, kWide>(p, alpha, v, keys, c0, o, d);
+  switch ((d - c0) / kLanes) {
     case 3: return accumulate_strip<C, R, 3>(p, alpha, v, keys, c0, o, d);
     case 2: return accumulate_strip<C, R, 2>(p, alpha, v, keys, c0, o, d);
     case 1: return accumulate_strip<C, R, 1>(p, alpha, v, keys, c0, o, d);

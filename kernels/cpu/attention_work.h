@@ -24,7 +24,7 @@ constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 // head).
 constexpr int64_t kDecodesPerThread = 4;
 
-constexpr int64_t kSplitKeys = 256;  // keys a part of a split decode has at least
+constexpr int64_t kSplitKeys = 128;  // keys a part of a split decode has at least
 
 // A step of decodes only, with fewer items than kDecodesPerThread a thread: each decode's keys cut
 // into parts, items of their own (decode_splits.h merges them), so that the items share evenly

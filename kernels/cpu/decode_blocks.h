@@ -1,7 +1,11 @@
 // The reads of attention_decode.h: one cache block's 16 scores for each of an item's rows, a V
 // row's 16 dimensions as fp32, the reads that bring blocks into L2 ahead of them.
 //
-//   transpose_sum(part)      lane t = the sum of part[t]'s lanes, for 16 vectors at once: four
+//   Lanes                    the vector of the kernel's register blocks: Vec16 with AVX-512,
+//                            else Vec8 (a Vec16 is two AVX2 registers: blocks of them sized for
+//                            AVX-512's 32 spilled out of AVX2's 16, and an AVX2 Zen 3's decode
+//                            ran at 15% of its read bandwidth, every loop through the stack)
+//   transpose_sum(part)      lane t = the sum of part[t]'s lanes, for as many vectors as lanes:
 //                            levels of (shuffle, shuffle, add) halve the vectors and the lanes
 //   BlockScorer<T, C>        the item's queries, prepared once; score_block(k, visible, first,
 //                            s, s_row) writes the scores of rows first .. first + G - 1 (one
@@ -9,8 +13,8 @@
 //                            ..], scaled; lanes from `visible` on are -inf and the cache rows
 //                            behind them are not read
 //   TileRows<C>              where a tile's V rows of one KV head lie
-//   value16(row + j)         16 values of a V row as fp32 (int8: the codes; the caller applies
-//                            the row's scale, fold_value_scales)
+//   values(row + j)          a Lanes of a V row's values as fp32 (int8: the codes; the caller
+//                            applies the row's scale, fold_value_scales)
 //   touch_blocks(in, it, b0, b1)  every cache line of the item's K and V rows (all its
 //                            heads) in blocks b0 .. b1 - 1, loaded and dropped
 #pragma once
@@ -26,6 +30,23 @@
 #include "vec16.h"
 
 namespace llmc_cpu::decode {
+
+#if defined(__AVX512F__)
+using Lanes = Vec16;
+inline Lanes splat_lanes(float x) { return splat(x); }
+inline Lanes values(const float* p) { return load16(p); }
+inline Lanes values(const c10::BFloat16* p) { return load16(p); }
+inline Lanes values(const int8_t* p) { return load16_codes(p); }
+inline void store_lanes(float* p, Lanes v) { store16(p, v); }
+#else
+using Lanes = Vec8;
+inline Lanes splat_lanes(float x) { return splat8(x); }
+inline Lanes values(const float* p) { return load8(p); }
+inline Lanes values(const c10::BFloat16* p) { return load8(p); }
+inline Lanes values(const int8_t* p) { return load8_codes(p); }
+inline void store_lanes(float* p, Lanes v) { store8(p, v); }
+#endif
+constexpr int kLanes = sizeof(Lanes) / sizeof(float);
 
 // Lanes [a's first s, b's first s] (lo) and [a's second s, b's second s] (hi) of each group
 // of 2s lanes, summed: the vectors' lane groups of s halved and interleaved.
@@ -45,22 +66,43 @@ inline Vec16 fold_pair(Vec16 a, Vec16 b) {
            __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
-// Pairing i with i + 8, then i + 4, i + 2, i + 1 leaves part[t]'s sum in lane t.
-inline Vec16 transpose_sum(Vec16* part) {
-  for (int i = 0; i < 8; ++i) part[i] = fold_pair<8>(part[i], part[i + 8]);
+// The same on 8 lanes.
+template <int S>
+inline Vec8 fold_pair(Vec8 a, Vec8 b) {
+  if constexpr (S == 4)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  else if constexpr (S == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  else
+    return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+// Pairing i with i + 8 (16 lanes), then i + 4, i + 2, i + 1 leaves part[t]'s sum in lane t.
+template <typename V>
+inline V transpose_sum(V* part) {
+  if constexpr (sizeof(V) == sizeof(Vec16))
+    for (int i = 0; i < 8; ++i) part[i] = fold_pair<8>(part[i], part[i + 8]);
   for (int i = 0; i < 4; ++i) part[i] = fold_pair<4>(part[i], part[i + 4]);
   for (int i = 0; i < 2; ++i) part[i] = fold_pair<2>(part[i], part[i + 2]);
   return fold_pair<1>(part[0], part[1]);
 }
 
-// q . k[t] for the 16 fp32 rows of k [16][d].
-inline Vec16 scores16(const float* q, const float* k, int64_t d) {
-  Vec16 part[16] = {};
-  for (int64_t j = 0; j < d; j += 16) {
-    const Vec16 qj = tiles::in_register(load16(q + j));
-    for (int t = 0; t < 16; ++t) part[t] += qj * load16(k + t * d + j);
+// q . k[t] for kLanes fp32 rows of k [kLanes][d]: a partial vector per key, d % kLanes == 0.
+inline Lanes scores(const float* q, const float* k, int64_t d) {
+  Lanes part[kLanes] = {};
+  for (int64_t j = 0; j < d; j += kLanes) {
+    const Lanes qj = tiles::in_register(values(q + j));
+    for (int t = 0; t < kLanes; ++t) part[t] += qj * values(k + t * d + j);
   }
   return transpose_sum(part);
+}
+
+// q . k[t] for the 16 fp32 rows of k [16][d] into s [16], in Lanes of keys.
+inline void store_scores16(const float* q, const float* k, int64_t d, float* s) {
+  for (int t = 0; t < kBlock; t += kLanes) store_lanes(s + t, scores(q, k + t * d, d));
 }
 
 #ifdef __AVX512BF16__
@@ -76,10 +118,6 @@ inline Vec16 scores16(const uint32_t* q, const c10::BFloat16* k, int64_t d) {
 }
 #endif
 
-inline Vec16 value16(const float* p) { return load16(p); }
-inline Vec16 value16(const c10::BFloat16* p) { return load16(p); }
-inline Vec16 value16(const int8_t* p) { return load16_codes(p); }
-
 // The V rows of a tile of keys for one KV head: key n is row n % 16 of the tile's block n / 16.
 template <typename C>
 struct TileRows {
@@ -93,16 +131,18 @@ struct TileRows {
 // own loads between its arithmetic do, so it brings the blocks into L2 at the read bandwidth.
 template <typename T, typename C>
 void touch_blocks(const Inputs<T, C>& in, const Item& it, int64_t b0, int64_t b1) {
+  // One register's load a line (AVX2: its first 32 bytes; GCC took 64-byte ones through the stack)
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(Lanes))));
   const int64_t bytes = it.kv_heads * kBlock * row_elems<C>(in.g.head_dim) * sizeof(C);
-  Uint16 seen{};
+  Bits seen{};
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t at = in.block_offset(it, b);
     const char* k = reinterpret_cast<const char*>(in.k_cache + at);
     const char* v = reinterpret_cast<const char*>(in.v_cache + at);
     for (int64_t i = 0; i < bytes; i += 64) {
-      Uint16 a, c;
-      std::memcpy(&a, k + i, 64);
-      std::memcpy(&c, v + i, 64);
+      Bits a, c;
+      std::memcpy(&a, k + i, sizeof(a));
+      std::memcpy(&c, v + i, sizeof(c));
       seen |= a | c;
     }
   }
@@ -147,8 +187,10 @@ class BlockScorer {
       if (pairs_) return score_pairs(k, visible, first, s, s_row);
 #endif
     const float* rows = widened(k, visible);
-    for (int64_t r = first; r < first + groups_; ++r)
-      store16(s + r * s_row, masked(scores16(w_.q.data() + r * d_, rows, d_), visible));
+    for (int64_t r = first; r < first + groups_; ++r) {
+      store_scores16(w_.q.data() + r * d_, rows, d_, s + r * s_row);
+      std::fill(s + r * s_row + visible, s + r * s_row + kBlock, tiles::kNegInf);
+    }
   }
 
  private:

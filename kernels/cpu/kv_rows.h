@@ -56,14 +56,37 @@ inline Vec16 load16_codes(const int8_t* p) {
 #endif
 }
 
+// 8 int8 codes widened to fp32 (exact): load16_codes' lanes on an 8-lane vector.
+inline Vec8 load8_codes(const int8_t* p) {
+#if defined(__AVX2__)
+  return (Vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t Byte8 __attribute__((vector_size(8)));
+  Byte8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(raw, Vec8);
+#endif
+}
+
+// In 8-lane vectors where the build has no AVX-512 (GCC took AVX2's 16-lane bf16 and int8 widening
+// through general registers).
 template <typename C>
 inline void widen_row(const C* row, int64_t d, float* dst) {
+#if defined(__AVX512F__)
   for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16(row + j));
+#else
+  for (int64_t j = 0; j < d; j += 8) store8(dst + j, load8(row + j));
+#endif
 }
 
 inline void widen_row(const int8_t* row, int64_t d, float* dst) {
+#if defined(__AVX512F__)
   const Vec16 scale = splat(row_scale(row, d));
   for (int64_t j = 0; j < d; j += 16) store16(dst + j, load16_codes(row + j) * scale);
+#else
+  const Vec8 scale = splat8(row_scale(row, d));
+  for (int64_t j = 0; j < d; j += 8) store8(dst + j, load8_codes(row + j) * scale);
+#endif
 }
 
 template <typename C>

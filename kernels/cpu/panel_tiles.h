@@ -13,10 +13,6 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX__) && !defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "vec16.h"
 
 namespace llmc_panels {
@@ -33,8 +29,7 @@ constexpr int64_t kPanel = 32;              // outputs per panel: two 16-lane ve
 #if defined(__AVX512F__)
 using TileVec = Vec16;
 #else
-typedef float Vec8 __attribute__((vector_size(32)));
-using TileVec = Vec8;
+using TileVec = llmc_cpu::Vec8;
 #endif
 constexpr int64_t kTileCols = 2 * sizeof(TileVec) / sizeof(float);   // outputs of a tile: 32 or 16
 
@@ -51,11 +46,7 @@ inline V splat_vec(float x) {
   if constexpr (sizeof(V) == sizeof(Vec16)) {
     return llmc_cpu::splat(x);
   } else {
-#if defined(__AVX__) && !defined(__AVX512F__)
-    return (V)_mm256_set1_ps(x);
-#else
-    return V{} + x;
-#endif
+    return llmc_cpu::splat8(x);
   }
 }
 constexpr int64_t kBlockBytes = 256 << 10;  // fp32/bf16 x of one token block (L2-resident)

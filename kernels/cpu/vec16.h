@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -35,6 +35,13 @@ typedef int32_t Int16 __attribute__((vector_size(64)));
 typedef uint32_t Uint16 __attribute__((vector_size(64)));
 typedef uint16_t Half16 __attribute__((vector_size(32)));
 
+// 8 floats, one AVX2 register: the register blocks of kernels built without AVX-512 are made of
+// these (a Vec16 is two registers there, and blocks of Vec16s sized for AVX-512's 32 registers
+// spilled out of AVX2's 16).
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef uint32_t Uint8 __attribute__((vector_size(32)));
+typedef uint16_t Half8 __attribute__((vector_size(16)));
+
 // x in every lane. Not `Vec16{} + x`: GCC keeps that add (0 + -0 is +0), so a tile's every
 // broadcast cost an add and a register shuffle on the FMA ports, which halved the fp32 GEMM.
 inline Vec16 splat(float x) {
@@ -44,6 +51,32 @@ inline Vec16 splat(float x) {
   return Vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 #endif
 }
+
+// x in every lane of a Vec8 (vbroadcastss where the build has AVX).
+inline Vec8 splat8(float x) {
+#if defined(__AVX__)
+  return (Vec8)_mm256_set1_ps(x);
+#else
+  return Vec8{x, x, x, x, x, x, x, x};
+#endif
+}
+
+inline Vec8 load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Vec8 load8(const c10::BFloat16* p) {
+  Half8 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  Uint8 bits = __builtin_convertvector(raw, Uint8) << 16;  // bf16 is the top half of an fp32
+  Vec8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline Vec16 load16(const float* p) {
   Vec16 v;
