@@ -100,7 +100,10 @@ def format_rows(tokens: int, dtype: torch.dtype, bandwidth: float) -> list[str]:
 
 
 def _rescale(row: str, factor: float) -> str:
-    """A printed row with its fraction of the bandwidth multiplied by `factor`."""
+    """A printed row with its fraction of the bandwidth multiplied by `factor` (a row saying why a path did
+    not run, which has none, as it is)."""
+    if not row.endswith("%"):
+        return row
     head, fraction = row[:-8], float(row[-8:].strip().rstrip("%"))
     return f"{head}{fraction * factor:>7.0f}%"
 
