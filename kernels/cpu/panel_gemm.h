@@ -21,8 +21,7 @@ namespace llmc_panels {
 
 // Tokens per tile: 2 kTile accumulators + 2 weight vectors + a broadcast x in 32 AVX-512 registers,
 // or in AVX2's 16. Panels a batch-1 GEMV runs at once: 8 accumulator chains with AVX-512; with AVX2
-// 12 (a Vec16 is two registers), its weights read as memory operands (llmc profile's fp32 decode on
-// a Zen 3: 2 panels 20.8-20.9 ms a token, 3 panels 19.3-20.0, 4 panels 19.9-20.3).
+// 12, a panel's 32 outputs in four 8-lane vectors (kGemvVecs), its weights read as memory operands.
 #if defined(__AVX512F__)
 constexpr int kTile = 12;
 constexpr int kGemvPanels = 4;
@@ -30,6 +29,7 @@ constexpr int kGemvPanels = 4;
 constexpr int kTile = 6;
 constexpr int kGemvPanels = 3;
 #endif
+constexpr int kGemvVecs = kPanel / (sizeof(TileVec) / sizeof(float));   // TileVecs across a GEMV's panel
 
 // Bytes a GEMV's prefetch at input k of its PP panels [K, 32] adds to kAhead: once kAhead reaches
 // past a panel's end, the stream goes on in the next group's panel (PP panels on), not in the
@@ -40,29 +40,37 @@ inline int64_t next_group_jump(int64_t k, int64_t k_dim, int64_t elem) {
   return PP > 1 && k * kPanel * elem + kAhead >= panel_bytes ? (PP - 1) * panel_bytes : 0;
 }
 
+// The weight row's bytes a tile of NV vectors V reads at each input, prefetched `ahead` bytes early:
+// one line, or two.
+template <typename V, int NV>
+inline void prefetch_row(const void* w, int64_t ahead) {
+  __builtin_prefetch(static_cast<const char*>(w) + ahead);
+  if constexpr (NV * sizeof(V) > 64) __builtin_prefetch(static_cast<const char*>(w) + ahead + 64);
+}
+
 // f32: TT tokens (rows of x from x0, stride K) times PP consecutive panels [K, 32] from `panel`, their
-// columns c0 .. c0 + 2 lanes(V) - 1 (out's columns n0 + c0 on). PP > 1 only at TT = 1 (a GEMV, whole
-// panels): one panel's two chains of FMAs would wait on the FMA latency.
-template <typename V, int TT, int PP, typename Out>
+// columns c0 .. c0 + NV lanes(V) - 1 (out's columns n0 + c0 on; NV 2, or a whole panel). PP > 1 only
+// at TT = 1 (a GEMV, whole panels): one panel's chains of FMAs would wait on the FMA latency.
+template <typename V, int TT, int PP, int NV, typename Out>
 void tile_f32(const float* x0, const float* panel, int64_t c0, int64_t k_dim, const Out* bias, Out* out, int64_t t0,
               int64_t n0, int64_t n_dim, int64_t ld) {
   constexpr int kLanes = sizeof(V) / sizeof(float);
-  V acc[PP][TT][2];
+  V acc[PP][TT][NV];
   for (int u = 0; u < PP; ++u)
-    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = V{};
+    for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < NV; ++c) acc[u][t][c] = V{};
   for (int64_t k = 0; k < k_dim; ++k) {
     const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(float));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
       const float* w = panel + (u * k_dim + k) * kPanel + c0;
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
-      if constexpr (kLanes == 16) __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
-      const V w0 = load_vec<V>(w), w1 = load_vec<V>(w + kLanes);
+      prefetch_row<V, NV>(w, ahead);
+      V wv[NV];
+      for (int c = 0; c < NV; ++c) wv[c] = load_vec<V>(w + c * kLanes);
 #pragma GCC unroll 12
       for (int t = 0; t < TT; ++t) {
         const V xv = splat_vec<V>(x0[t * k_dim + k]);
-        acc[u][t][0] += w0 * xv;
-        acc[u][t][1] += w1 * xv;
+        for (int c = 0; c < NV; ++c) acc[u][t][c] += wv[c] * xv;
       }
     }
   }
@@ -72,21 +80,21 @@ void tile_f32(const float* x0, const float* panel, int64_t c0, int64_t k_dim, co
 // bf16: TT tokens times PP consecutive panels [K/2, 32, 2] of input pairs, columns as tile_f32's (PP
 // > 1 at TT = 1 only, as for f32: a vdpbf16ps chain waits on its latency). With AVX512_BF16 a tile
 // covers whole panels (V is Vec16, c0 0); without it the pairs are widened to fp32 FMAs.
-template <typename V, int TT, int PP>
+template <typename V, int TT, int PP, int NV>
 void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, int64_t k_dim,
                const c10::BFloat16* bias, c10::BFloat16* out, int64_t t0, int64_t n0, int64_t n_dim, int64_t ld) {
   constexpr int kLanes = sizeof(V) / sizeof(float);
   typedef uint32_t Bits __attribute__((vector_size(sizeof(V))));
-  V acc[PP][TT][2];
+  V acc[PP][TT][NV];
   for (int u = 0; u < PP; ++u)
-    for (int t = 0; t < TT; ++t) acc[u][t][0] = acc[u][t][1] = V{};
+    for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < NV; ++c) acc[u][t][c] = V{};
   for (int64_t k = 0; k < k_dim; k += 2) {
     const int64_t ahead = kAhead + next_group_jump<PP>(k, k_dim, sizeof(c10::BFloat16));
 #pragma GCC unroll 4
     for (int u = 0; u < PP; ++u) {
       const c10::BFloat16* w = panel + (u * k_dim + k) * kPanel + 2 * c0;     // rows from c0 x (k, k + 1)
-      __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead);
-      if constexpr (kLanes == 16) __builtin_prefetch(reinterpret_cast<const char*>(w) + ahead + 64);
+      prefetch_row<V, NV>(w, ahead);
 #if defined(__AVX512BF16__)
       const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
       const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
@@ -100,8 +108,8 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, 
         a[1] = reinterpret_cast<Vec16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(a[1]), w1, xv));
       }
 #else
-      V even[2], odd[2];                               // inputs k and k + 1 of each vector's rows
-      for (int h = 0; h < 2; ++h) {
+      V even[NV], odd[NV];                             // inputs k and k + 1 of each vector's rows
+      for (int h = 0; h < NV; ++h) {
         Bits bits;
         std::memcpy(&bits, w + 2 * kLanes * h, sizeof(bits));
         const Bits lo = bits << 16, hi = bits & 0xFFFF0000u;
@@ -115,7 +123,7 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, 
         V xe, xo;
         std::memcpy(&xe, &lo, sizeof(xe));
         std::memcpy(&xo, &hi, sizeof(xo));
-        for (int h = 0; h < 2; ++h) acc[u][t][h] += even[h] * xe + odd[h] * xo;
+        for (int h = 0; h < NV; ++h) acc[u][t][h] += even[h] * xe + odd[h] * xo;
       }
 #endif
     }
@@ -123,19 +131,19 @@ void tile_bf16(const c10::BFloat16* x0, const c10::BFloat16* panel, int64_t c0, 
   for (int u = 0; u < PP; ++u) store_tile<TT>(acc[u], bias, out, t0, n0 + c0 + u * kPanel, n_dim, ld);
 }
 
-// V: TileVec for a prompt's tiles (columns c0 on), Vec16 for a GEMV's whole panels (c0 0). Out: x's
-// dtype, or bf16 for fp32 x and panels (f32_dequant_gemm.h's, for a bf16 step).
-template <typename V, int TT, int PP, typename X, typename Out>
+// A tile of TileVecs: NV 2 for a prompt's tiles (columns c0 on), kGemvVecs for a GEMV's whole panels
+// (c0 0). Out: x's dtype, or bf16 for fp32 x and panels (f32_dequant_gemm.h's, for a bf16 step).
+template <int TT, int PP, int NV, typename X, typename Out>
 void tile(const X* x0, const X* panel, int64_t c0, int64_t k_dim, const Out* bias, Out* out, int64_t t0, int64_t n0,
           int64_t n_dim, int64_t ld) {
   if constexpr (std::is_same_v<X, float>) {
-    tile_f32<V, TT, PP>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+    tile_f32<TileVec, TT, PP, NV>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
   } else {
     static_assert(std::is_same_v<X, Out>, "bf16 tiles write bf16");
 #if defined(__AVX512BF16__)
-    static_assert(sizeof(V) == sizeof(Vec16), "vdpbf16ps tiles cover whole panels");
+    static_assert(NV == 2, "vdpbf16ps tiles cover whole panels");
 #endif
-    tile_bf16<V, TT, PP>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+    tile_bf16<TileVec, TT, PP, NV>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
   }
 }
 
@@ -150,11 +158,11 @@ void run_tile(const X* x, const X* panels, int64_t k_dim, const Out* bias, Out* 
   for (int64_t c0 = 0; c0 < kPanel && n0 + c0 < n_dim; c0 += kTileCols) {
     switch (tt) {
 #define LLMC_TILE(n) \
-  case n: tile<TileVec, n, 1>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld); break;
+  case n: tile<n, 1, 2>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld); break;
       LLMC_TILE(12) LLMC_TILE(11) LLMC_TILE(10) LLMC_TILE(9) LLMC_TILE(8) LLMC_TILE(7)
       LLMC_TILE(6) LLMC_TILE(5) LLMC_TILE(4) LLMC_TILE(3) LLMC_TILE(2)
 #undef LLMC_TILE
-      default: tile<TileVec, 1, 1>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
+      default: tile<1, 1, 2>(x0, panel, c0, k_dim, bias, out, t0, n0, n_dim, ld);
     }
   }
 }
@@ -170,10 +178,10 @@ void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
     const X* panel = panels + p * k_dim * kPanel;
     const int64_t n0 = p * kPanel, groups = (end - p + kGemvPanels - 1) / kGemvPanels;
     switch ((end - p + groups - 1) / groups) {
-      case 4: tile<Vec16, 1, 4>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
-      case 3: tile<Vec16, 1, 3>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
-      case 2: tile<Vec16, 1, 2>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;
-      default: tile<Vec16, 1, 1>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 1;
+      case 4: tile<1, 4, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
+      case 3: tile<1, 3, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
+      case 2: tile<1, 2, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;
+      default: tile<1, 1, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 1;
     }
   }
 }

@@ -113,6 +113,15 @@ void store_tile(const V (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, in
   }
 }
 
+// The same for a whole panel's tile of four 8-lane vectors a token (AVX2's GEMV): as two Vec16s.
+template <int TT, typename Out, typename V, typename = std::enable_if_t<sizeof(V) == 32>>
+void store_tile(const V (&acc)[TT][4], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim,
+                int64_t ld) {
+  Vec16 wide[TT][2];
+  std::memcpy(wide, acc, sizeof(wide));
+  store_tile<TT>(wide, bias, out, t0, n0, n_dim, ld);
+}
+
 // store_tile into out [T, N].
 template <int TT, typename Out>
 void store_tile(const Vec16 (&acc)[TT][2], const Out* bias, Out* out, int64_t t0, int64_t n0, int64_t n_dim) {
