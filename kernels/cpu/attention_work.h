@@ -24,7 +24,9 @@ constexpr int64_t kQueries = 32;  // queries of one chunk per work item
 // head).
 constexpr int64_t kDecodesPerThread = 4;
 
-constexpr int64_t kSplitKeys = 128;  // keys a part of a split decode has at least
+// Keys a part of a split decode has at least (was 256: on the AVX2 Zen 3 a batch-1 decode after 400 tokens then
+// ran 3 per-head items on 2 threads, one thread idle a third of the attention; a part's merge costs far less).
+constexpr int64_t kSplitKeys = 128;
 
 // A step of decodes only, with fewer items than kDecodesPerThread a thread: each decode's keys cut
 // into parts, items of their own (decode_splits.h merges them), so that the items share evenly

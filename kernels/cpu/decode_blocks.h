@@ -198,13 +198,6 @@ class BlockScorer {
   // bf16 q, the rows' scales applied to the scores.
   static constexpr bool kPairs = std::is_same_v<T, c10::BFloat16> && !std::is_same_v<C, float>;
 
-  static Vec16 masked(Vec16 x, int64_t visible) {
-    if (visible == kBlock) return x;
-    Int16 lane;
-    for (int t = 0; t < 16; ++t) lane[t] = t;
-    return lane < static_cast<int32_t>(visible) ? x : splat(tiles::kNegInf);
-  }
-
   // The block's keys as fp32 rows [16][D]: f32 rows in place when all 16 are visible, else
   // widened into scratch (int8: dequantized), rows past `visible` zero.
   const float* widened(const C* k, int64_t visible) {
@@ -217,6 +210,13 @@ class BlockScorer {
   }
 
 #ifdef __AVX512BF16__
+  static Vec16 masked(Vec16 x, int64_t visible) {
+    if (visible == kBlock) return x;
+    Int16 lane;
+    for (int t = 0; t < 16; ++t) lane[t] = t;
+    return lane < static_cast<int32_t>(visible) ? x : splat(tiles::kNegInf);
+  }
+
   void score_pairs(const C* k, int64_t visible, int64_t first, float* s, int64_t s_row) {
     if constexpr (std::is_same_v<C, int8_t>) {
       score_codes(k, visible, first, s, s_row);
