@@ -9,7 +9,8 @@
 //     (int8: dequantized) and V rows widened in registers (an int8 row's scale folded into its
 //     probability).
 //   * A block's 16 scores are 16 partial vectors reduced together by one transposing tree
-//     (transpose_sum: 15 shuffle-add steps), not 16 horizontal sums.
+//     (transpose_sum: 15 shuffle-add steps; with AVX2 two trees of 8 keys, 7 steps each), not 16
+//     horizontal sums.
 //   * The online softmax steps over tiles of kTile keys (four blocks): one max, one rescale of
 //     the accumulators per tile; the weighted sum of V keeps each row's output in registers
 //     (strips of NV vectors of dimensions for R <= 8 rows, sized to the ISA's registers).

@@ -1,5 +1,5 @@
 // The reads of attention_decode.h: one cache block's 16 scores for each of an item's rows, a V
-// row's 16 dimensions as fp32, the reads that bring blocks into L2 ahead of them.
+// row's dimensions as fp32 a Lanes at a time, the reads that bring blocks into L2 ahead of them.
 //
 //   Lanes                    the vector of the kernel's register blocks: Vec16 with AVX-512,
 //                            else Vec8 (a Vec16 is two AVX2 registers: blocks of them sized for
