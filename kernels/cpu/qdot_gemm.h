@@ -47,12 +47,6 @@ constexpr const char* kDotIsa = "avx2";
 constexpr bool kHaveVnni = false;
 constexpr const char* kDotIsa = "portable";
 #endif
-// Whether the `vnni` dots of int8 weights are signed (AVX2) rather than offset by + 128 (vpdpbusd).
-#if !defined(__AVX512VNNI__) && defined(__AVX2__)
-constexpr bool kSignedDots = true;
-#else
-constexpr bool kSignedDots = false;
-#endif
 
 // The quantized activations of a call: codes [T, K], per block of 32 its scale and its codes' sum.
 struct QActs {
@@ -189,7 +183,7 @@ __attribute__((always_inline)) inline void avx2_step(const uint8_t* c, const int
       for (int t = 0; t < TT; ++t) {
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad_at(x[t] + 4 * s)), w);
         dots[t][q] = _mm256_add_epi32(dots[t][q], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, xs), ones));
-        asm("" : "+x"(dots[t][q]));   // a running sum in a register (see below)
+        asm("" : "+x"(dots[t][q]));   // a running sum in a register (see above)
       }
     } else {
       const __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
@@ -205,17 +199,12 @@ __attribute__((always_inline)) inline void avx2_step(const uint8_t* c, const int
 #endif
 
 // One block's integer dot products: TT tokens (codes x[t], from the block's first input) times the
-// block's codes c (32 inputs x 32 outputs), into dots[t][half] (int8: still with the + 128 offset,
-// except kSignedDots' `vnni` dots).
+// block's codes c (32 inputs x 32 outputs), into dots[t][half] (int8: still with the + 128 offset).
+// AVX2's `vnni` dots are qdot_tile_avx2's, not these.
 template <int TT, int Bits, bool Vnni>
 __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const int8_t* const (&x)[TT],
                                                       Int16 (&dots)[TT][2]) {
   for (int t = 0; t < TT; ++t) dots[t][0] = dots[t][1] = Int16{};
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  __m256i dots2[TT][4];
-  for (int t = 0; t < TT; ++t)
-    for (int q = 0; q < 4; ++q) dots2[t][q] = _mm256_setzero_si256();
-#endif
   constexpr int kSteps = Bits == 8 ? 8 : 4;              // quads (int8) or octets (int4) of inputs
   for (int s = 0; s < kSteps; ++s, c += 4 * kPanel) {
     __builtin_prefetch(c + kAhead), __builtin_prefetch(c + 64 + kAhead);
@@ -236,11 +225,6 @@ __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const in
         }
       continue;
     }
-#elif defined(__AVX2__)
-    if constexpr (Vnni) {
-      avx2_step<TT, Bits>(c, x, s, dots2);
-      continue;
-    }
 #endif
     for (int h = 0; h < 2; ++h)
       for (int i = 0; i < 64; ++i) {
@@ -253,10 +237,6 @@ __attribute__((always_inline)) inline void block_dots(const uint8_t* c, const in
         for (int h = 0; h < 2; ++h)
           dots[t][h] = dot4_portable(dots[t][h], w[h][n], quad_at(x[t] + s * (Bits == 8 ? 4 : 8) + 4 * n));
   }
-#if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  if constexpr (Vnni)
-    for (int t = 0; t < TT; ++t) std::memcpy(dots[t], dots2[t], sizeof(dots2[t]));   // 32 outputs in order
-#endif
 }
 
 using llmc_cpu::load16_half;
@@ -325,7 +305,7 @@ void qdot_tile(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, const
   const uint8_t* codes = w.codes + p * blocks * block_bytes;
   const c10::Half* scales = w.scales + p * w.groups * kPanel;
   const c10::Half* mins = Bits == 4 ? w.mins + p * w.groups * kPanel : nullptr;
-  constexpr bool kOffsetDots = Bits == 8 && !(Vnni && kSignedDots);
+  constexpr bool kOffsetDots = Bits == 8;   // AVX2's signed `vnni` dots never get here
   Vec16 acc[TT][2], part[TT][2];
   for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = Vec16{};
   const int8_t* xrow[TT];
