@@ -201,9 +201,9 @@ def choose_activations(activations: str) -> str:
     """What a quantized GEMM's activations are with the native kernels loaded: 'int8', 'bf16' (int8,
     but a prompt's GEMMs on bf16: kernels/cpu/amx_dequant_gemm.h), 'f32' (int8, but a prompt's GEMMs
     in fp32: kernels/cpu/f32_dequant_gemm.h) or 'float'. auto: bf16 where the CPU has AMX-BF16 (usable)
-    and AVX512-VNNI; int8 where it has AVX512-VNNI; f32 where its integer dot products are AVX2's
-    (vpmaddubsw: int8 decode, but a batch's GEMMs slower than fp32's); else float (said at INFO);
-    bf16 where AMX-BF16 is not usable is int8 (said at INFO, with why); int8 or f32 without integer
+    and AVX512-VNNI; int8 where it has AVX512-VNNI or AVX2's integer dot products (vpmaddubsw: there
+    the int8 tiles outrun the fp32 panel GEMM f32 prompts run, at every token count); else float (said
+    at INFO); bf16 where AMX-BF16 is not usable is int8 (said at INFO, with why); int8 or f32 without integer
     dot products runs the portable ones below the prompt's token count (slower than float: said at INFO)."""
     log, isa = logging.getLogger("llmc"), torch.ops.llmc.qdot_isa()
     if activations == "float" or (activations == "auto" and isa == "portable"):
@@ -218,7 +218,7 @@ def choose_activations(activations: str) -> str:
             return "bf16"
         if activations == "bf16":
             log.info("a prompt's quantized GEMMs keep int8 activations: %s", why)
-    return "f32" if activations == "f32" or (activations == "auto" and isa == "avx2") else "int8"
+    return "f32" if activations == "f32" else "int8"
 
 
 def described_kernels(weights: dict[str, Any], activations: str) -> str:

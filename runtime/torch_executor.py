@@ -43,8 +43,8 @@ class TorchOptions(ExecutorOptions):
     32, integer dot products), 'bf16' (int8, but a prompt's GEMMs of 32 or more tokens on x and the
     weight dequantized to bf16, AMX-BF16: kernels/cpu/amx_dequant_gemm.h), 'f32' (int8, but a prompt's
     GEMMs of 16 or more tokens on x and the weight dequantized to fp32: kernels/cpu/f32_dequant_gemm.h),
-    'float', or 'auto' (bf16 where the CPU has AMX-BF16, int8 where it has AVX512-VNNI, f32 where its
-    integer dot products are AVX2's: kernels/native_ops.choose_activations)."""
+    'float', or 'auto' (bf16 where the CPU has AMX-BF16, int8 where it has AVX512-VNNI or AVX2's integer
+    dot products: kernels/native_ops.choose_activations)."""
 
     kernels: str = "auto"
     step_plans: bool = True

@@ -116,12 +116,12 @@ def test_the_op_takes_bf16_for_a_prompt_where_amx_is_usable(tokens, forced, monk
 
 
 def test_auto_activations_take_bf16_prompts_where_amx_bf16_is_usable(monkeypatch, caplog):
-    """bf16 prompts where AMX-BF16 is usable, else f32 prompts where the integer dots are AVX2's, int8
-    where they are AVX512-VNNI's, float without either."""
+    """bf16 prompts where AMX-BF16 is usable, else int8 where the integer dots are AVX512-VNNI's or
+    AVX2's, float without either."""
     monkeypatch.delenv(AMX_OVERRIDE, raising=False)
     isa = torch.ops.llmc.qdot_isa()
     vnni = isa != "portable"
-    without_amx = {"avx2": "f32", "portable": "float"}.get(isa, "int8")
+    without_amx = "float" if isa == "portable" else "int8"
     want = "bf16" if vnni and prompt_path()[0] == "amx-bf16" else without_amx
     assert choose_activations("auto") == want
     monkeypatch.setenv(AMX_OVERRIDE, "off")

@@ -1,6 +1,6 @@
 """A prompt's quantized GEMM in fp32 (kernels/cpu/f32_dequant_gemm.h: x times the weight its quads hold,
 dequantized to fp32 once per call, in the float panel GEMM's tiles) and the choice of it (`f32`
-activations, auto where the CPU's integer dot products are AVX2's).
+activations).
 
 The op with prompts 2 against kernels/quant.py's qlinear_ref (float64 sums of the same weight) from
 F32_PROMPT_MIN_TOKENS tokens on, at token counts within and across the float tiles and token blocks,

@@ -207,7 +207,7 @@ ACTIVATIONS_OPTION = typer.Option(None, help="the native kernels' quantized GEMM
                                  "GEMMs of 32+ tokens multiply x and the weight dequantized in bf16 on AMX), "
                                  "f32 (int8, but those of 16+ tokens multiply x and the weight dequantized to "
                                  "fp32), float, or auto (default: bf16 where the CPU has AMX-BF16, int8 where it "
-                                 "has AVX512-VNNI, f32 where its integer dot products are AVX2's)")
+                                 "has AVX512-VNNI or AVX2)")
 CUDA_GRAPHS_OPTION = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="replay decode steps as CUDA graphs "
                                   "(default: on a GPU with the triton backend; the CPU has nothing to capture)")
 STEP_PLANS_OPTION = typer.Option(None, "--step-plans/--no-step-plans", help="with the native CPU kernels, run a "

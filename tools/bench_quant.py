@@ -9,8 +9,7 @@ decode and bench tok/s also as ratios to recipe none's (unquantized) in the same
 (none, int8, int4, int4-g64, ...) with an optional `+kv8` for the int8 KV cache and `+rtn` to
 round from the float values even where a GGUF's own blocks fit (`--requantize`). `--activations`
 sets the quantized GEMMs' activations (by default bf16 prompts where the CPU has AMX-BF16, int8 where it
-has AVX512-VNNI, f32 prompts where its integer dot products are AVX2's); the table
-says per recipe what the kernels were.
+has AVX512-VNNI or AVX2); the table says per recipe what the kernels were.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ serves them instead (the native kernels, x quantized to int8 per block of 32): a
 is the int8 activations' own cost, against the unquantized artifact the whole cost. `--activations
 bf16` measures what a prompt's GEMMs cost where the CPU has AMX-BF16 and serves them so by default
 (x and the dequantized weight rounded to bf16; each window is a prompt); where it has no AMX-BF16
-it runs int8 and the report says so. `--activations f32` measures a prompt's GEMMs as a CPU whose
-integer dot products are AVX2's serves them (x times the weight dequantized to fp32: qlinear's own
-meaning, so against ART itself it scores about 0).
+it runs int8 and the report says so. `--activations f32` measures a prompt's GEMMs with f32 prompts
+(x times the weight dequantized to fp32: qlinear's own meaning, so against ART itself it scores about 0).
 """
 
 from __future__ import annotations
