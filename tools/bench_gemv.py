@@ -10,7 +10,8 @@ the peer. Each weight is copied until the copies fill 256 MiB and the calls cycl
 every call reads from memory, not from the 32 MiB-class caches, as a decode step does.
 Then the crossover: one layer's four GEMMs at several token counts, the panels against oneDNN on
 its own packed copy (what llmc kept beside every float weight before the panels) and oneDNN with
-a per-call reorder (what a weight kept only in its plain layout would get).
+a per-call reorder (what a weight kept only in its plain layout would get); and quantized: the same
+layer in int8 and int4 (groups of 32) with int8 activations and with f32 prompts, against fp32's panels.
 With --resident ART: the weight bytes an engine on the native kernels keeps for an artifact (the
 distinct tensor storages its programs hold, against the artifact's stored bytes) and the process's
 resident memory before the engine, after building it and after a prefill and 4 decode steps.
@@ -134,6 +135,30 @@ def crossover_rows(token_counts: list[int], dtype: torch.dtype) -> list[str]:
     return rows
 
 
+def quantized_layer(layer: list[torch.Tensor]) -> dict[str, list[GemvWeight]]:
+    """The weights of `layer` as the fp32 panels, and int8 and int4 in groups of 32 as quads with int8
+    activations and with f32 prompts (the weight dequantized to fp32 from F32_PROMPT_MIN_TOKENS tokens)."""
+    formats = {"fp32": [prepare_linear_weight(w) for w in layer]}
+    for fmt in ("int8-g32", "int4-g32"):
+        quads = [prepare(w, f"{fmt}-a8") for w in layer]
+        formats[f"{fmt[:4]} a8"] = quads
+        formats[f"{fmt[:4]} f32 prompts"] = [dataclasses.replace(w, prompts="f32") for w in quads]
+    return formats
+
+
+def quantized_crossover_rows(token_counts: list[int]) -> list[str]:
+    """One layer's four GEMMs (warm) at each token count, x fp32, in each of quantized_layer's formats: ms
+    per layer, and the fp32 panels' time over it."""
+    formats = quantized_layer([(torch.randn(*SHAPES[s]) * 0.05) for s in ("qkv", "q/o", "gate_up", "down")])
+    rows = [f"{'':<7}" + "".join(f"{name:>17}" for name in formats)]
+    for t in token_counts:
+        xs = [torch.randn(t, w.in_features) for w in formats["fp32"]]
+        times = [seconds_per_call([lambda ws=ws: [gemv_cpu(x, w) for x, w in zip(xs, ws)]], 20)
+                 for ws in formats.values()]
+        rows.append(f"T={t:<5}" + "".join(f"{1e3 * s:>9.3f} ({times[0] / s:4.2f}x)" for s in times))
+    return rows
+
+
 def _storage_bytes(t: torch.Tensor) -> tuple[int, int]:
     return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
 
@@ -193,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
               f"oneDNN reorder per call | packed/panels | reorder/panels")
         for row in crossover_rows([int(t) for t in args.tokens.split(",")], dtype):
             print(row)
+    print("\none layer's GEMMs (qkv, o, gate_up, down), quantized in groups of 32, x float32, ms per layer (and the "
+          "fp32 panels' time over it)")
+    for row in quantized_crossover_rows([int(t) for t in args.tokens.split(",")]):
+        print(row)
 
 
 if __name__ == "__main__":
