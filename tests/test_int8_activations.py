@@ -2,7 +2,8 @@
 qlinear_int8act_ref): the kernel against the ref at odd shapes (T=1, odd T, N not a multiple of 32,
 int8 per channel and in groups, int4 in groups of 32 and 128, bias, bf16 x) through the build's
 integer dots, AVX512-VNNI or AVX2 (skipped, with the reason, on a CPU with neither) and through the
-portable integer dots (every CPU);
+portable integer dots (every CPU); int4 at the bound of AVX2's int16 block sums (a plant that doubles
+the sums and halves them after fails only it);
 the ref against qlinear_ref within the bound activation rounding allows (a planted bug fails it);
 the quads layout round trip; a tiny int8 / int4 model through the step plan with int8 activations
 against float activations, and the executor option's checks.
@@ -59,6 +60,21 @@ def test_kernel_matches_the_int8_activation_ref(n, k, bits, group, tokens, vnni)
     got = torch.ops.llmc.qdot_gemm(x, w.weight, w.scales, w.mins, n, bias, bits, g, vnni)
     exact = qlinear_int8act_ref(x.double(), codes, scales, mins, bias.double(), bits=bits)
     torch.testing.assert_close(got.double(), exact, **tolerance(torch.float32, k // 32 + k // g,
+                                                                 scale=exact.abs().max().item()))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int4_dots_exact_at_the_int16_bound(sign):
+    """Every nibble 15 and every activation code +-127 (x constant): AVX2's int4 sums stay int16 over a
+    block, and each reaches its bound, 16 products x 15 x 127 = 30480; one product more would wrap."""
+    codes, scales, mins, g = quantized(64, 256, 4, 32)
+    codes = torch.full_like(codes, 0xFF)
+    w = prepare_qlinear_weight(codes, scales, mins, bits=4, group_size=g, activations="int8")
+    x = torch.full((3, 256), sign)
+    assert quantize_activations(x)[0].abs().min() == 127
+    got = gemv_cpu(x, w)
+    exact = qlinear_int8act_ref(x.double(), codes, scales, mins, bits=4)
+    torch.testing.assert_close(got.double(), exact, **tolerance(torch.float32, 256 // 32 + 256 // g,
                                                                  scale=exact.abs().max().item()))
 
 

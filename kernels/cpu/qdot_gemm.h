@@ -170,6 +170,10 @@ inline Int16 dot4_portable(Int16 acc, const uint8_t* w, int32_t x4) {
 // One step of block_dots on AVX2 (4 inputs of int8, 8 of int4, x 32 outputs: 128 code bytes at c)
 // into dots [TT][4 vectors of 8 outputs]: vpmaddubsw sums two u8 x s8 products in int16, vpmaddwd
 // the two int16 sums in int32. int8 codes (+ 128) become signed w: |w| (u8) times x with w's sign.
+// int4's sums stay int16 over the block (vpmaddwd once after its 4 steps, qdot_tile_avx2): 16
+// products of a nibble and an activation code (|code| <= 127, quantize_blocks) reach at most
+// 16 x 15 x 127 = 30480 < 32767. On a Zen 3 both multiplies share one pipe, which bounds the batched
+// GEMM: int4's 3 of them per 64 products a token become 2.25.
 // Each sum is held in its register step by step: GCC otherwise reassociated a block's 8 steps into a
 // tree, each step's product stored to the stack and read back (a 1-token int8 GEMV on a Zen 3).
 template <int TT, int Bits>
@@ -190,7 +194,7 @@ __attribute__((always_inline)) inline void avx2_step(const uint8_t* c, const int
       for (int t = 0; t < TT; ++t) {
         const __m256i x0 = _mm256_set1_epi32(quad_at(x[t] + 8 * s)), x1 = _mm256_set1_epi32(quad_at(x[t] + 8 * s + 4));
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-        dots[t][q] = _mm256_add_epi32(dots[t][q], _mm256_madd_epi16(pairs, ones));
+        dots[t][q] = _mm256_add_epi16(dots[t][q], pairs);
         asm("" : "+x"(dots[t][q]));
       }
     }
@@ -272,6 +276,9 @@ void qdot_tile_avx2(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, 
         __builtin_prefetch(c + kAhead), __builtin_prefetch(c + 64 + kAhead);
         avx2_step<TT, Bits>(c, xrow, s, dots);
       }
+      if constexpr (Bits == 4)   // the block's int16 sums (avx2_step) in int32
+        for (int t = 0; t < TT; ++t)
+          for (int q = 0; q < 4; ++q) dots[t][q] = _mm256_madd_epi16(dots[t][q], _mm256_set1_epi16(1));
       for (int t = 0; t < TT; ++t) {
         const float d = x.scales[(t0 + t) * blocks + b];
         for (int q = 0; q < 4; ++q)
