@@ -2,7 +2,7 @@
 // one tile of up to kKeys keys, as two small GEMMs with fp32 accumulation and an online softmax
 // between them. Scores are kept transposed, st [keys][R] (R = rows rounded up to 16), so the
 // queries are transposed once per item rather than each key tile once per tile, and the
-// softmax runs down the columns: 16 rows per vector, no horizontal reductions.
+// softmax runs down the columns: 16 rows per vector (8 on AVX2), no horizontal reductions.
 //
 //   scores<A>(qt, R, d, k, keys, st)     st[n][r] = q[r] . k(n) for n < keys: qt = Q transposed
 //                                        [d][R], k(n) key n's row of d (Strided: a copy; Blocked:
@@ -213,18 +213,21 @@ inline void pair_rows(const float* lo, const float* hi, int64_t n, uint32_t* out
 
 // tanh per lane, relative error ~3e-7 everywhere (Eigen's rational approximation; the
 // exp form 1 - 2 / (e^2x + 1) loses all relative accuracy near 0).
-inline Vec16 tanh16(Vec16 x) {
-  const Vec16 c = splat(7.90531110763549805f);
+template <typename V>
+inline V tanh_of(V x) {
+  const V c = V{} + 7.90531110763549805f;
   x = x > c ? c : (x < -c ? -c : x);
-  const Vec16 x2 = x * x;
-  Vec16 p = splat(-2.76076847742355e-16f);
+  const V x2 = x * x;
+  V p = V{} - 2.76076847742355e-16f;
   for (const float a : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
                         1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
     p = p * x2 + a;
-  Vec16 q = splat(1.19825839466702e-06f);
+  V q = V{} + 1.19825839466702e-06f;
   for (const float b : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f}) q = q * x2 + b;
   return p * x / q;
 }
+
+inline Vec16 tanh16(Vec16 x) { return tanh_of(x); }
 
 // Attention-logit soft-capping, cap > 0: cap * tanh(x / cap); masked lanes (-inf) stay -inf.
 inline Vec16 soft_cap(Vec16 x, float cap) {
@@ -238,31 +241,60 @@ struct ScoreRule {
   int64_t window;
 };
 
-// The max of st[n * rows + 0..15] over n < keys (a multiple of 16), four independent chains of
+// The softmax's vectors (a column's rows): Vec16, or Vec8 where the build has AVX2 and no AVX-512.
+// In Vec16s there GCC took the selects apart into scalar code and moved the joined halves and the
+// running sums through the stack (a prompt's attention tiles spent 42% of their time in softmax on
+// the AVX2 Zen 3).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef int32_t Int8 __attribute__((vector_size(32)));
+using Lanes = Vec8;
+using LaneInts = Int8;
+inline Lanes load_lanes(const float* p) { return load8(p); }
+inline void store_lanes(float* p, Lanes v) { store8(p, v); }
+inline Lanes pow2(Lanes t) { return (Lanes)pow2_of((__m256)t); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return (Lanes)_mm256_max_ps((__m256)a, (__m256)b); }
+inline Lanes mul_sub(Lanes a, float b, Lanes c) {   // a * b - c, rounded once where the CPU has FMA
+#ifdef __FMA__
+  return (Lanes)_mm256_fmsub_ps((__m256)a, _mm256_set1_ps(b), (__m256)c);
+#else
+  return a * b - c;
+#endif
+}
+#else
+using Lanes = Vec16;
+using LaneInts = Int16;
+inline Lanes load_lanes(const float* p) { return load16(p); }
+inline void store_lanes(float* p, Lanes v) { store16(p, v); }
+inline Lanes lanes_max(Lanes a, Lanes b) { return vmax(a, b); }
+#endif
+constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+inline Lanes splat_lanes(float x) { return Lanes{} + x; }
+
+// The max of st[n * rows + 0..kLanes-1] over n < keys (a multiple of 16), four independent chains of
 // vmaxps: one chain waited out vmaxps' latency for every key.
-inline Vec16 column_max(const float* st, int64_t rows, int64_t keys) {
-  Vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+inline Lanes column_max(const float* st, int64_t rows, int64_t keys) {
+  Lanes m[4] = {splat_lanes(kNegInf), splat_lanes(kNegInf), splat_lanes(kNegInf), splat_lanes(kNegInf)};
   for (int64_t n = 0; n < keys; n += 4)
-    for (int i = 0; i < 4; ++i) m[i] = vmax(m[i], load16(st + (n + i) * rows));
-  return vmax(vmax(m[0], m[1]), vmax(m[2], m[3]));
+    for (int i = 0; i < 4; ++i) m[i] = lanes_max(m[i], load_lanes(st + (n + i) * rows));
+  return lanes_max(lanes_max(m[0], m[1]), lanes_max(m[2], m[3]));
 }
 
-// Rows r .. r + 15 of a tile's scores in log2 units, scaled, soft-capped and masked by `rule`
-// (masked lanes -inf), written back into st; returns their max per row.
-inline Vec16 log2_scores(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
+// Rows r .. r + kLanes - 1 of a tile's scores in log2 units, scaled, soft-capped and masked by
+// `rule` (masked lanes -inf), written back into st; returns their max per row.
+inline Lanes log2_scores(float* st, int64_t rows, int64_t keys, int64_t first_key, const int32_t* pos, bool masked,
                          const ScoreRule& rule, int64_t r) {
-  Int16 last;
+  LaneInts last;
   std::memcpy(&last, pos, sizeof(last));
-  const Int16 edge = last - static_cast<int32_t>(rule.window > 0 ? rule.window : INT32_MAX / 2);  // keys <= edge out
+  const LaneInts edge = last - static_cast<int32_t>(rule.window > 0 ? rule.window : INT32_MAX / 2);  // keys <= edge out
   const float cap = rule.softcap, scale = rule.softcap > 0 ? rule.scale / cap : rule.scale * kLog2e;
-  Vec16 top = splat(kNegInf);
+  Lanes top = splat_lanes(kNegInf);
   for (int64_t n = 0; n < keys; ++n) {
-    Vec16 x = load16(st + n * rows + r) * scale;
-    if (cap > 0) x = tanh16(x) * (cap * kLog2e);
+    Lanes x = load_lanes(st + n * rows + r) * scale;
+    if (cap > 0) x = tanh_of(x) * (cap * kLog2e);
     const int32_t key = static_cast<int32_t>(first_key + n);
-    if (masked) x = (last < key) | (edge >= key) ? splat(kNegInf) : x;
-    store16(st + n * rows + r, x);
-    top = vmax(top, x);
+    if (masked) x = (last < key) | (edge >= key) ? splat_lanes(kNegInf) : x;
+    store_lanes(st + n * rows + r, x);
+    top = lanes_max(top, x);
   }
   return top;
 }
@@ -286,6 +318,18 @@ inline Vec16 pow2(Vec16 t) {
 #endif
 }
 
+// Probabilities p0 and p1 of keys n and n + 1, rows r.. into st, or into pairs as bf16 pairs (kPairs:
+// 16 lanes, the AVX512_BF16 tiles only; a template of L, so an AVX2 build compiles no pairs of Vec8s).
+template <bool kPairs, typename L>
+inline void store_probabilities(L p0, L p1, int64_t n, int64_t rows, int64_t r, float* st, uint32_t* pairs) {
+  if constexpr (kPairs) {
+    store_pairs(p0, p1, pairs + n / 2 * rows + r);
+  } else {
+    store_lanes(st + n * rows + r, p0);
+    store_lanes(st + (n + 1) * rows + r, p1);
+  }
+}
+
 // The online-softmax step over a tile of transposed scores st [keys][rows] whose key indices
 // start at first_key, made scores by `rule`; pos[r] is row r's position (keys after it, and
 // keys outside its window, are masked where `masked`). Scores are taken in log2 units (times
@@ -302,28 +346,23 @@ inline void softmax(float* st, int64_t rows, int64_t keys, int64_t first_key, co
                     const ScoreRule& rule, float* max, float* sum, float* alpha, uint32_t* pairs) {
   const bool raw = !masked && rule.softcap <= 0;
   const float unit = raw ? rule.scale * kLog2e : 1.f;   // st's values times unit: log2 scores
-  for (int64_t r = 0; r < rows; r += 16) {
-    const Vec16 top = raw ? column_max(st + r, rows, keys) * unit   // unit > 0: the products' max, as rounded
+  for (int64_t r = 0; r < rows; r += kLanes) {
+    const Lanes top = raw ? column_max(st + r, rows, keys) * unit   // unit > 0: the products' max, as rounded
                           : log2_scores(st, rows, keys, first_key, pos + r, masked, rule, r);
-    const Vec16 old = load16(max + r);
-    const Vec16 ref = top > old + kLag ? top : old;
-    const Vec16 a = ref == old ? splat(1.f) : (old == kNegInf ? splat(1.f) : pow2(old - ref));
-    const Vec16 shift = ref == kNegInf ? splat(0.f) : ref;   // no key seen yet: every p below is 0
-    Vec16 total{};
+    const Lanes old = load_lanes(max + r);
+    const Lanes ref = top > old + kLag ? top : old;
+    const Lanes a = ref == old ? splat_lanes(1.f) : (old == kNegInf ? splat_lanes(1.f) : pow2(old - ref));
+    const Lanes shift = ref == kNegInf ? splat_lanes(0.f) : ref;   // no key seen yet: every p below is 0
+    Lanes total{};
     for (int64_t n = 0; n < keys; n += 2) {
-      const Vec16 p0 = pow2(mul_sub(load16(st + n * rows + r), unit, shift));
-      const Vec16 p1 = pow2(mul_sub(load16(st + (n + 1) * rows + r), unit, shift));
+      const Lanes p0 = pow2(mul_sub(load_lanes(st + n * rows + r), unit, shift));
+      const Lanes p1 = pow2(mul_sub(load_lanes(st + (n + 1) * rows + r), unit, shift));
       total += p0 + p1;
-      if constexpr (kPairs) {
-        store_pairs(p0, p1, pairs + n / 2 * rows + r);
-      } else {
-        store16(st + n * rows + r, p0);
-        store16(st + (n + 1) * rows + r, p1);
-      }
+      store_probabilities<kPairs>(p0, p1, n, rows, r, st, pairs);
     }
-    store16(max + r, ref);
-    store16(sum + r, load16(sum + r) * a + total);
-    store16(alpha + r, a);
+    store_lanes(max + r, ref);
+    store_lanes(sum + r, load_lanes(sum + r) * a + total);
+    store_lanes(alpha + r, a);
   }
 }
 

@@ -157,7 +157,18 @@ inline float hsum(Vec16 v) {
   return v[0];
 }
 
-inline Vec16 vmax(Vec16 a, Vec16 b) { return a > b ? a : b; }
+// Lanewise a > b ? a : b (b where either is NaN). On AVX2 two vmaxps: GCC took the 16-lane select
+// apart into scalar vmaxss through the stack there (most of a prompt attention tile's softmax).
+inline Vec16 vmax(Vec16 a, Vec16 b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 x[2], y[2];
+  std::memcpy(x, &a, sizeof(a));
+  std::memcpy(y, &b, sizeof(b));
+  return join8(_mm256_max_ps(x[0], y[0]), _mm256_max_ps(x[1], y[1]));
+#else
+  return a > b ? a : b;
+#endif
+}
 
 inline float hmax(Vec16 v) {
   v = vmax(v, rotate8(v));
