@@ -172,8 +172,8 @@ inline Int16 dot4_portable(Int16 acc, const uint8_t* w, int32_t x4) {
 // the two int16 sums in int32. int8 codes (+ 128) become signed w: |w| (u8) times x with w's sign.
 // int4's sums stay int16 over the block (vpmaddwd once after its 4 steps, qdot_tile_avx2): 16
 // products of a nibble and an activation code (|code| <= 127, quantize_blocks) reach at most
-// 16 x 15 x 127 = 30480 < 32767. On a Zen 3 both multiplies share one pipe, which bounds the batched
-// GEMM: int4's 3 of them per 64 products a token become 2.25.
+// 16 x 15 x 127 = 30480 < 32767. The batched GEMM's rates on a Zen 3 (int8 ~195, int4 ~245 GFLOP/s)
+// matched one vpmaddubsw or vpmaddwd a cycle per core: int4's 3 per 64 products a token become 2.25.
 // Each sum is held in its register step by step: GCC otherwise reassociated a block's 8 steps into a
 // tree, each step's product stored to the stack and read back (a 1-token int8 GEMV on a Zen 3).
 template <int TT, int Bits>
