@@ -227,11 +227,9 @@ inline V tanh_of(V x) {
   return p * x / q;
 }
 
-inline Vec16 tanh16(Vec16 x) { return tanh_of(x); }
-
 // Attention-logit soft-capping, cap > 0: cap * tanh(x / cap); masked lanes (-inf) stay -inf.
 inline Vec16 soft_cap(Vec16 x, float cap) {
-  return x == kNegInf ? x : tanh16(x * (1.f / cap)) * cap;
+  return x == kNegInf ? x : tanh_of(x * (1.f / cap)) * cap;
 }
 
 // What turns a q.k product into a score: times `scale`, soft-capped where softcap > 0, and,
