@@ -1,16 +1,18 @@
 """tools/bench_gemv.py's row rescale: when the run's second floor sample is the higher one, every row's
 fraction of the bandwidth is scaled to it, and a row saying why a path did not run (it has no fraction)
 is printed as it is rather than crashing the benchmark (it did on a CPU without AVX512-BW). The quantized
-crossover's weights run the paths its columns name."""
+crossover's weights run the paths its columns name; --tokens refuses what is not a list of counts."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 import torch
 
 from llmc.kernels.gemv import F32_PROMPT_MIN_TOKENS, gemv_cpu
 from llmc.kernels.quant import qlinear_int8act_ref, qlinear_ref, quantize_int4, quantize_int8
-from llmc.tools.bench_gemv import _rescale, _row, quantized_layer
+from llmc.tools.bench_gemv import _rescale, _row, quantized_layer, token_counts
 from tolerances import tolerance
 
 
@@ -43,3 +45,10 @@ def test_the_quantized_crossover_times_each_path_it_names():
         torch.testing.assert_close(gemv_cpu(x, a8).double(), qlinear_int8act_ref(x.double(), codes, scales, mins,
                                                                                 bits=bits), **near)
         assert not torch.allclose(gemv_cpu(x, a8).double(), exact, **near)
+
+
+def test_tokens_takes_positive_counts_and_says_what_else_is_wrong():
+    assert token_counts("1,16,64") == [1, 16, 64]
+    for bad in ("1,x", "0", "", "4,-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="give positive integers such as 1,16,64"):
+            token_counts(bad)

@@ -186,10 +186,22 @@ def resident_rows(artifact: str) -> list[str]:
             f"steps (+{rss() - before:.0f} MB)"]
 
 
+def token_counts(text: str) -> list[int]:
+    """--tokens: comma-separated positive counts."""
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of token counts; "
+                                         "give positive integers such as 1,16,64")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512",
-                        help="token counts of the crossover table")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512", type=token_counts,
+                        help="token counts of the crossover tables")
     parser.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="x's dtype for the quantized formats")
     parser.add_argument("--skip-crossover", action="store_true")
@@ -216,11 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         print(f"\none layer's GEMMs (qkv, o, gate_up, down), {str(dtype)[6:]}, ms per layer: panels | oneDNN packed | "
               f"oneDNN reorder per call | packed/panels | reorder/panels")
-        for row in crossover_rows([int(t) for t in args.tokens.split(",")], dtype):
+        for row in crossover_rows(args.tokens, dtype):
             print(row)
     print("\none layer's GEMMs (qkv, o, gate_up, down), quantized in groups of 32, x float32, ms per layer (and the "
           "fp32 panels' time over it)")
-    for row in quantized_crossover_rows([int(t) for t in args.tokens.split(",")]):
+    for row in quantized_crossover_rows(args.tokens):
         print(row)
 
 
