@@ -3,7 +3,8 @@ qlinear_int8act_ref): the kernel against the ref at odd shapes (T=1, odd T, N no
 int8 per channel and in groups, int4 in groups of 32 and 128, bias, bf16 x) through the build's
 integer dots, AVX512-VNNI or AVX2 (skipped, with the reason, on a CPU with neither) and through the
 portable integer dots (every CPU); int4 at the bound of AVX2's int16 block sums (a plant that doubles
-the sums and halves them after fails only it);
+the sums and halves them after fails only it); a token's row bit for bit its batch's (the GEMV against
+tiles of tokens);
 the ref against qlinear_ref within the bound activation rounding allows (a planted bug fails it);
 the quads layout round trip; a tiny int8 / int4 model through the step plan with int8 activations
 against float activations, and the executor option's checks.
@@ -33,8 +34,10 @@ from tolerances import tolerance
 
 pytestmark = pytest.mark.usefixtures("native_kernels_built")
 
-# (N, K, bits, group): group None is int8's one scale per output channel
-SHAPES = [(45, 96, 8, None), (40, 192, 8, 64), (70, 256, 4, 32), (33, 256, 4, 128), (32, 64, 4, 32)]
+# (N, K, bits, group): group None is int8's one scale per output channel; 150 outputs are 5 panels, which
+# AVX2's int8 GEMV meets 3 + 2 at a time on one thread
+SHAPES = [(45, 96, 8, None), (40, 192, 8, 64), (150, 96, 8, 32), (70, 256, 4, 32), (33, 256, 4, 128),
+          (32, 64, 4, 32)]
 
 
 def quantized(n: int, k: int, bits: int, group: int | None, seed: int = 0):
@@ -61,6 +64,24 @@ def test_kernel_matches_the_int8_activation_ref(n, k, bits, group, tokens, vnni)
     exact = qlinear_int8act_ref(x.double(), codes, scales, mins, bias.double(), bits=bits)
     torch.testing.assert_close(got.double(), exact, **tolerance(torch.float32, k // 32 + k // g,
                                                                  scale=exact.abs().max().item()))
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, None), (4, 32)])
+def test_a_tokens_row_is_its_batchs(bits, group):
+    """A batch-1 GEMV (on AVX2 over several panels at once) sums each output as a tile of tokens does:
+    one token's row is bit for bit that row of a 5-token call, on 1 thread and on 2."""
+    codes, scales, mins, g = quantized(200, 320, bits, group)
+    w = prepare_qlinear_weight(codes, scales, mins, bits=bits, group_size=g, activations="int8")
+    x = torch.randn(5, 320, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        for team in sorted({1, min(2, threads)}):
+            torch.set_num_threads(team)
+            batch = gemv_cpu(x, w)
+            for t in range(5):
+                assert torch.equal(gemv_cpu(x[t:t + 1], w), batch[t:t + 1]), (team, t)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

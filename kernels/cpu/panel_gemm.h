@@ -176,8 +176,8 @@ void run_gemv(const X* x, const X* panels, int64_t k_dim, const X* bias, X* out,
               int64_t n_dim) {
   for (int64_t p = begin; p < end;) {
     const X* panel = panels + p * k_dim * kPanel;
-    const int64_t n0 = p * kPanel, groups = (end - p + kGemvPanels - 1) / kGemvPanels;
-    switch ((end - p + groups - 1) / groups) {
+    const int64_t n0 = p * kPanel;
+    switch (gemv_group(end - p, kGemvPanels)) {
       case 4: tile<1, 4, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 4; break;
       case 3: tile<1, 3, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 3; break;
       case 2: tile<1, 2, kGemvVecs>(x, panel, 0, k_dim, bias, out, 0, n0, n_dim, n_dim); p += 2; break;

@@ -57,6 +57,13 @@ inline int64_t token_block(int64_t k_dim, int64_t element_bytes, int64_t tile) {
   return std::max<int64_t>(tile, kBlockBytes / (k_dim * element_bytes) / tile * tile);
 }
 
+// Panels in the next group of a GEMV that meets up to `most` panels at a time, with `left` panels
+// still to go: groups of even size (9 panels, most 4: 3 + 3 + 3, not 4 + 4 + 1).
+inline int64_t gemv_group(int64_t left, int64_t most) {
+  const int64_t groups = (left + most - 1) / most;
+  return (left + groups - 1) / groups;
+}
+
 // Runs fn(p, t0, tt) for panels begin .. end - 1 and every tile of tt <= `tile` tokens from t0, on
 // the calling thread: tokens go in blocks (token_block), and every panel meets a whole block before
 // the next, so a panel is read from memory once per block.

@@ -1,6 +1,6 @@
 // The int8-activation GEMM's AVX2 tiles (qdot_gemm.h's qdot_tile takes them for its `vnni` dots on a
 // build without AVX512-VNNI; qdot_gemm.cpp has the op and its contract): vpmaddubsw + vpmaddwd dots,
-// the scaling in 8-lane vectors.
+// the scaling in 8-lane vectors, and the batch-1 GEMV over several panels at once.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -58,54 +58,91 @@ __attribute__((always_inline)) inline void avx2_step(const uint8_t* c, const int
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
 // qdot_tile with AVX2's `vnni` dots (signed: no offset to take out), the scaling in 8-lane vectors too:
 // in Vec16s, two AVX2 registers each, GCC moved the block's dots through the stack and general
-// registers, 29% of a batch-1 int8 GEMV's perf samples on a Zen 3.
-template <int TT, int Bits, typename Out>
+// registers, 29% of a batch-1 int8 GEMV's perf samples on a Zen 3. PP > 1 only at TT = 1 (a GEMV):
+// PP consecutive panels, each block's steps meeting them in turn, so PP weight streams are in
+// flight; each panel's sums are made in the order a one-panel tile makes them (a token's result
+// does not depend on its batch).
+template <int TT, int PP, int Bits, typename Out>
 void qdot_tile_avx2(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, const Out* bias, Out* out,
                     int64_t n_dim) {
+  static_assert(PP == 1 || TT == 1, "several panels only in a GEMV");
   const int64_t blocks = w.k_dim / kBlock, per_group = w.group / kBlock, block_bytes = Bits == 8 ? 1024 : 512;
-  const uint8_t* codes = w.codes + p * blocks * block_bytes;
+  const int64_t panel_bytes = blocks * block_bytes;
+  const uint8_t* codes = w.codes + p * panel_bytes;
   const c10::Half* scales = w.scales + p * w.groups * kPanel;
   const c10::Half* mins = Bits == 4 ? w.mins + p * w.groups * kPanel : nullptr;
   constexpr int kSteps = Bits == 8 ? 8 : 4;
-  __m256 acc[TT][4];
-  for (int t = 0; t < TT; ++t)
-    for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_setzero_ps();
+  __m256 acc[PP][TT][4];
+  for (int u = 0; u < PP; ++u)
+    for (int t = 0; t < TT; ++t)
+      for (int q = 0; q < 4; ++q) acc[u][t][q] = _mm256_setzero_ps();
   const int8_t* xrow[TT];
   for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 part[TT][4];
+    __m256 part[PP][TT][4];
     float msum[TT] = {};
-    for (int t = 0; t < TT; ++t)
-      for (int q = 0; q < 4; ++q) part[t][q] = _mm256_setzero_ps();
+    for (int u = 0; u < PP; ++u)
+      for (int t = 0; t < TT; ++t)
+        for (int q = 0; q < 4; ++q) part[u][t][q] = _mm256_setzero_ps();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       for (int t = 0; t < TT; ++t) xrow[t] = x.codes + (t0 + t) * w.k_dim + b * kBlock;
-      __m256i dots[TT][4];
-      for (int t = 0; t < TT; ++t)
-        for (int q = 0; q < 4; ++q) dots[t][q] = _mm256_setzero_si256();
-      const uint8_t* c = codes + b * block_bytes;
-      for (int s = 0; s < kSteps; ++s, c += 4 * kPanel) {
-        __builtin_prefetch(c + kAhead), __builtin_prefetch(c + 64 + kAhead);
-        avx2_step<TT, Bits>(c, xrow, s, dots);
-      }
-      if constexpr (Bits == 4)   // the block's int16 sums (avx2_step) in int32
+      // past its panel's end a stream's prefetch goes on in the next group's panel (PP panels on)
+      const int64_t ahead = kAhead + ((b + 1) * block_bytes + kAhead > panel_bytes ? (PP - 1) * panel_bytes : 0);
+      __m256i dots[PP][TT][4];
+      for (int u = 0; u < PP; ++u)
         for (int t = 0; t < TT; ++t)
-          for (int q = 0; q < 4; ++q) dots[t][q] = _mm256_madd_epi16(dots[t][q], _mm256_set1_epi16(1));
-      for (int t = 0; t < TT; ++t) {
-        const float d = x.scales[(t0 + t) * blocks + b];
-        for (int q = 0; q < 4; ++q)
-          part[t][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t][q]), _mm256_set1_ps(d), part[t][q]);
-        if constexpr (Bits == 4) msum[t] += d * static_cast<float>(x.sums[(t0 + t) * blocks + b]);
+          for (int q = 0; q < 4; ++q) dots[u][t][q] = _mm256_setzero_si256();
+      for (int s = 0; s < kSteps; ++s)
+        for (int u = 0; u < PP; ++u) {
+          const uint8_t* c = codes + u * panel_bytes + b * block_bytes + s * 4 * kPanel;
+          __builtin_prefetch(c + ahead), __builtin_prefetch(c + 64 + ahead);
+          avx2_step<TT, Bits>(c, xrow, s, dots[u]);
+        }
+      for (int u = 0; u < PP; ++u) {
+        if constexpr (Bits == 4)   // the block's int16 sums (avx2_step) in int32
+          for (int t = 0; t < TT; ++t)
+            for (int q = 0; q < 4; ++q) dots[u][t][q] = _mm256_madd_epi16(dots[u][t][q], _mm256_set1_epi16(1));
+        for (int t = 0; t < TT; ++t) {
+          const __m256 d = _mm256_set1_ps(x.scales[(t0 + t) * blocks + b]);
+          for (int q = 0; q < 4; ++q)
+            part[u][t][q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[u][t][q]), d, part[u][t][q]);
+        }
       }
+      if constexpr (Bits == 4)
+        for (int t = 0; t < TT; ++t)
+          msum[t] += x.scales[(t0 + t) * blocks + b] * static_cast<float>(x.sums[(t0 + t) * blocks + b]);
     }
-    for (int q = 0; q < 4; ++q) {
-      const __m256 sq = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kPanel + 8 * q)));
-      for (int t = 0; t < TT; ++t) acc[t][q] = _mm256_fmadd_ps(part[t][q], sq, acc[t][q]);
-      if constexpr (Bits == 4) {
-        const __m256 mq = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kPanel + 8 * q)));
-        for (int t = 0; t < TT; ++t) acc[t][q] = _mm256_fmadd_ps(mq, _mm256_set1_ps(msum[t]), acc[t][q]);
+    for (int u = 0; u < PP; ++u)
+      for (int q = 0; q < 4; ++q) {
+        const int64_t at = (u * w.groups + g) * kPanel + 8 * q;
+        const __m256 sq = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at)));
+        for (int t = 0; t < TT; ++t) acc[u][t][q] = _mm256_fmadd_ps(part[u][t][q], sq, acc[u][t][q]);
+        if constexpr (Bits == 4) {
+          const __m256 mq = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at)));
+          for (int t = 0; t < TT; ++t) acc[u][t][q] = _mm256_fmadd_ps(mq, _mm256_set1_ps(msum[t]), acc[u][t][q]);
+        }
       }
+  }
+  for (int u = 0; u < PP; ++u) llmc_panels::store_tile<TT>(acc[u], bias, out, t0, (p + u) * kPanel, n_dim, n_dim);
+}
+
+// Panels an AVX2 batch-1 GEMV meets at once, as measured on a Zen 3 (batch-1 decode steps, one process
+// taking turns between the choices): int8 3 (12 int32 sums in registers; 2, 3 and 4 panels took 7.5%, 9%
+// and 10% less time than 1), int4 1 (2, 3 or 4 for int4 weights too took 2-3% more time than int4 on 1,
+// though their loop spills nothing either; why is not known).
+template <int Bits>
+constexpr int64_t kGemvPanels = Bits == 8 ? 3 : 1;
+
+// One token times panels begin .. end - 1, up to kGemvPanels<Bits> at a time (panel_tiles.h's gemv_group).
+template <int Bits, typename Out>
+void qdot_gemv_avx2(const QActs& x, const QuadPanels& w, const Out* bias, Out* out, int64_t n_dim, int64_t begin,
+                    int64_t end) {
+  for (int64_t p = begin; p < end;) {
+    switch (llmc_panels::gemv_group(end - p, kGemvPanels<Bits>)) {
+      case 3: qdot_tile_avx2<1, 3, Bits>(x, 0, w, p, bias, out, n_dim); p += 3; break;
+      case 2: qdot_tile_avx2<1, 2, Bits>(x, 0, w, p, bias, out, n_dim); p += 2; break;
+      default: qdot_tile_avx2<1, 1, Bits>(x, 0, w, p, bias, out, n_dim); p += 1;
     }
   }
-  llmc_panels::store_tile<TT>(acc, bias, out, t0, p * kPanel, n_dim, n_dim);
 }
 #endif
 

@@ -6,7 +6,7 @@
 // panels on the calling thread (the op splits them among the intra-op threads, a step plan among
 // its team). Every tile has two builds of its integer part: VNNI (where the build has it) and a
 // portable one, chosen per call (`vnni`), so the fallback is tested on every CPU. qdot_acts.h has
-// x's quantization, qdot_avx2.h AVX2's `vnni` tiles.
+// x's quantization, qdot_avx2.h AVX2's `vnni` tiles and its batch-1 GEMV over several panels.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -108,7 +108,7 @@ template <int TT, int Bits, bool Vnni, typename Out>
 void qdot_tile(const QActs& x, int64_t t0, const QuadPanels& w, int64_t p, const Out* bias, Out* out,
                int64_t n_dim) {
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
-  if constexpr (Vnni) return qdot_tile_avx2<TT, Bits>(x, t0, w, p, bias, out, n_dim);
+  if constexpr (Vnni) return qdot_tile_avx2<TT, 1, Bits>(x, t0, w, p, bias, out, n_dim);
 #endif
   const int64_t blocks = w.k_dim / kBlock, per_group = w.group / kBlock, block_bytes = Bits == 8 ? 1024 : 512;
   const uint8_t* codes = w.codes + p * blocks * block_bytes;
@@ -162,6 +162,9 @@ void run_tile(const QActs& x, int64_t t0, int64_t tt, const QuadPanels& w, int64
 template <int Bits, typename Out>
 void qdot_gemm_range(const QActs& x, const QuadPanels& w, int64_t tokens, const Out* bias, Out* out, int64_t n_dim,
                      int64_t begin, int64_t end, bool vnni) {
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+  if (tokens == 1 && vnni) return qdot_gemv_avx2<Bits>(x, w, bias, out, n_dim, begin, end);
+#endif
   llmc_panels::walk_tiles(begin, end, tokens, w.k_dim, 1, kTile, [&](int64_t p, int64_t t0, int64_t tt) {
     if (vnni && kHaveVnni)
       run_tile<Bits, true>(x, t0, tt, w, p, bias, out, n_dim);
