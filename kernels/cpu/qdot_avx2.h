@@ -136,6 +136,10 @@ constexpr int64_t kGemvPanels = Bits == 8 ? 3 : 1;
 template <int Bits, typename Out>
 void qdot_gemv_avx2(const QActs& x, const QuadPanels& w, const Out* bias, Out* out, int64_t n_dim, int64_t begin,
                     int64_t end) {
+  if constexpr (kGemvPanels<Bits> == 1) {
+    for (int64_t p = begin; p < end; ++p) qdot_tile_avx2<1, 1, Bits>(x, 0, w, p, bias, out, n_dim);
+    return;
+  }
   for (int64_t p = begin; p < end;) {
     switch (llmc_panels::gemv_group(end - p, kGemvPanels<Bits>)) {
       case 3: qdot_tile_avx2<1, 3, Bits>(x, 0, w, p, bias, out, n_dim); p += 3; break;
